@@ -1,0 +1,191 @@
+"""Start, drive and stop a real ComfyUI server with this pack in its custom_nodes (stdlib only).
+
+Used by the tests (tests/server/conftest.py) and by the demo (dev/demo.py). The pack is linked into
+`<ComfyUI>/custom_nodes/<PACK_DIR_NAME>`, the name users clone it as, so the frontend serves our JS under
+`/extensions/<PACK_DIR_NAME>/`. Models come from a folder given through `--extra-model-paths-config`;
+inputs and outputs go to folders of the run, so the ComfyUI checkout itself stays clean apart from
+that one link.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACK_DIR_NAME = "ComfyUI-SD-Accel"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def link_pack(comfy_dir, repo=REPO):
+    """Symlink the repo into custom_nodes; replaces only a symlink of ours, never a real folder."""
+    dst = os.path.join(comfy_dir, "custom_nodes", PACK_DIR_NAME)
+    if os.path.islink(dst):
+        if os.path.realpath(dst) == os.path.realpath(repo):
+            return dst
+        os.unlink(dst)
+    elif os.path.exists(dst):
+        raise RuntimeError("%s exists and is not a symlink; remove it or use another ComfyUI" % dst)
+    os.symlink(os.path.realpath(repo), dst)
+    return dst
+
+
+class ComfyServer:
+    def __init__(self, comfy_dir, python, work_dir, models_dir, extra_args=(), env=None, port=None):
+        self.comfy_dir = os.path.abspath(comfy_dir)
+        self.python = python
+        self.work_dir = os.path.abspath(work_dir)
+        self.models_dir = os.path.abspath(models_dir)
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.port = port or free_port()
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.proc = None
+        self.output_dir = os.path.join(self.work_dir, "output")
+        self.input_dir = os.path.join(self.work_dir, "input")
+        self.log_path = os.path.join(self.work_dir, "server.log")
+        self.client_id = uuid.uuid4().hex
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self, timeout=240):
+        for d in (self.output_dir, self.input_dir, os.path.join(self.work_dir, "temp")):
+            os.makedirs(d, exist_ok=True)
+        link_pack(self.comfy_dir)
+        cfg = os.path.join(self.work_dir, "extra_model_paths.yaml")
+        with open(cfg, "w") as f:
+            f.write("sd_accel_test:\n    base_path: %s\n    checkpoints: checkpoints\n    controlnet: controlnet\n"
+                    "    loras: loras\n    vae: vae\n" % self.models_dir)
+        cmd = [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--disable-auto-launch", "--output-directory", self.output_dir, "--input-directory",
+               self.input_dir, "--temp-directory", os.path.join(self.work_dir, "temp"),
+               "--extra-model-paths-config", cfg] + self.extra_args
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")   # 2 threads on 2 busy cores run 5-10x slower
+        env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        env.update(self.env)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            if self.proc.poll() is not None:
+                raise RuntimeError("ComfyUI exited with %s:\n%s" % (self.proc.returncode, self.log_tail()))
+            try:
+                self.get("/object_info/KSampler", timeout=5)
+                return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("ComfyUI did not answer within %ss:\n%s" % (timeout, self.log_tail()))
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def log_text(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n=60):
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    # -- HTTP ---------------------------------------------------------------------------------
+    def get(self, path, timeout=30):
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            body = r.read()
+            ctype = r.headers.get("Content-Type", "")
+        return json.loads(body) if "json" in ctype else body
+
+    def post(self, path, data, timeout=30):
+        req = urllib.request.Request(self.url + path, data=json.dumps(data).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:   # ComfyUI answers 400 with a JSON body on a bad prompt
+            raise PromptRejected(e.code, e.read().decode("utf-8", "replace")) from None
+
+    def object_info(self):
+        return self.get("/object_info")
+
+    def queue(self, prompt):
+        return self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})["prompt_id"]
+
+    def wait(self, prompt_id, timeout=600):
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            hist = self.get("/history/%s" % prompt_id)
+            if prompt_id in hist:
+                entry = hist[prompt_id]
+                status = entry.get("status", {})
+                if status.get("completed") or status.get("status_str") in ("success", "error"):
+                    return entry
+            if self.proc and self.proc.poll() is not None:
+                raise RuntimeError("ComfyUI died while running a prompt:\n%s" % self.log_tail())
+            time.sleep(0.2)
+        raise TimeoutError("prompt %s did not finish in %ss:\n%s" % (prompt_id, timeout, self.log_tail()))
+
+    def run(self, prompt, timeout=600, expect_success=True):
+        entry = self.wait(self.queue(prompt), timeout)
+        ok = entry.get("status", {}).get("status_str") == "success"
+        if expect_success and not ok:
+            raise RuntimeError("prompt failed: %s\n%s" % (json.dumps(entry.get("status"))[:4000], self.log_tail()))
+        return entry
+
+    def output_images(self, entry):
+        """Absolute paths of the images a finished prompt saved, in node order."""
+        paths = []
+        for node_id in sorted(entry.get("outputs", {}), key=str):
+            for img in entry["outputs"][node_id].get("images", []):
+                if img.get("type") == "output":
+                    paths.append(os.path.join(self.output_dir, img.get("subfolder", ""), img["filename"]))
+        return paths
+
+
+class PromptRejected(Exception):
+    def __init__(self, code, body):
+        super().__init__("HTTP %s: %s" % (code, body[:2000]))
+        self.code = code
+        self.body = body
+
+
+def load_api_workflow(path, **overrides):
+    """An API-format workflow from workflows/, with `{node_id: {input: value}}` overrides."""
+    with open(path) as f:
+        wf = json.load(f)
+    wf = {k: v for k, v in wf.items() if not k.startswith("_")}
+    for node_id, inputs in overrides.items():
+        wf[str(node_id)]["inputs"].update(inputs)
+    return wf
+
+
+if __name__ == "__main__":
+    sys.exit("import this module; see dev/demo.py")

@@ -1,0 +1,61 @@
+"""Which fused kernels actually ran and which fell back, and why.
+
+Each kernel function sets `fn.last_path` ("triton" or "reference") on every call; the fused modules
+record it here right after the call. Inside a CUDA graph the Python side runs only at capture, so the
+counts are per eager call or per capture, which is what the report needs: did the kernel run at all.
+A fallback reason is logged once per (op, reason), not once per call.
+"""
+import logging
+import threading
+from collections import Counter
+
+log = logging.getLogger("sd_accel")
+_lock = threading.Lock()
+_counts = Counter()          # (op, path) -> calls
+_reasons = {}                # op -> set of reasons it fell back for
+_logged = set()
+
+
+def record(op, fn, x):
+    path = getattr(fn, "last_path", "unknown")
+    with _lock:
+        _counts[(op, path)] += 1
+        if path == "reference":
+            reason = getattr(fn, "last_reason", None) or _reason_from(fn, x)
+            _reasons.setdefault(op, set()).add(reason)
+            if (op, reason) not in _logged:
+                _logged.add((op, reason))
+                log.info("[SD Accel] %s: using the stock path (%s)", op, reason)
+
+
+def _reason_from(fn, x):
+    mod = __import__(fn.__module__, fromlist=["eligible"])
+    check = getattr(mod, "eligible", None)
+    if check is None:
+        return "not eligible"
+    try:
+        ok, reason = check(x)
+    except TypeError:
+        return "not eligible"
+    return reason if not ok else "not eligible"
+
+
+def snapshot():
+    with _lock:
+        return Counter(_counts), {k: set(v) for k, v in _reasons.items()}
+
+
+def summarize(before, after):
+    """{op: {"fused": n, "fallback": n, "reasons": [...]}} for the calls between two snapshots."""
+    c0, _ = before
+    c1, reasons = after
+    out = {}
+    for (op, path), n in c1.items():
+        d = n - c0.get((op, path), 0)
+        if d <= 0:
+            continue
+        e = out.setdefault(op, {"fused": 0, "fallback": 0, "reasons": []})
+        e["fused" if path == "triton" else "fallback"] += d
+        if path != "triton":
+            e["reasons"] = sorted(reasons.get(op, ()))
+    return out

@@ -1,0 +1,57 @@
+"""The per-run report that Accelerated KSampler and Apply SD Accel show: speed, memory, what ran."""
+import time
+
+import torch
+
+
+class RunTimer:
+    """Times a sampling call on the host clock, synchronising the GPU so queued work is counted."""
+
+    def __init__(self, device=None):
+        self.cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.t0
+        self.peak_bytes = torch.cuda.max_memory_allocated() if self.cuda else None
+
+
+def build(steps, timer, kernels, graphs, options, notes=()):
+    """A JSON-able dict: it_s, seconds, peak_vram_gib, ran, fell_back ({what: why}), graphs, notes."""
+    ran, fell_back = [], {}
+    for op, e in sorted(kernels.items()):
+        if e["fused"]:
+            ran.append("%s x%d" % (op, e["fused"]))
+        if e["fallback"]:
+            fell_back[op] = "; ".join(e["reasons"]) or "not eligible"
+    if options.get("fused_kernels") and not kernels:
+        fell_back["fused kernels"] = "no fused module was called (no eligible module found)"
+    if graphs:
+        if graphs.get("replays"):
+            ran.append("cuda_graph (%d replays, %d captures)" % (graphs["replays"], graphs["captures"]))
+        elif options.get("cuda_graph"):
+            fell_back["cuda_graph"] = graphs.get("eager_reason") or "no replay"
+    for k in ("fused_kernels", "cuda_graph", "channels_last"):
+        if not options.get(k):
+            fell_back.setdefault(k, "off")
+    return {"it_s": round(steps / timer.seconds, 3) if timer.seconds > 0 else None,
+            "seconds": round(timer.seconds, 4),
+            "steps": steps,
+            "peak_vram_gib": round(timer.peak_bytes / 2 ** 30, 3) if timer.peak_bytes is not None else None,
+            "ran": ran, "fell_back": fell_back, "graphs": graphs, "notes": list(notes)}
+
+
+def one_line(r):
+    vram = "%.2f GiB" % r["peak_vram_gib"] if r["peak_vram_gib"] is not None else "n/a (CPU)"
+    ran = ", ".join(r["ran"]) or "stock path only"
+    fb = "; ".join("%s: %s" % kv for kv in r["fell_back"].items()) or "nothing"
+    return "%.2f it/s, %.2f s, peak VRAM %s | ran: %s | fell back: %s" % (
+        r["it_s"] or 0.0, r["seconds"], vram, ran, fb)

@@ -1,0 +1,153 @@
+"""ComfyUI host: applies the engine's patches to a cloned ModelPatcher, ComfyUI's own reversible way.
+
+* fused kernels: `add_object_patch(path, module)`, undone by ComfyUI on unpatch; replacements honour
+  `comfy.ops.cast_bias_weight` for low-VRAM and manual-cast modules;
+* channels_last: conv weights converted in place on the first GPU step (values unchanged);
+* CUDA graphs: an APPLY_MODEL wrapper under our key where the host has keyed wrappers (current
+  ComfyUI), else the single-slot `model_function_wrapper` (ComfyUI 2024), chaining any wrapper another
+  pack set there. One `StepGraphs` per loaded model object, so graphs survive across prompts and are
+  dropped when the weights change or (current ComfyUI) when the model is unloaded.
+Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
+"""
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import fused_modules, patching
+from ..engine.cuda_graph import StepGraphs
+
+log = logging.getLogger("sd_accel")
+WRAPPER_KEY = "sd_accel"
+
+
+@dataclass(frozen=True)
+class AccelOptions:
+    fused_kernels: bool = True
+    cuda_graph: bool = True
+    channels_last: bool = True
+
+    def any(self):
+        return self.fused_kernels or self.cuda_graph or self.channels_last
+
+
+def _register_weight_caster():
+    try:
+        import comfy.ops
+        fused_modules.set_host_weight_caster(comfy.ops.cast_bias_weight)
+    except Exception as e:  # noqa: BLE001 - an old host without cast_bias_weight: plain weights only
+        log.info("[SD Accel] comfy.ops.cast_bias_weight unavailable (%s); low-VRAM casting off", e)
+
+
+class _ModelState:
+    """Per loaded BaseModel: its graphs and whether its conv weights are channels_last."""
+
+    def __init__(self, base_model):
+        self.graphs = StepGraphs(base_model.diffusion_model, name=type(base_model).__name__)
+        self.channels_last_done = False
+        self.wrappers = {}
+        self.epoch = None      # set per sampling run by Accelerated KSampler
+
+
+_states = weakref.WeakKeyDictionary()
+
+
+def _state(base_model):
+    st = _states.get(base_model)
+    if st is None:
+        st = _states[base_model] = _ModelState(base_model)
+    return st
+
+
+def _make_step(st, options, base_model):
+    """The function that runs one apply_model call the accelerated way."""
+    def step(apply_model, args, kwargs, transformer_options=None):
+        x = args[0]
+        if options.channels_last and x.is_cuda and not st.channels_last_done:
+            n = patching.convert_conv_weights(base_model.diffusion_model)
+            st.channels_last_done = True
+            log.info("[SD Accel] channels_last: %d conv weights converted", n)
+        if options.cuda_graph:
+            # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
+            epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
+            return st.graphs.run(apply_model, args, kwargs, epoch=epoch)
+        return apply_model(*args, **kwargs)
+    return step
+
+
+def _install_wrapper(clone, st, options):
+    base_model = clone.model
+    step = st.wrappers.get(options)
+    if step is None:   # one stable object per (model, options): it is part of the graph key
+        step = st.wrappers[options] = _make_step(st, options, base_model)
+    if hasattr(clone, "add_wrapper_with_key"):
+        import comfy.patcher_extension as pe
+        wrapper = st.wrappers.get(("apply_model", options))
+        if wrapper is None:
+            def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None,
+                        transformer_options={}, **kwargs):  # noqa: B006 - ComfyUI's own signature
+                return step(executor, (x, t, c_concat, c_crossattn, control, transformer_options), kwargs,
+                            transformer_options)
+            st.wrappers[("apply_model", options)] = wrapper
+        clone.wrappers.setdefault(pe.WrappersMP.APPLY_MODEL, {})[WRAPPER_KEY] = [wrapper]
+        if hasattr(clone, "add_callback_with_key"):
+            on_detach = st.wrappers.get("on_detach")
+            if on_detach is None:
+                def on_detach(patcher, unpatch_all=True):
+                    st.graphs.clear("model unloaded")
+                st.wrappers["on_detach"] = on_detach
+            clone.callbacks.setdefault(pe.CallbacksMP.ON_DETACH, {})[WRAPPER_KEY] = [on_detach]
+        return "apply_model wrapper (keyed)"
+    prev = clone.model_options.get("model_function_wrapper")
+    if getattr(prev, "sd_accel_step", None) is not None:
+        prev = getattr(prev, "sd_accel_prev", None)   # re-applying: replace ours, keep what we chained
+
+    def model_function_wrapper(apply_model, a):
+        c = dict(a["c"])
+        to = c.get("transformer_options")
+        if prev is None:
+            return step(apply_model, (a["input"], a["timestep"]), c, to)
+        return prev(lambda x, t, **kw: step(apply_model, (x, t), kw, kw.get("transformer_options")), a)
+    model_function_wrapper.sd_accel_step = step
+    model_function_wrapper.sd_accel_prev = prev
+    clone.set_model_unet_function_wrapper(model_function_wrapper)
+    return "model_function_wrapper" + (" (chained)" if prev is not None else "")
+
+
+def accelerate(model, options):
+    """Returns (clone of `model` with SD Accel applied, info dict). `model` itself is untouched."""
+    clone = model.clone()
+    info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None}
+    if not options.any():
+        return clone, info
+    _register_weight_caster()
+    base_model = clone.model
+    if options.fused_kernels:
+        plan = patching.plan_patches(base_model.diffusion_model, prefix="diffusion_model.")
+        for path, module in plan.patches.items():
+            clone.add_object_patch(path, module)
+        info["patched"] = dict(plan.counts)
+    if options.cuda_graph or options.channels_last:
+        st = _state(base_model)
+        info["wrapper"] = _install_wrapper(clone, st, options)
+        info["graph_state"] = st
+    return clone, info
+
+
+def new_sampling_run(info):
+    """Marks the start of a sampling run, so the weights are re-read once for it (see StepGraphs)."""
+    st = info.get("graph_state")
+    if st is not None:
+        st.epoch = object()
+
+
+def graph_stats(info):
+    st = info.get("graph_state")
+    return dict(st.graphs.stats) if st is not None else {}
+
+
+def device_summary():
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"

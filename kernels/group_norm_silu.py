@@ -1,0 +1,276 @@
+"""GroupNorm (+ optional SiLU) fused, forward only: the `norm -> SiLU` pair at the head of every SD ResBlock.
+
+Why a split design: SD uses 32 groups, so batch 2 gives only 64 groups, and one program per group would
+leave most of an H200's 132 SMs idle. Instead three small launches, each with many programs:
+
+  1. `_gn_stats_kernel`    grid (spatial tiles / CHUNK_ITERS, channel tiles, N): per-channel partial
+                           mean and M2 (sum of squared deviations) over a spatial chunk, fp32, merged
+                           tile by tile with Chan's formula (no E[x^2] - E[x]^2 cancellation).
+  2. `_gn_finalize_kernel` grid (N * G,): merges a group's partials into mean / rstd and writes
+                           per-(n, c) `mean`, `scale` = rstd * weight, `shift` = bias.
+  3. `_gn_apply_kernel`    grid (spatial tiles, channel tiles, N): y = (x - mean) * scale + shift,
+                           SiLU, store.
+
+x is addressed as (N, C, HW) through strides, so NCHW (stride_c = HW, stride_s = 1) and channels_last
+(stride_c = 1, stride_s = C) share the kernels; only the tile shape changes so that the tile's long
+side runs along the contiguous axis. Output keeps x's strides (`empty_like`). No host sync, and all
+allocations depend on shapes only, so the op can be captured in a CUDA graph.
+"""
+import torch
+import torch.nn.functional as F
+
+from ._triton import cdiv, get_triton, init_record, next_pow2, num_warps_for, record, triton_runnable
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_CHUNKS = 64        # spatial chunks per batch item: bounds what one finalize program merges
+_MAX_GROUP_CHANNELS = 4096
+_SMS = 132              # H200; only used to shrink tiles for small tensors (more, smaller programs)
+
+_tt = get_triton()
+if _tt is not None:
+    triton, tl = _tt
+
+    @triton.jit
+    def _gn_stats_kernel(
+        X,                              # input, read as (N, C, HW) through the three strides
+        PMEAN, PM2,                     # fp32 [N, NSC, C] out: per (batch, chunk, channel) mean and M2
+        C, HW,                          # channels, spatial positions (H * W, or L)
+        stride_n, stride_c, stride_s,   # element strides of x (NCHW: C*HW, HW, 1; channels_last: HW*C, 1, C)
+        NSC, CHUNK_ITERS,               # spatial chunks per batch item; BLOCK_S tiles in each chunk
+        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid_sc = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        n = tl.program_id(2)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        ptrs = X + n * stride_n + offs_c[None, :] * stride_c
+        s_start = pid_sc * CHUNK_ITERS * BLOCK_S
+        # Statistics of x - pivot, pivot = the chunk's first value per channel: exact subtraction for
+        # inputs near the pivot, so a large mean with a small spread keeps its variance.
+        pivot = tl.load(X + n * stride_n + offs_c * stride_c + s_start * stride_s, mask=cmask,
+                        other=0.0).to(tl.float32)
+        mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        cnt = tl.zeros([BLOCK_C], dtype=tl.float32)   # a vector so the loop-carried type never changes
+        for it in range(0, CHUNK_ITERS):
+            offs_s = s_start + it * BLOCK_S + tl.arange(0, BLOCK_S)
+            smask = offs_s < HW
+            mask = smask[:, None] & cmask[None, :]
+            # evict_last: the apply kernel reads x again right after; keep it in L2 (60 MB on H200)
+            x = tl.load(ptrs + offs_s[:, None] * stride_s, mask=mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            x = tl.where(mask, x - pivot[None, :], 0.0)
+            t_cnt = tl.sum(smask.to(tl.float32), axis=0)
+            t_mean = tl.sum(x, axis=0) / tl.maximum(t_cnt, 1.0)
+            d = tl.where(mask, x - t_mean[None, :], 0.0)
+            t_m2 = tl.sum(d * d, axis=0)
+            # Chan et al.: merge (cnt, mean, m2) with the tile's (t_cnt, t_mean, t_m2)
+            tot = cnt + t_cnt
+            frac = t_cnt / tl.maximum(tot, 1.0)
+            delta = t_mean - mean
+            mean = mean + delta * frac
+            m2 = m2 + t_m2 + delta * delta * cnt * frac
+            cnt = tot
+        out = (n * NSC + pid_sc) * C + offs_c
+        tl.store(PMEAN + out, mean + pivot, mask=cmask)
+        tl.store(PM2 + out, m2, mask=cmask)
+
+    @triton.jit
+    def _gn_finalize_kernel(
+        PMEAN, PM2,                 # fp32 [N, NSC, C] partials from _gn_stats_kernel
+        W, B,                       # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
+        MEAN, SCALE, SHIFT,         # fp32 [N, C] out: y = (x - mean) * scale + shift
+        C, HW, G, CG,               # channels, spatial size, groups, channels per group
+        NSC, CHUNK_S,               # chunks per batch item, spatial positions per chunk (last may be short)
+        eps,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+        BLOCK_SC: tl.constexpr, BLOCK_CG: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n = pid // G
+        g = pid % G
+        offs_cg = tl.arange(0, BLOCK_CG)
+        cmask = offs_cg < CG
+        c = g * CG + offs_cg
+        base = n * NSC * C + c
+        count = CG * HW * 1.0
+        # pass 1: group mean = chunk means weighted by chunk sizes, summed relative to the first one
+        pivot = tl.load(PMEAN + n * NSC * C + g * CG)
+        acc = tl.zeros([BLOCK_SC, BLOCK_CG], dtype=tl.float32)
+        for sc0 in range(0, NSC, BLOCK_SC):
+            sc = sc0 + tl.arange(0, BLOCK_SC)
+            m = (sc < NSC)[:, None] & cmask[None, :]
+            w_sc = tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S).to(tl.float32)
+            pm = tl.load(PMEAN + base[None, :] + sc[:, None] * C, mask=m, other=0.0)
+            acc += tl.where(m, pm - pivot, 0.0) * w_sc[:, None]
+        mean = pivot + tl.sum(tl.sum(acc, axis=1), axis=0) / count
+        # pass 2: group M2 = sum of chunk M2s + chunk sizes * (chunk mean - group mean)^2
+        acc = tl.zeros([BLOCK_SC, BLOCK_CG], dtype=tl.float32)
+        for sc0 in range(0, NSC, BLOCK_SC):
+            sc = sc0 + tl.arange(0, BLOCK_SC)
+            m = (sc < NSC)[:, None] & cmask[None, :]
+            w_sc = tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S).to(tl.float32)
+            pm = tl.load(PMEAN + base[None, :] + sc[:, None] * C, mask=m, other=0.0)
+            pm2 = tl.load(PM2 + base[None, :] + sc[:, None] * C, mask=m, other=0.0)
+            d = pm - mean
+            acc += tl.where(m, pm2 + w_sc[:, None] * d * d, 0.0)
+        var = tl.sum(tl.sum(acc, axis=1), axis=0) / count
+        rstd = 1.0 / tl.sqrt(var + eps)
+        scale = tl.zeros([BLOCK_CG], dtype=tl.float32) + rstd
+        if HAS_W:
+            scale = scale * tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
+        shift = tl.zeros([BLOCK_CG], dtype=tl.float32)
+        if HAS_B:
+            shift = tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(MEAN + n * C + c, tl.zeros([BLOCK_CG], dtype=tl.float32) + mean, mask=cmask)
+        tl.store(SCALE + n * C + c, scale, mask=cmask)
+        tl.store(SHIFT + n * C + c, shift, mask=cmask)
+
+    @triton.jit
+    def _gn_apply_kernel(
+        X, Y,                           # input / output with identical strides
+        MEAN, SCALE, SHIFT,             # fp32 [N, C] from _gn_finalize_kernel
+        C, HW,
+        stride_n, stride_c, stride_s,   # as in _gn_stats_kernel
+        APPLY_SILU: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid_s = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        n = tl.program_id(2)
+        offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = offs_c < C
+        mask = (offs_s < HW)[:, None] & cmask[None, :]
+        offs = n * stride_n + offs_s[:, None] * stride_s + offs_c[None, :] * stride_c
+        x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        mu = tl.load(MEAN + n * C + offs_c, mask=cmask, other=0.0)
+        a = tl.load(SCALE + n * C + offs_c, mask=cmask, other=0.0)
+        b = tl.load(SHIFT + n * C + offs_c, mask=cmask, other=0.0)
+        # (x - mean) * a rather than x * a - mean * a: no cancellation when |mean| >> std
+        y = (x - mu[None, :]) * a[None, :] + b[None, :]
+        if APPLY_SILU:
+            y = y * tl.sigmoid(y)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _is_channels_last(x):
+    # A tensor can be both (C == 1 or H * W == 1); NCHW addressing is then right for it too.
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _config(N, C, HW, channels_last):
+    """Tile shape (BLOCK_S spatial x BLOCK_C channels), long along the contiguous axis, and chunking."""
+    # 4096 elements per program for big tensors; smaller tiles for small ones so the grid still
+    # covers the SMs a few times over (these shapes are latency bound anyway).
+    tile = max(1024, min(4096, next_pow2(N * C * HW // (4 * _SMS))))
+    if channels_last:
+        # rows of C contiguous channels: 64-128 channels per tile = 128-512 B runs per row
+        block_c = 128 if C % 128 == 0 else 64 if C % 64 == 0 else max(2, min(128, next_pow2(C)))
+        block_s = max(2, min(tile // block_c, next_pow2(HW)))
+    else:
+        block_s = max(2, min(next_pow2(HW), 1024, tile))
+        block_c = max(2, min(tile // block_s, next_pow2(C)))
+    s_tiles = cdiv(HW, block_s)
+    chunk_iters = cdiv(s_tiles, _MAX_CHUNKS)
+    nsc = cdiv(s_tiles, chunk_iters)
+    return block_s, block_c, s_tiles, chunk_iters, nsc
+
+
+def _launch(x, num_groups, weight, bias, eps, activation):
+    N, C = x.shape[0], x.shape[1]
+    HW = x.numel() // (N * C)
+    cl = _is_channels_last(x)
+    strides = (HW * C, 1, C) if cl else (C * HW, HW, 1)
+    block_s, block_c, s_tiles, chunk_iters, nsc = _config(N, C, HW, cl)
+    c_tiles = cdiv(C, block_c)
+    warps = num_warps_for(block_s * block_c)
+
+    f32 = dict(device=x.device, dtype=torch.float32)
+    pmean = torch.empty((N, nsc, C), **f32)
+    pm2 = torch.empty((N, nsc, C), **f32)
+    mean = torch.empty((N, C), **f32)
+    scale = torch.empty((N, C), **f32)
+    shift = torch.empty((N, C), **f32)
+    y = torch.empty_like(x)  # preserve_format: same strides as x, so channels_last stays channels_last
+
+    _gn_stats_kernel[(nsc, c_tiles, N)](
+        x, pmean, pm2, C, HW, *strides, nsc, chunk_iters,
+        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
+
+    cg = C // num_groups
+    block_cg = max(2, next_pow2(cg))
+    block_sc = max(2, min(next_pow2(nsc), 4096 // block_cg))
+    _gn_finalize_kernel[(N * num_groups,)](
+        pmean, pm2,
+        weight if weight is not None else scale, bias if bias is not None else shift,
+        mean, scale, shift, C, HW, num_groups, cg, nsc, chunk_iters * block_s, float(eps),
+        HAS_W=weight is not None, HAS_B=bias is not None,
+        BLOCK_SC=block_sc, BLOCK_CG=block_cg, num_warps=4)
+
+    _gn_apply_kernel[(s_tiles, c_tiles, N)](
+        x, y, mean, scale, shift, C, HW, *strides,
+        APPLY_SILU=activation == "silu", BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
+    return y
+
+
+def eligible(x, num_groups, weight=None, bias=None):
+    """(True, "") when the Triton kernels handle these arguments, else (False, why)."""
+    ok, why = triton_runnable(x)
+    if not ok:
+        return False, why
+    if x.dtype not in _DTYPES:
+        return False, f"dtype {x.dtype}"
+    if x.dim() not in (3, 4):
+        return False, f"{x.dim()}-D input"
+    if not (x.is_contiguous() or _is_channels_last(x)):
+        return False, "layout neither contiguous nor channels_last"
+    if x.numel() == 0:
+        return False, "empty input"
+    if x.numel() >= 2**31:
+        return False, "too large for int32 offsets"
+    C = x.shape[1]
+    if num_groups <= 0 or C % num_groups:
+        return False, f"C={C} not divisible by num_groups={num_groups}"
+    if C // num_groups > _MAX_GROUP_CHANNELS:
+        return False, f"{C // num_groups} channels per group"
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if p.device != x.device or not p.is_floating_point() or p.shape != (C,) or p.stride() != (1,):
+            return False, f"{name} not a contiguous float [C] tensor on x's device"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return False, "autograd needed (kernel is forward only)"
+    return True, ""
+
+
+@init_record
+def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation="silu"):
+    """F.silu(F.group_norm(x, num_groups, weight, bias, eps)) (activation=None: the norm alone).
+
+    Runs the fused Triton kernels when `eligible`, else the reference; `group_norm_silu.last_path`
+    ("triton" / "reference"), `.last_reason` and `.calls` say which ran. Output has x's dtype and
+    memory format.
+    """
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    ok, why = eligible(x, num_groups, weight, bias)
+    if ok:
+        y = _launch(x, num_groups, weight, bias, eps, activation)
+        record(group_norm_silu, "triton")
+        return y
+    record(group_norm_silu, "reference", why)
+    y = group_norm_silu_reference(x, num_groups, weight, bias, eps, activation)
+    if _is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):
+        y = y.contiguous(memory_format=torch.channels_last)
+    return y
+
+
+def group_norm_silu_reference(x, num_groups, weight=None, bias=None, eps=1e-5, activation="silu"):
+    """Plain torch, in x's dtype: weight and bias are cast to it first, as ComfyUI's ops do."""
+    if x.is_floating_point():
+        weight = weight.to(x.dtype) if weight is not None else None
+        bias = bias.to(x.dtype) if bias is not None else None
+    y = F.group_norm(x, num_groups, weight, bias, eps)
+    return F.silu(y) if activation == "silu" else y

@@ -1,0 +1,114 @@
+"""LayerNorm over the last dim, forward only: norm1/2/3 of every SD transformer block.
+
+SD's widths (D = 320 ... 1280) fit a whole row in registers, so `_layer_norm_kernel` loads a
+[BLOCK_M, BLOCK_D] tile of BLOCK_M rows once, takes fp32 mean and variance from the registers
+(two-pass over the tile: no E[x^2] - E[x]^2 cancellation), and writes the normalized rows: one read
+and one write of x. grid (row tiles,); BLOCK_D = next power of two >= D, BLOCK_M fills ~4096 elements.
+"""
+import torch
+import torch.nn.functional as F
+
+from ._triton import cdiv, get_triton, init_record, next_pow2, num_warps_for, record, triton_runnable
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TILE = 4096
+_MAX_D = 8192  # a whole row per tile; wider rows fall back
+
+_tt = get_triton()
+if _tt is not None:
+    triton, tl = _tt
+
+    @triton.jit
+    def _layer_norm_kernel(
+        X, Y,               # input / output [M, D], contiguous
+        W, B,               # weight / bias [D], any float dtype (ignored unless HAS_W / HAS_B)
+        M, D, eps,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = (rows < M)[:, None] & cmask[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / D
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / D + eps)
+        y = d * rstd[:, None]
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _normalized_dim(normalized_shape):
+    if isinstance(normalized_shape, int):
+        return normalized_shape
+    shape = tuple(normalized_shape)
+    return shape[0] if len(shape) == 1 else None
+
+
+def _launch(x, weight, bias, eps):
+    D = x.shape[-1]
+    M = x.numel() // D
+    y = torch.empty_like(x)
+    block_d = max(2, next_pow2(D))
+    block_m = max(2, min(_TILE // block_d, next_pow2(M)))
+    _layer_norm_kernel[(cdiv(M, block_m),)](
+        x, y, weight if weight is not None else y, bias if bias is not None else y, M, D, float(eps),
+        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_D=block_d,
+        num_warps=num_warps_for(block_m * block_d))
+    return y
+
+
+def eligible(x, normalized_shape, weight=None, bias=None):
+    """(True, "") when the Triton kernel handles these arguments, else (False, why)."""
+    ok, why = triton_runnable(x)
+    if not ok:
+        return False, why
+    if x.dtype not in _DTYPES:
+        return False, f"dtype {x.dtype}"
+    D = _normalized_dim(normalized_shape)
+    if x.dim() < 1 or D is None or x.shape[-1] != D:
+        return False, "normalized_shape is not (x.shape[-1],)"
+    if D > _MAX_D:
+        return False, f"D={D} > {_MAX_D}"
+    if x.numel() == 0:
+        return False, "empty input"
+    if not x.is_contiguous():
+        return False, "non-contiguous input"
+    if x.numel() >= 2**31:
+        return False, "too large for int32 offsets"
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if p.device != x.device or not p.is_floating_point() or p.shape != (D,) or p.stride() != (1,):
+            return False, f"{name} not a contiguous float [D] tensor on x's device"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return False, "autograd needed (kernel is forward only)"
+    return True, ""
+
+
+@init_record
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """F.layer_norm over the last dim; output in x's dtype. Triton when `eligible`, else the reference;
+    `layer_norm.last_path` / `.last_reason` / `.calls` say which ran."""
+    ok, why = eligible(x, normalized_shape, weight, bias)
+    if ok:
+        y = _launch(x, weight, bias, eps)
+        record(layer_norm, "triton")
+        return y
+    record(layer_norm, "reference", why)
+    return layer_norm_reference(x, normalized_shape, weight, bias, eps)
+
+
+def layer_norm_reference(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """Plain torch, in x's dtype: weight and bias are cast to it first, as ComfyUI's ops do."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    if x.is_floating_point():
+        weight = weight.to(x.dtype) if weight is not None else None
+        bias = bias.to(x.dtype) if bias is not None else None
+    return F.layer_norm(x, tuple(normalized_shape), weight, bias, eps)

@@ -1,0 +1,128 @@
+"""Accelerated KSampler and Apply SD Accel: thin ComfyUI nodes over hosts/comfyui.py."""
+import importlib
+import logging
+
+from ..engine import kernel_report, run_report
+from ..hosts import comfyui as host
+
+log = logging.getLogger("sd_accel")
+
+ACCEL_INPUTS = {
+    "fused_kernels": ("BOOLEAN", {"default": True, "tooltip":
+                      "Swap GroupNorm(+SiLU), LayerNorm and GEGLU for fused Triton kernels. Lossless (fp32 "
+                      "statistics). Falls back to the stock op, with one log line, where a kernel cannot run "
+                      "(CPU, no Triton, GPU older than sm_70, odd shapes)."}),
+    "cuda_graph": ("BOOLEAN", {"default": True, "tooltip":
+                   "Replay each denoising step from a CUDA graph: removes Python and launch overhead. One "
+                   "capture per shape; recaptured when a LoRA, weight patch, resolution or batch changes. "
+                   "Off automatically on CPU and while weights are offloaded."}),
+    "channels_last": ("BOOLEAN", {"default": True, "tooltip":
+                      "Run convolutions in channels_last (NHWC), so cuDNN needs no layout transform around "
+                      "each one. Converts the loaded UNet's conv weights in place (values unchanged), as "
+                      "ComfyUI's --force-channels-last does. GPU only."}),
+}
+
+
+def _comfy_nodes():
+    # ComfyUI's own top-level nodes.py (never our package's nodes/: we import relatively)
+    return importlib.import_module("nodes")
+
+
+def _options(fused_kernels, cuda_graph, channels_last):
+    return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last))
+
+
+def _is_interrupt(e):
+    try:
+        import comfy.model_management as mm
+        return isinstance(e, mm.InterruptProcessingException)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class SDAccelKSampler:
+    DESCRIPTION = ("KSampler with SD Accel's lossless accelerations: fused kernels, CUDA-graph replay and "
+                   "channels_last convolutions. Same inputs and the same LATENT output as KSampler; with "
+                   "every option off it is exactly KSampler. Reports it/s, seconds, peak VRAM and what ran "
+                   "or fell back (and why) after each run.")
+    CATEGORY = "SD Accel/sampling"
+    RETURN_TYPES = ("LATENT", "STRING")
+    RETURN_NAMES = ("LATENT", "report")
+    OUTPUT_TOOLTIPS = ("The denoised latent, as KSampler gives it.",
+                       "One line: it/s, seconds, peak VRAM, what ran and what fell back.")
+    FUNCTION = "sample"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        base = _comfy_nodes().KSampler.INPUT_TYPES()
+        req = dict(base["required"])
+        req.update(ACCEL_INPUTS)
+        return {"required": req}
+
+    def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+               denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True):
+        comfy_nodes = _comfy_nodes()
+        opts = _options(fused_kernels, cuda_graph, channels_last)
+        notes = []
+        if opts.any():
+            patched, info = host.accelerate(model, opts)
+        else:
+            patched, info = model, {"options": opts.__dict__.copy()}
+        host.new_sampling_run(info)
+        k0, g0 = kernel_report.snapshot(), host.graph_stats(info)
+        try:
+            with run_report.RunTimer() as timer:
+                out = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
+                                                  negative, latent_image, denoise=denoise)
+        except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
+            if patched is model or _is_interrupt(e):
+                raise
+            log.error("[SD Accel] accelerated sampling failed (%s: %s); running the stock KSampler instead",
+                      type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+            notes.append("accelerated run failed (%s), result from the stock path" % type(e).__name__)
+            st = info.get("graph_state")
+            if st is not None:
+                st.graphs.clear("error during an accelerated run")
+            with run_report.RunTimer() as timer:
+                out = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
+                                                  negative, latent_image, denoise=denoise)
+            info = {"options": {}}
+        g1 = host.graph_stats(info)
+        graphs = {k: g1[k] - g0.get(k, 0) for k in g1} if g1 else {}
+        st = info.get("graph_state")
+        if graphs and st is not None and not graphs.get("replays"):
+            graphs["eager_reason"] = st.graphs.last_eager_reason
+        report = run_report.build(steps, timer, kernel_report.summarize(k0, kernel_report.snapshot()),
+                                  graphs, info.get("options", {}), notes)
+        line = run_report.one_line(report)
+        log.info("[SD Accel] %s", line)
+        return {"ui": {"sdaccel_report": [report], "text": [line]}, "result": (out[0], line)}
+
+
+class SDAccelApply:
+    DESCRIPTION = ("Applies SD Accel to a MODEL for graphs that use other samplers (KSamplerAdvanced, "
+                   "SamplerCustom, ...). The input model is untouched: the output is a patched clone, the "
+                   "ComfyUI way, so removing this node restores stock behaviour.")
+    CATEGORY = "SD Accel/patches"
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The same model with SD Accel's patches on a clone.",)
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        req = {"model": ("MODEL", {"tooltip": "The model to accelerate (a UNet: SD1.5, SDXL and relatives)."})}
+        req.update(ACCEL_INPUTS)
+        return {"required": req}
+
+    def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True):
+        opts = _options(fused_kernels, cuda_graph, channels_last)
+        patched, info = host.accelerate(model, opts)
+        parts = ["%s x%d" % kv for kv in sorted(info.get("patched", {}).items())]
+        line = "patched: %s; step wrapper: %s" % (", ".join(parts) or "nothing", info.get("wrapper") or "none")
+        log.info("[SD Accel] Apply: %s", line)
+        return {"ui": {"text": [line]}, "result": (patched,)}
+
+
+NODE_CLASS_MAPPINGS = {"SDAccelKSampler": SDAccelKSampler, "SDAccelApply": SDAccelApply}
+NODE_DISPLAY_NAME_MAPPINGS = {"SDAccelKSampler": "Accelerated KSampler (SD Accel)",
+                              "SDAccelApply": "Apply SD Accel"}

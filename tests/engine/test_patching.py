@@ -1,0 +1,142 @@
+"""Patch planning and apply/remove round trips on ComfyUI's real UNetModel (reduced SD1.5 preset)
+and ldm-style modules, with the fused kernels running under the Triton interpreter."""
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sd_accel.engine import fused_modules as fm  # noqa: E402
+from sd_accel.engine import kernel_report, patching  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
+COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
+
+
+@pytest.fixture(scope="module")
+def comfy_unet():
+    if not os.path.isfile(os.path.join(COMFY, "main.py")):
+        pytest.fail("no ComfyUI at %s: run dev/setup_env.sh" % COMFY)
+    sys.path.insert(0, os.path.join(REPO, "dev"))
+    import fixtures
+    fixtures._import_comfy(COMFY)
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    cfg = fixtures.sd15_unet_config("tiny")
+    for k in ("use_temporal_attention", "use_temporal_resblock"):
+        cfg.pop(k)
+    torch.manual_seed(0)
+    unet = UNetModel(**cfg, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.dim() > 1 else 0.5) + (1 if name.endswith("norm.weight") else 0))
+    return unet.eval()
+
+
+def _inputs(batch=2, hw=8):
+    g = torch.Generator().manual_seed(2)
+    return (torch.randn(batch, 4, hw, hw, generator=g), torch.tensor([500.0, 20.0])[:batch],
+            torch.randn(batch, 7, 768, generator=g))
+
+
+def test_plan_finds_every_target_and_keeps_parameter_names(comfy_unet):
+    names_before = [n for n, _ in comfy_unet.named_parameters()]
+    plan = patching.plan_patches(comfy_unet, prefix="diffusion_model.")
+    assert plan.counts["group_norm_silu"] >= 5      # in_layers, out_layers per ResBlock, final out
+    assert plan.counts["group_norm"] >= 1           # SpatialTransformer.norm
+    blocks = sum(type(m).__name__ == "BasicTransformerBlock" for m in comfy_unet.modules())
+    assert blocks >= 3
+    assert plan.counts["layer_norm"] == 3 * blocks  # norm1/2/3 of every transformer block
+    assert plan.counts["geglu"] == blocks
+    assert all(k.startswith("diffusion_model.") for k in plan.patches)
+    assert [n for n, _ in comfy_unet.named_parameters()] == names_before, "planning must not modify the model"
+    backup = patching.apply_patches(comfy_unet, {k[len("diffusion_model."):]: v for k, v in plan.patches.items()})
+    try:
+        assert [n for n, _ in comfy_unet.named_parameters()] == names_before
+        for path, mod in backup.items():
+            new = patching.get_attr(comfy_unet, path)
+            if isinstance(new, fm.SiLUFolded):
+                assert isinstance(mod, torch.nn.SiLU)
+                continue
+            assert isinstance(new, type(mod)), "replacement must stay an instance of the host class"
+            for pname, p in mod.named_parameters(recurse=True):
+                assert dict(new.named_parameters())[pname] is p, "parameters must be shared, not copied"
+    finally:
+        patching.restore(comfy_unet, backup)
+
+
+def test_patched_unet_matches_stock_and_restores(comfy_unet):
+    x, t, ctx = _inputs()
+    with torch.no_grad():
+        ref = comfy_unet(x, t, context=ctx)
+    sd_before = {k: v.clone() for k, v in comfy_unet.state_dict().items()}
+    plan = patching.plan_patches(comfy_unet)
+    before = kernel_report.snapshot()
+    backup = patching.apply_patches(comfy_unet, plan.patches)
+    with torch.no_grad():
+        out = comfy_unet(x, t, context=ctx)
+    ran = kernel_report.summarize(before, kernel_report.snapshot())
+    assert ran["group_norm_silu"]["fused"] > 0 and ran["geglu"]["fused"] > 0 and ran["layer_norm"]["fused"] > 0
+    assert all(e["fallback"] == 0 for e in ran.values()), ran
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < 1e-4, rel
+    # re-planning an already patched tree changes nothing: same classes, same shared tensors
+    again = patching.plan_patches(comfy_unet)
+    assert set(again.patches) == set(plan.patches)
+    for path, mod in again.patches.items():
+        assert type(mod) is type(plan.patches[path])
+    patching.restore(comfy_unet, backup)
+    assert not any(fm.is_fused(m) for m in comfy_unet.modules())
+    assert comfy_unet.state_dict().keys() == sd_before.keys()
+    with torch.no_grad():
+        assert torch.equal(comfy_unet(x, t, context=ctx), ref)
+
+
+def test_scale_shift_resblock_keeps_its_silu():
+    class ResBlock(torch.nn.Module):
+        def __init__(self, scale_shift):
+            super().__init__()
+            self.use_scale_shift_norm = scale_shift
+            self.out_layers = torch.nn.Sequential(torch.nn.GroupNorm(4, 8), torch.nn.SiLU(),
+                                                  torch.nn.Dropout(0.0), torch.nn.Conv2d(8, 8, 3, padding=1))
+    plan = patching.plan_patches(ResBlock(True))
+    assert "out_layers.1" not in plan.patches and plan.patches["out_layers.0"].sdaccel_act is None
+    plan = patching.plan_patches(ResBlock(False))
+    assert isinstance(plan.patches["out_layers.1"], fm.SiLUFolded)
+    assert plan.patches["out_layers.0"].sdaccel_act == "silu"
+
+
+def test_host_weight_caster_is_used_for_cast_modules():
+    gn = torch.nn.GroupNorm(2, 4)
+    fused = fm.make_fused_group_norm(gn, None)
+    calls = []
+
+    def caster(m, x):
+        calls.append(m)
+        return m.weight * 2, m.bias
+    fm.set_host_weight_caster(caster)
+    try:
+        x = torch.randn(1, 4, 3, 3)
+        fused.comfy_cast_weights = True
+        out = fused(x)
+        assert calls == [fused]
+        ref = torch.nn.functional.group_norm(x, 2, gn.weight * 2, gn.bias, gn.eps)
+        assert torch.allclose(out, ref, atol=1e-5)
+        assert not getattr(gn, "comfy_cast_weights", False), "the original module must not change"
+    finally:
+        fm.set_host_weight_caster(None)
+
+
+def test_channels_last_conversion_keeps_values_and_parameters():
+    conv = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    ids = [id(p) for p in conv.parameters()]
+    ref = [p.detach().clone() for p in conv.parameters()]
+    assert patching.convert_conv_weights(conv) == 2
+    assert patching.convert_conv_weights(conv) == 0
+    assert [id(p) for p in conv.parameters()] == ids
+    assert all(torch.equal(a, b) for a, b in zip(conv.parameters(), ref))
+    assert conv[0].weight.is_contiguous(memory_format=torch.channels_last)

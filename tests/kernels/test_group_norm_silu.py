@@ -1,0 +1,205 @@
+"""group_norm_silu against torch's GroupNorm + SiLU computed in fp32 from the same (upcast) inputs."""
+import pytest
+import torch
+
+from sd_accel.kernels import _triton
+from sd_accel.kernels.group_norm_silu import eligible, group_norm_silu, group_norm_silu_reference
+
+CL = torch.channels_last
+
+# Real SD shapes with the spatial size scaled down for the interpreter, plus odd cases.
+SHAPES = [
+    pytest.param((2, 320, 8, 8), id="sd15-320"),
+    pytest.param((2, 640, 4, 4), id="sd15-640"),
+    pytest.param((1, 960, 6, 5), id="sd15-960-odd-hw"),
+    pytest.param((1, 1280, 2, 2), id="sd15-1280"),
+    pytest.param((1, 2560, 2, 1), id="sd15-2560"),
+    pytest.param((1, 64, 48, 40), id="multi-chunk"),   # several spatial tiles, the last one short
+    pytest.param((3, 96, 1, 1), id="hw1"),
+    pytest.param((1, 160, 7), id="ncl-odd-L"),
+]
+DTYPES = [
+    pytest.param(torch.float32, 2e-5, 2e-5, id="fp32"),
+    pytest.param(torch.float16, 2e-3, 2e-3, id="fp16"),
+    pytest.param(torch.bfloat16, 1e-2, 1e-2, id="bf16"),
+]
+
+
+def _inputs(shape, dtype, device, channels_last=False, w_dtype=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = shape[1]
+    # per-channel offsets and scales so groups have distinct, non-trivial statistics
+    offs = torch.randn(C, generator=g).view(1, C, *([1] * (len(shape) - 2))) * 2
+    x = (torch.randn(shape, generator=g) * 1.5 + offs).to(device=device, dtype=dtype)
+    if channels_last:
+        x = x.to(memory_format=CL)
+    w = torch.randn(C, generator=g).to(device=device, dtype=w_dtype or dtype)
+    b = torch.randn(C, generator=g).to(device=device, dtype=w_dtype or dtype)
+    return x, w, b
+
+
+def _fp32_reference(x, w, b, eps=1e-5, activation="silu"):
+    up = lambda t: None if t is None else t.float()
+    return group_norm_silu_reference(x.float(), 32, up(w), up(b), eps, activation)
+
+
+def _check(y, x, ref, atol, rtol):
+    assert group_norm_silu.last_path == "triton", group_norm_silu.last_reason
+    assert y.dtype == x.dtype and y.shape == x.shape
+    if x.dim() == 4 and not x.is_contiguous():
+        assert y.is_contiguous(memory_format=CL)
+    else:
+        assert y.is_contiguous()
+    assert not torch.isnan(y).any()
+    torch.testing.assert_close(y.float(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "cl"])
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_group_norm_silu(shape, dtype, atol, rtol, channels_last, device, poison_empty):
+    if channels_last and len(shape) != 4:
+        pytest.skip("channels_last needs 4-D")
+    x, w, b = _inputs(shape, dtype, device, channels_last)
+    y = group_norm_silu(x, 32, w, b, 1e-5)
+    _check(y, x, _fp32_reference(x, w, b), atol, rtol)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype, affine, activation, channels_last",
+    [
+        pytest.param(torch.float16, torch.float32, "wb", "silu", False, id="fp32-weight-fp16-x"),
+        pytest.param(torch.bfloat16, torch.float32, "wb", "silu", True, id="fp32-weight-bf16-x-cl"),
+        pytest.param(torch.float16, None, "", "silu", True, id="no-affine-cl"),
+        pytest.param(torch.float32, None, "w", "silu", False, id="weight-only"),
+        pytest.param(torch.float32, None, "b", None, False, id="bias-only-no-act"),
+        pytest.param(torch.float16, None, "wb", None, True, id="no-act-cl"),
+    ],
+)
+def test_affine_and_activation(x_dtype, w_dtype, affine, activation, channels_last, device, poison_empty):
+    x, w, b = _inputs((2, 320, 4, 6), x_dtype, device, channels_last, w_dtype, seed=1)
+    w = w if "w" in affine else None
+    b = b if "b" in affine else None
+    y = group_norm_silu(x, 32, w, b, 1e-6, activation=activation)
+    tol = 2e-5 if x_dtype == torch.float32 else 1e-2
+    _check(y, x, _fp32_reference(x, w, b, 1e-6, activation), tol, tol)
+
+
+def test_large_mean_small_std(device):
+    # mean 1000, std 0.01: E[x^2] - E[x]^2 in fp32 would lose the variance entirely here; torch's own
+    # fp32 GroupNorm is off by ~6e-3 against fp64 on this input
+    g = torch.Generator().manual_seed(2)
+    x = (1000 + 0.01 * torch.randn(1, 64, 40, 40, generator=g, dtype=torch.float64)).float()
+    ref = group_norm_silu_reference(x.double(), 32, activation=None).float()
+    y = group_norm_silu(x.to(device), 32, activation=None)
+    assert group_norm_silu.last_path == "triton"
+    torch.testing.assert_close(y.cpu(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_groups_other_than_32(device):
+    x, w, b = _inputs((2, 48, 5, 5), torch.float32, device, seed=3)
+    for groups in (1, 3, 48):
+        y = group_norm_silu(x, groups, w, b)
+        assert group_norm_silu.last_path == "triton"
+        torch.testing.assert_close(y, group_norm_silu_reference(x, groups, w, b), atol=2e-5, rtol=2e-5)
+
+
+# ---- fallbacks: never mistaken for the kernel, same result (or error) as the reference ----
+
+def _assert_fallback(x, groups=32, w=None, b=None, reason=None):
+    ok, why = eligible(x, groups, w, b)
+    assert not ok and why and (reason is None or reason in why), why
+    y = group_norm_silu(x, groups, w, b)
+    assert group_norm_silu.last_path == "reference" and group_norm_silu.last_reason == why
+    torch.testing.assert_close(y, group_norm_silu_reference(x, groups, w, b))
+    return y
+
+
+def test_fallback_fp64(device):
+    x, w, b = _inputs((1, 64, 3, 3), torch.float64, device)
+    _assert_fallback(x, 32, w, b, "dtype")
+
+
+def test_fallback_integer_dtype_raises_like_reference(device):
+    x = torch.ones(1, 64, 2, 2, dtype=torch.int32, device=device)
+    assert eligible(x, 32) == (False, "dtype torch.int32")
+    with pytest.raises(RuntimeError):
+        group_norm_silu_reference(x, 32)
+    with pytest.raises(RuntimeError):
+        group_norm_silu(x, 32)
+    assert group_norm_silu.last_path == "reference"
+
+
+def test_fallback_groups_not_dividing_channels(device):
+    x, w, b = _inputs((1, 60, 2, 2), torch.float32, device)
+    ok, why = eligible(x, 32, w, b)
+    assert not ok and "divisible" in why
+    with pytest.raises(RuntimeError):
+        group_norm_silu(x, 32, w, b)
+
+
+def test_fallback_cpu_tensor_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w, b = _inputs((1, 64, 3, 3), torch.float32, "cpu")
+    _assert_fallback(x, 32, w, b, "CPU tensor")
+
+
+def test_fallback_cpu_keeps_channels_last(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w, b = _inputs((1, 64, 3, 3), torch.float16, "cpu", channels_last=True)
+    y = group_norm_silu(x, 32, w, b)
+    assert group_norm_silu.last_path == "reference" and y.is_contiguous(memory_format=CL)
+
+
+def test_fallback_no_triton(monkeypatch, device):
+    monkeypatch.setattr(_triton, "get_triton", lambda: None)
+    x, w, b = _inputs((1, 64, 3, 3), torch.float32, device)
+    _assert_fallback(x, 32, w, b, "no Triton")
+
+
+def test_fallback_old_gpu(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA tensor")
+    monkeypatch.setattr(_triton, "_device_capability", lambda device: (6, 1))
+    x, w, b = _inputs((1, 64, 3, 3), torch.float16, "cuda")
+    _assert_fallback(x, 32, w, b, "sm_61 < sm_70")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["strided", "autograd", "weight-wrong-size", "3d-transposed"],
+)
+def test_fallback_other(case, device):
+    x, w, b = _inputs((1, 64, 4, 4), torch.float32, device)
+    if case == "strided":
+        x = x[:, :, ::2]
+    elif case == "autograd":
+        x.requires_grad_(True)
+    elif case == "weight-wrong-size":
+        w = torch.ones(32, device=device)
+        with pytest.raises(RuntimeError):
+            group_norm_silu(x, 32, w, b)
+        assert not eligible(x, 32, w, b)[0]
+        return
+    elif case == "3d-transposed":
+        x = x.flatten(2).transpose(1, 2).contiguous().transpose(1, 2)
+    _assert_fallback(x, 32, w, b)
+
+
+def test_bad_activation(device):
+    x, w, b = _inputs((1, 64, 2, 2), torch.float32, device)
+    with pytest.raises(ValueError):
+        group_norm_silu(x, 32, w, b, activation="gelu")
+
+
+def test_cuda_graph_capture():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    x, w, b = _inputs((2, 320, 16, 16), torch.float16, "cuda", channels_last=True)
+    group_norm_silu(x, 32, w, b)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = group_norm_silu(x, 32, w, b)
+    x.copy_(torch.randn_like(x) * 3 + 1)
+    graph.replay()
+    torch.testing.assert_close(y.float(), _fp32_reference(x, w, b), atol=2e-3, rtol=2e-3)
