@@ -41,12 +41,13 @@ def link_pack(comfy_dir, repo=REPO):
 
 
 class ComfyServer:
-    def __init__(self, comfy_dir, python, work_dir, models_dir, extra_args=(), env=None, port=None):
+    def __init__(self, comfy_dir, python, work_dir, models_dir, extra_args=(), env=None, port=None, cpu=True):
         self.comfy_dir = os.path.abspath(comfy_dir)
         self.python = python
         self.work_dir = os.path.abspath(work_dir)
         self.models_dir = os.path.abspath(models_dir)
         self.extra_args = list(extra_args)
+        self.cpu = cpu
         self.env = dict(env or {})
         self.port = port or free_port()
         self.url = "http://127.0.0.1:%d" % self.port
@@ -65,7 +66,7 @@ class ComfyServer:
         with open(cfg, "w") as f:
             f.write("sd_accel_test:\n    base_path: %s\n    checkpoints: checkpoints\n    controlnet: controlnet\n"
                     "    loras: loras\n    vae: vae\n" % self.models_dir)
-        cmd = [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        cmd = [self.python, "main.py"] + (["--cpu"] if self.cpu else []) + ["--listen", "127.0.0.1", "--port", str(self.port),
                "--disable-auto-launch", "--output-directory", self.output_dir, "--input-directory",
                self.input_dir, "--temp-directory", os.path.join(self.work_dir, "temp"),
                "--extra-model-paths-config", cfg] + self.extra_args

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Stock ComfyUI vs SD Accel (vs ComfyUI's TorchCompileModel), side by side in one process, same seeds.
+
+GPU machine only. Runs ComfyUI's own nodes in-process, in main.py's start-up order (so the default
+cudaMallocAsync allocator is in force): CheckpointLoaderSimple -> CLIPTextEncode x2 -> EmptyLatentImage
+-> KSampler | SDAccelKSampler | TorchCompileModel+KSampler -> VAEDecode, on random full-size SD1.5 and
+SDXL checkpoints built here with dev/fixtures.py. Prints a table and appends one JSON line per config
+(fields of ../shared/BENCH.md) to $OUT/results.jsonl.
+
+  python3 bench/bench_unet.py --comfy-dir vendor/ComfyUI --out $OUT [--configs sd15_512_b1,...] [--compile sd15_512_b1]
+"""
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+import types
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ap = argparse.ArgumentParser()
+ap.add_argument("--comfy-dir", default=os.path.join(REPO, "vendor", "ComfyUI"))
+ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+ap.add_argument("--work", default="/tmp/sdaccel_bench")
+ap.add_argument("--configs", default="sd15_512_b1,sd15_512_b4,sd15_768_b1,sdxl_1024_b1")
+ap.add_argument("--compile", default="sd15_512_b1", help="configs also run through TorchCompileModel (inductor)")
+ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--reps", type=int, default=3)
+ap.add_argument("--deadline", type=float, default=540.0, help="seconds; later configs are skipped past it")
+ap.add_argument("--comfy-args", default="")
+ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny UNet, 64 px, --cpu")
+ap.add_argument("--profile", default="", help="configs to profile (2 steps of ours, kernel table)")
+OPT = ap.parse_args()
+T0 = time.time()
+os.makedirs(OPT.out, exist_ok=True)
+os.makedirs(os.path.join(OPT.work, "checkpoints"), exist_ok=True)
+if OPT.smoke:
+    OPT.comfy_args += " --cpu"
+sys.argv = [sys.argv[0]] + shlex.split(OPT.comfy_args)
+sys.path.insert(0, os.path.abspath(OPT.comfy_dir))
+sys.path.insert(0, os.path.join(REPO, "dev"))
+
+import comfy.options  # noqa: E402  main.py's order: args, cuda_malloc (allocator), then torch
+
+comfy.options.enable_args_parsing()
+import cuda_malloc  # noqa: E402,F401
+import torch  # noqa: E402
+import folder_paths  # noqa: E402
+import comfy.utils  # noqa: E402
+import comfy.model_management as mm  # noqa: E402
+import nodes  # noqa: E402
+import fixtures  # noqa: E402
+
+pkg = types.ModuleType("sd_accel")   # the repo as a package, as ComfyUI loads it from custom_nodes
+pkg.__path__ = [REPO]
+sys.modules["sd_accel"] = pkg
+from sd_accel.nodes.sampler_nodes import SDAccelKSampler  # noqa: E402
+from sd_accel.engine import patching  # noqa: E402
+
+comfy.utils.set_progress_bar_enabled(False)
+folder_paths.add_model_folder_path("checkpoints", os.path.join(OPT.work, "checkpoints"), is_default=True)
+GEOM = {"sd15_512_b1": ("sd15", 512, 1), "sd15_512_b4": ("sd15", 512, 4), "sd15_768_b1": ("sd15", 768, 1),
+        "sdxl_1024_b1": ("sdxl", 1024, 1)}
+POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
+LOADED = {}
+
+
+def say(*a):
+    print("[bench %6.1fs]" % (time.time() - T0), *a, flush=True)
+
+
+def load(kind):
+    if kind not in LOADED:
+        for k in list(LOADED):   # one model family resident at a time, as a user's server would
+            del LOADED[k]
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+        name = "random_%s_fp16.safetensors" % kind
+        path = os.path.join(OPT.work, "checkpoints", name)
+        fixtures.ensure(path, fixtures.build_checkpoint, OPT.comfy_dir, kind, "tiny" if OPT.smoke else "sd15",
+                        path, 1234)
+        with torch.inference_mode():
+            LOADED[kind] = nodes.CheckpointLoaderSimple().load_checkpoint(name)[:3]
+    return LOADED[kind]
+
+
+CUDA = torch.cuda.is_available() and not OPT.smoke
+DEV = "cuda" if CUDA else "cpu"
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def graph(model, clip, vae, size, batch, seed, sampler):
+    """One execution of the whole graph; returns times, peak VRAM over sampling, the image, report."""
+    with torch.inference_mode():
+        sync()
+        t0 = time.perf_counter()
+        pos = nodes.CLIPTextEncode().encode(clip, POS)[0]
+        neg = nodes.CLIPTextEncode().encode(clip, NEG)[0]
+        lat = nodes.EmptyLatentImage().generate(size, size, batch)[0]
+        sync()
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        t1 = time.perf_counter()
+        report = None
+        if sampler == "ours":
+            res = SDAccelKSampler().sample(model, seed, OPT.steps, 7.0, "euler", "normal", pos, neg, lat)
+            out, report = res["result"][0], res["ui"]["sdaccel_report"][0]
+        else:
+            out = nodes.KSampler().sample(model, seed, OPT.steps, 7.0, "euler", "normal", pos, neg, lat)[0]
+        sync()
+        t2 = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0
+        img = nodes.VAEDecode().decode(vae, out)[0]
+        sync()
+        t3 = time.perf_counter()
+    return {"sample_s": t2 - t1, "e2e_s": t3 - t0, "peak_gib": peak, "img": img.float().cpu(), "report": report}
+
+
+def measure(model, clip, vae, size, batch, sampler):
+    first = graph(model, clip, vae, size, batch, 1, sampler)
+    runs = [graph(model, clip, vae, size, batch, 100 + r, sampler) for r in range(OPT.reps)]
+    med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
+    return {"its": OPT.steps / med("sample_s"), "sample_s": med("sample_s"), "e2e_s": med("e2e_s"),
+            "peak_gib": max(r["peak_gib"] for r in runs), "first_s": first["sample_s"], "img": runs[0]["img"],
+            "report": runs[-1]["report"], "first_report": first["report"]}
+
+
+def psnr(a, b):
+    mse = float(((a - b) ** 2).mean())
+    return 99.0 if mse == 0 else float(10 * torch.log10(torch.tensor(1.0 / mse)))
+
+
+def unet_rel_err(model, size, batch):
+    """One UNet forward, stock vs SD Accel's fused modules + channels_last, same input (CFG batch)."""
+    bm = model.model
+    dm = bm.diffusion_model
+    dt = bm.get_dtype()
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x_dtype = dt
+    x = torch.randn((2 * batch, 4, size // 8, size // 8), device=DEV, dtype=dt, generator=g)
+    t = torch.full((2 * batch,), 500.0, device=DEV)
+    ctx_dim = bm.model_config.unet_config["context_dim"]
+    ctx = torch.randn((2 * batch, 77, ctx_dim), device=DEV, dtype=dt, generator=g)
+    kw = {}
+    adm = bm.model_config.unet_config.get("adm_in_channels")
+    if adm:
+        kw["y"] = torch.randn((2 * batch, adm), device=DEV, dtype=dt, generator=g)
+    with torch.inference_mode():
+        mm.load_models_gpu([model])
+        ref = dm(x, t, context=ctx, **kw).float()
+        plan = patching.plan_patches(dm)
+        backup = patching.apply_patches(dm, plan.patches)
+        try:
+            if CUDA:
+                x = x.contiguous(memory_format=torch.channels_last)
+            out = dm(x, t, context=ctx, **kw).float()
+        finally:
+            patching.restore(dm, backup)
+    return float((out - ref).norm() / ref.norm())
+
+
+def profile_ours(model, clip, vae, size, batch, tag):
+    from torch.profiler import ProfilerActivity, profile
+    graph(model, clip, vae, size, batch, 5, "ours")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph(model, clip, vae, size, batch, 6, "ours")
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    with open(os.path.join(OPT.out, "profile_%s.txt" % tag), "w") as f:
+        f.write(table)
+    say("PROFILE", tag, "\n" + table[:6000])
+
+
+def versions():
+    v = {"gpu": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = None
+    cf = os.path.join(OPT.comfy_dir, ".comfy_commit")
+    v["comfyui"] = open(cf).read().strip()[:12] if os.path.exists(cf) else "unknown"
+    try:
+        import comfyui_version
+        v["comfyui"] += " (%s)" % comfyui_version.__version__
+    except ImportError:
+        pass
+    return v
+
+
+def main():
+    env = versions()
+    say("ENV", json.dumps(env), "allocator:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    rows = []
+    compile_set = set(filter(None, OPT.compile.split(",")))
+    for tag in OPT.configs.split(","):
+        if time.time() - T0 > OPT.deadline:
+            say("SKIP", tag, "past the deadline")
+            continue
+        kind, size, batch = GEOM[tag]
+        if OPT.smoke:
+            size = 64
+        try:
+            model, clip, vae = load(kind)
+            stock = measure(model, clip, vae, size, batch, "stock")
+            ours = measure(model, clip, vae, size, batch, "ours")
+            rec = dict(env, date=datetime.date.today().isoformat(), config=tag, steps=OPT.steps, sampler="euler",
+                       scheduler="normal", cfg=7.0, stock_its=round(stock["its"], 2), ours_its=round(ours["its"], 2),
+                       speedup=round(ours["its"] / stock["its"], 3),
+                       first_run_s=round(ours["first_s"] - ours["sample_s"], 2),
+                       stock_e2e_s=round(stock["e2e_s"], 3), ours_e2e_s=round(ours["e2e_s"], 3),
+                       stock_peak_gib=round(stock["peak_gib"], 3), ours_peak_gib=round(ours["peak_gib"], 3),
+                       psnr_db=round(psnr(stock["img"], ours["img"]), 2))
+            rec["unet_rel_err"] = unet_rel_err(model, size, batch)
+            rep = ours["report"] or {}
+            rec["notes"] = "ran: %s; fell back: %s; graphs: %s; first run graphs: %s" % (
+                ", ".join(rep.get("ran", [])), json.dumps(rep.get("fell_back", {})), json.dumps(rep.get("graphs")),
+                json.dumps((ours["first_report"] or {}).get("graphs")))
+            if tag in compile_set and time.time() - T0 < OPT.deadline - 120:
+                try:
+                    from comfy_extras.nodes_torch_compile import TorchCompileModel
+                    node = TorchCompileModel()
+                    fn = getattr(node, "patch", None) or getattr(TorchCompileModel, "execute")
+                    res = fn(model, "inductor")
+                    cm = (res.result if hasattr(res, "result") else res)[0]
+                    comp = measure(cm, clip, vae, size, batch, "stock")
+                    rec["compile_its"] = round(comp["its"], 2)
+                    rec["speedup_vs_compile"] = round(ours["its"] / comp["its"], 3)
+                    rec["compile_first_run_s"] = round(comp["first_s"] - comp["sample_s"], 1)
+                except Exception as e:  # noqa: BLE001
+                    rec["notes"] += "; TorchCompileModel failed: %s" % str(e).splitlines()[0][:200]
+            if tag in OPT.profile.split(","):
+                profile_ours(model, clip, vae, size, batch, tag)
+            rows.append(rec)
+            with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            say("RESULT", json.dumps(rec))
+        except Exception:  # noqa: BLE001 - keep the other configs
+            say("ERROR", tag, traceback.format_exc())
+    hdr = "%-14s %9s %9s %7s %9s %8s %8s %8s %8s %7s %9s %7s" % (
+        "config", "stock it/s", "ours it/s", "x", "compile", "first s", "e2e st", "e2e ours", "peak st",
+        "peak us", "unet err", "PSNR")
+    print(hdr)
+    for r in rows:
+        print("%-14s %9.2f %9.2f %7.2f %9s %8.2f %8.3f %8.3f %8.2f %7.2f %9.2e %7.1f" % (
+            r["config"], r["stock_its"], r["ours_its"], r["speedup"], r.get("compile_its", "-"), r["first_run_s"],
+            r["stock_e2e_s"], r["ours_e2e_s"], r["stock_peak_gib"], r["ours_peak_gib"], r["unet_rel_err"],
+            r["psnr_db"]))
+
+
+if __name__ == "__main__":
+    main()
