@@ -94,7 +94,9 @@ class WeightsFingerprint:
                 continue
             if not t.is_cuda:
                 all_cuda = False
-            out.append((id(t), t.data_ptr(), t._version))
+            # inference tensors (ComfyUI loads weights under inference_mode) have no version counter;
+            # for them an in-place update is caught by the host's own patch state (`host_state`)
+            out.append((id(t), t.data_ptr(), 0 if t.is_inference() else t._version))
         return tuple(out), all_cuda
 
 
@@ -134,14 +136,16 @@ class StepGraphs:
         self.last_eager_reason = reason
         return fn(*args, **kwargs)
 
-    def run(self, fn, args, kwargs, epoch=None):
+    def run(self, fn, args, kwargs, epoch=None, host_state=None):
         """`epoch`: an object that stays the same for all steps of one sampling run (None: unknown,
-        re-read the module tree on every call)."""
+        re-read the module tree on every call). `host_state`: the host's own word for which weight
+        patches are applied (ComfyUI: `current_weight_patches_uuid`); a change drops the graphs."""
         if not torch.cuda.is_available():
             return self._eager(fn, args, kwargs, "no CUDA device")
         if torch.cuda.is_current_stream_capturing():
             return self._eager(fn, args, kwargs, "another capture is under way")
         fp, all_cuda = self.fp.read(epoch)
+        fp = (fp, host_state)
         if not all_cuda:
             self.clear()
             return self._eager(fn, args, kwargs, "weights not all on the GPU (offloaded or partially loaded)")

@@ -71,7 +71,8 @@ def _make_step(st, options, base_model):
         if options.cuda_graph:
             # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
             epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
-            return st.graphs.run(apply_model, args, kwargs, epoch=epoch)
+            return st.graphs.run(apply_model, args, kwargs, epoch=epoch,
+                                 host_state=getattr(base_model, "current_weight_patches_uuid", None))
         return apply_model(*args, **kwargs)
     return step
 

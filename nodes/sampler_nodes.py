@@ -1,6 +1,7 @@
 """Accelerated KSampler and Apply SD Accel: thin ComfyUI nodes over hosts/comfyui.py."""
 import importlib
 import logging
+import os
 
 from ..engine import kernel_report, run_report
 from ..hosts import comfyui as host
@@ -75,8 +76,8 @@ class SDAccelKSampler:
                 out = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
                                                   negative, latent_image, denoise=denoise)
         except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
-            if patched is model or _is_interrupt(e):
-                raise
+            if patched is model or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
+                raise   # SDACCEL_STRICT=1 (tests, benchmarks): an acceleration fault must be seen
             log.error("[SD Accel] accelerated sampling failed (%s: %s); running the stock KSampler instead",
                       type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
             notes.append("accelerated run failed (%s), result from the stock path" % type(e).__name__)

@@ -1,0 +1,73 @@
+"""The parts of CUDA-graph replay that decide correctness and run on any device: what goes into the
+graph key, what is copied into static buffers, and when the weights count as changed."""
+import torch
+
+from sd_accel.engine import cuda_graph as cg
+
+
+def _key(obj):
+    tensors, key = [], []
+    cg._flatten(obj, tensors, key)
+    return tensors, tuple(key)
+
+
+def test_tensor_values_are_inputs_but_structure_and_shapes_are_key():
+    a = {"x": torch.zeros(2, 4), "opts": {"cond_or_uncond": [1, 0], "sigmas": torch.ones(2)}, "n": 3}
+    b = {"x": torch.randn(2, 4), "opts": {"cond_or_uncond": [1, 0], "sigmas": torch.zeros(2)}, "n": 3}
+    ta, ka = _key(a)
+    tb, kb = _key(b)
+    assert ka == kb and len(ta) == 2
+    assert _key({**b, "n": 4})[1] != ka                      # a non-tensor value changes the graph
+    assert _key({**b, "x": torch.randn(3, 4)})[1] != ka      # so does a shape
+    assert _key({**b, "x": torch.randn(2, 4).half()})[1] != ka
+    assert _key({**b, "x": torch.randn(4, 2).t()})[1] != ka  # and a layout (strides)
+    patch1, patch2 = (lambda q: q), (lambda q: q)
+    assert _key({"p": patch1})[1] != _key({"p": patch2})[1]  # other patch objects: other graph
+    assert _key({"p": patch1})[1] == _key({"p": patch1})[1]
+
+
+def test_rebuild_puts_static_tensors_back_in_place():
+    obj = ({"x": torch.ones(1), "l": [torch.zeros(2), 5, None]}, (torch.full((3,), 2.0),))
+    tensors, _ = _key(obj)
+    statics = [cg._static_copy(t) for t in tensors]
+    out = cg._rebuild(obj, iter(statics))
+    assert out[0]["x"] is statics[0] and out[0]["l"][0] is statics[1] and out[1][0] is statics[2]
+    assert out[0]["l"][1:] == [5, None]
+
+
+def test_weights_fingerprint_sees_replaced_inplace_and_inference_tensors():
+    lin = torch.nn.Linear(4, 4)
+    fp = cg.WeightsFingerprint(lin)
+    epoch = object()
+    f0, _ = fp.read(epoch)
+    assert fp.read(epoch)[0] == f0
+    with torch.no_grad():
+        lin.weight.add_(1)                      # in place: version counter moves
+    f1, _ = fp.read(epoch)
+    assert f1 != f0
+    lin.weight = torch.nn.Parameter(lin.weight.detach().clone())   # replaced, as a LoRA patch does
+    assert fp.read(epoch)[0] != f1
+    with torch.inference_mode():                 # ComfyUI's weights are inference tensors
+        inf = torch.nn.Linear(4, 4)
+    fpi = cg.WeightsFingerprint(inf)
+    a, all_cuda = fpi.read(None)
+    assert not all_cuda and a == fpi.read(None)[0]
+
+
+def test_tree_is_reread_when_the_epoch_changes():
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    fp = cg.WeightsFingerprint(seq)
+    e1 = object()
+    f1, _ = fp.read(e1)
+    seq[0] = torch.nn.Linear(2, 2)              # a module swapped, as object patches do at load time
+    assert fp.read(e1)[0] == f1, "same run: the tree is not walked again"
+    assert fp.read(object())[0] != f1, "a new run walks the tree again and sees the new module"
+
+
+def test_no_cuda_runs_eagerly_and_says_why():
+    g = cg.StepGraphs(torch.nn.Linear(2, 2))
+    if torch.cuda.is_available():
+        return
+    out = g.run(lambda x: x * 2, (torch.ones(2),), {})
+    assert torch.equal(out, torch.full((2,), 2.0))
+    assert g.stats["eager"] == 1 and g.last_eager_reason == "no CUDA device"
