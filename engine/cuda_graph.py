@@ -18,7 +18,9 @@ stay referenced for as long as the graph lives (under ComfyUI's default cudaMall
 capture after a graph's output was freed outside the graph fails), at most `max_graphs` keys are kept
 and dropping one drops the whole pool, so graph memory is bounded and freed as a unit.
 """
+import enum
 import logging
+import uuid
 from collections import OrderedDict
 
 import torch
@@ -26,11 +28,24 @@ import torch
 log = logging.getLogger("sd_accel")
 
 
+SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: keyed by value
+
+
 def _flatten(obj, tensors, key):
-    """Appends tensor leaves to `tensors` and a hashable description of the structure to `key`."""
+    """Appends GPU tensor leaves to `tensors` and a hashable description of the structure to `key`.
+
+    A small CPU tensor (sigma schedules and the like, read by Python-side logic such as ControlNet
+    start/end percent) is part of the key by value: a graph captured for other values is not reused.
+    A large CPU tensor is a GPU input the host did not move: it makes the call ineligible."""
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        key.append(("T", tuple(obj.shape), obj.dtype, obj.stride(), obj.device))
+        if obj.is_cuda:
+            tensors.append(obj)
+            key.append(("T", tuple(obj.shape), obj.dtype, obj.stride(), obj.device))
+        elif obj.numel() <= SMALL_HOST_TENSOR:
+            key.append(("C", tuple(obj.shape), obj.dtype, tuple(obj.reshape(-1).tolist())))
+        else:
+            tensors.append(obj)   # run() sees a non-CUDA tensor and runs eagerly, saying which
+            key.append(("X", tuple(obj.shape), obj.dtype, obj.stride(), obj.device))
     elif isinstance(obj, dict):
         key.append(("D", len(obj)))
         for k in obj:
@@ -40,7 +55,7 @@ def _flatten(obj, tensors, key):
         key.append(("L" if isinstance(obj, list) else "U", len(obj)))
         for v in obj:
             _flatten(v, tensors, key)
-    elif obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
+    elif obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device, uuid.UUID, enum.Enum)):
         key.append(obj)
     else:
         key.append(("O", id(obj)))   # patches, wrappers: a different object means a different graph
@@ -48,7 +63,7 @@ def _flatten(obj, tensors, key):
 
 def _rebuild(obj, it):
     if isinstance(obj, torch.Tensor):
-        return next(it)
+        return next(it) if obj.is_cuda or obj.numel() > SMALL_HOST_TENSOR else obj
     if isinstance(obj, dict):
         return {k: _rebuild(v, it) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -155,8 +170,10 @@ class StepGraphs:
             self.last_fp = fp
         tensors, key = [], []
         _flatten((args, kwargs), tensors, key)
-        if not all(t.is_cuda for t in tensors):
-            return self._eager(fn, args, kwargs, "inputs not on the GPU")
+        off_gpu = [t for t in tensors if not t.is_cuda]
+        if off_gpu:
+            return self._eager(fn, args, kwargs, "inputs not on the GPU: %s" % ", ".join(
+                "%s %s on %s" % (tuple(t.shape), t.dtype, t.device) for t in off_gpu[:3]))
         key = tuple(key)
         entry = self.entries.get(key)
         if entry is None:

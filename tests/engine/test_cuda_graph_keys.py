@@ -12,27 +12,37 @@ def _key(obj):
 
 
 def test_tensor_values_are_inputs_but_structure_and_shapes_are_key():
-    a = {"x": torch.zeros(2, 4), "opts": {"cond_or_uncond": [1, 0], "sigmas": torch.ones(2)}, "n": 3}
-    b = {"x": torch.randn(2, 4), "opts": {"cond_or_uncond": [1, 0], "sigmas": torch.zeros(2)}, "n": 3}
+    big = lambda *shape: torch.randn(*shape)  # noqa: E731  (> SMALL_HOST_TENSOR: a graph input)
+    a = {"x": big(2, 4, 8, 8), "opts": {"cond_or_uncond": [1, 0], "ctx": big(2, 77, 8)}, "n": 3}
+    b = {"x": big(2, 4, 8, 8), "opts": {"cond_or_uncond": [1, 0], "ctx": big(2, 77, 8)}, "n": 3}
     ta, ka = _key(a)
     tb, kb = _key(b)
     assert ka == kb and len(ta) == 2
-    assert _key({**b, "n": 4})[1] != ka                      # a non-tensor value changes the graph
-    assert _key({**b, "x": torch.randn(3, 4)})[1] != ka      # so does a shape
-    assert _key({**b, "x": torch.randn(2, 4).half()})[1] != ka
-    assert _key({**b, "x": torch.randn(4, 2).t()})[1] != ka  # and a layout (strides)
+    assert _key({**b, "n": 4})[1] != ka                          # a non-tensor value changes the graph
+    assert _key({**b, "x": big(3, 4, 8, 8)})[1] != ka            # so does a shape
+    assert _key({**b, "x": big(2, 4, 8, 8).half()})[1] != ka     # a dtype
+    assert _key({**b, "x": big(2, 8, 8, 4).permute(0, 3, 1, 2)})[1] != ka   # and a layout (strides)
     patch1, patch2 = (lambda q: q), (lambda q: q)
-    assert _key({"p": patch1})[1] != _key({"p": patch2})[1]  # other patch objects: other graph
+    assert _key({"p": patch1})[1] != _key({"p": patch2})[1]      # other patch objects: other graph
     assert _key({"p": patch1})[1] == _key({"p": patch1})[1]
 
 
+def test_small_host_tensors_and_uuids_are_keyed_by_value():
+    import uuid
+    u = uuid.uuid4()
+    t1, k1 = _key({"sample_sigmas": torch.tensor([14.6, 7.0, 0.0]), "uuids": [u]})
+    t2, k2 = _key({"sample_sigmas": torch.tensor([14.6, 7.0, 0.0]), "uuids": [uuid.UUID(str(u))]})
+    assert not t1 and k1 == k2
+    assert _key({"sample_sigmas": torch.tensor([14.6, 6.0, 0.0]), "uuids": [u]})[1] != k1
+
+
 def test_rebuild_puts_static_tensors_back_in_place():
-    obj = ({"x": torch.ones(1), "l": [torch.zeros(2), 5, None]}, (torch.full((3,), 2.0),))
+    obj = ({"x": torch.ones(300), "l": [torch.zeros(400), 5, None, torch.ones(2)]}, (torch.full((300,), 2.0),))
     tensors, _ = _key(obj)
     statics = [cg._static_copy(t) for t in tensors]
     out = cg._rebuild(obj, iter(statics))
     assert out[0]["x"] is statics[0] and out[0]["l"][0] is statics[1] and out[1][0] is statics[2]
-    assert out[0]["l"][1:] == [5, None]
+    assert out[0]["l"][1:3] == [5, None] and out[0]["l"][3] is obj[0]["l"][3]
 
 
 def test_weights_fingerprint_sees_replaced_inplace_and_inference_tensors():
