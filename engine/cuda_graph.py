@@ -10,8 +10,9 @@
 Never a stale graph: the weights fingerprint (identity, storage pointer and version counter of every
 parameter and buffer) is checked on every call; when it changes (a LoRA patched or re-weighted, the
 model moved or offloaded, another model loaded into the same object) all graphs are dropped.
-Graphs are not used when any tensor is off the GPU (CPU, partially loaded weights), or while another
-capture is under way.
+Graphs are not used when any weight is off the GPU (CPU, offloaded or partially loaded weights), or
+while another capture is under way. Inputs the host keeps on the CPU until the model moves them (ComfyUI's
+conds) get GPU static buffers: the model's own move then happens on the GPU, inside the graph.
 
 Memory: all graphs of one model share one private memory pool; each graph's static inputs and output
 stay referenced for as long as the graph lives (under ComfyUI's default cudaMallocAsync allocator, a
@@ -44,7 +45,8 @@ def _flatten(obj, tensors, key):
         elif obj.numel() <= SMALL_HOST_TENSOR:
             key.append(("C", tuple(obj.shape), obj.dtype, tuple(obj.reshape(-1).tolist())))
         else:
-            tensors.append(obj)   # run() sees a non-CUDA tensor and runs eagerly, saying which
+            # conds live on the CPU until apply_model moves them: the graph gets a GPU copy instead
+            tensors.append(obj)
             key.append(("X", tuple(obj.shape), obj.dtype, obj.stride(), obj.device))
     elif isinstance(obj, dict):
         key.append(("D", len(obj)))
@@ -73,8 +75,8 @@ def _rebuild(obj, it):
     return obj
 
 
-def _static_copy(t):
-    s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+def _static_copy(t, device=None):
+    s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
     s.copy_(t)
     return s
 
@@ -170,10 +172,11 @@ class StepGraphs:
             self.last_fp = fp
         tensors, key = [], []
         _flatten((args, kwargs), tensors, key)
-        off_gpu = [t for t in tensors if not t.is_cuda]
-        if off_gpu:
-            return self._eager(fn, args, kwargs, "inputs not on the GPU: %s" % ", ".join(
-                "%s %s on %s" % (tuple(t.shape), t.dtype, t.device) for t in off_gpu[:3]))
+        device = next((t.device for t in tensors if t.is_cuda), None)
+        if device is None:
+            return self._eager(fn, args, kwargs, "no input on the GPU")
+        if any(t.device.type not in ("cuda", "cpu") for t in tensors):
+            return self._eager(fn, args, kwargs, "inputs on another device")
         key = tuple(key)
         entry = self.entries.get(key)
         if entry is None:
@@ -182,7 +185,7 @@ class StepGraphs:
             if key not in self.warm:
                 self.warm.add(key)
                 return self._eager(fn, args, kwargs, "warm-up call for a new shape")
-            entry = self._capture(fn, args, kwargs, tensors, key)
+            entry = self._capture(fn, args, kwargs, tensors, key, device)
             if entry is None:
                 return self._eager(fn, args, kwargs, "capture failed")
         else:
@@ -193,14 +196,14 @@ class StepGraphs:
         self.stats["replays"] += 1
         return _map_tensors(entry.static_out, lambda t: t.clone())
 
-    def _capture(self, fn, args, kwargs, tensors, key):
+    def _capture(self, fn, args, kwargs, tensors, key, device):
         if len(self.entries) >= self.max_graphs:
             self.clear("more than %d shapes in use" % self.max_graphs)
             self.warm.add(key)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         entry = _Entry()
-        entry.static_in = [_static_copy(t) for t in tensors]
+        entry.static_in = [_static_copy(t, device) for t in tensors]   # CPU conds get GPU buffers
         it = iter(entry.static_in)
         s_args, s_kwargs = _rebuild((args, kwargs), it)
         graph = torch.cuda.CUDAGraph()
