@@ -41,6 +41,20 @@ def _device_capability(device):
     return _capability[index]
 
 
+_async_alloc = None
+
+
+def async_allocator():
+    """True when PyTorch's CUDA allocator is cudaMallocAsync (ComfyUI's default on NVIDIA)."""
+    global _async_alloc
+    if _async_alloc is None:
+        try:
+            _async_alloc = torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+        except Exception:  # noqa: BLE001 - old torch or no CUDA: the native allocator
+            _async_alloc = False
+    return _async_alloc
+
+
 def triton_runnable(t):
     """(True, "") when a Triton kernel can run on tensor `t`'s device, else (False, short reason)."""
     if get_triton() is None:
@@ -49,6 +63,11 @@ def triton_runnable(t):
         major, minor = _device_capability(t.device)
         if (major, minor) < MIN_CAPABILITY:
             return False, f"GPU sm_{major}{minor} < sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]}"
+        if torch.cuda.is_current_stream_capturing() and async_allocator():
+            # Under cudaMallocAsync, memory allocated during a capture has no address the driver
+            # will confirm until the graph is instantiated, and Triton's launcher checks every
+            # pointer (cuPointerGetAttribute): the launch would fail. Seen on an H200, triton 3.6.
+            return False, "CUDA-graph capture under cudaMallocAsync (use --disable-cuda-malloc to fuse in graphs)"
         return True, ""
     if t.device.type == "cpu":
         if interpret_mode():
