@@ -32,7 +32,7 @@ log = logging.getLogger("sd_accel")
 SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: keyed by value
 
 
-def _flatten(obj, tensors, key):
+def _flatten(obj, tensors, key, ignore=()):
     """Appends GPU tensor leaves to `tensors` and a hashable description of the structure to `key`.
 
     A small CPU tensor (sigma schedules and the like, read by Python-side logic such as ControlNet
@@ -52,11 +52,13 @@ def _flatten(obj, tensors, key):
         key.append(("D", len(obj)))
         for k in obj:
             key.append(k if isinstance(k, (str, int)) else repr(k))
-            _flatten(obj[k], tensors, key)
+            if k in ignore and not isinstance(obj[k], torch.Tensor):
+                continue   # passed through to the call, left out of the key
+            _flatten(obj[k], tensors, key, ignore)
     elif isinstance(obj, (list, tuple)):
         key.append(("L" if isinstance(obj, list) else "U", len(obj)))
         for v in obj:
-            _flatten(v, tensors, key)
+            _flatten(v, tensors, key, ignore)
     elif obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device, uuid.UUID, enum.Enum)):
         key.append(obj)
     else:
@@ -153,7 +155,7 @@ class StepGraphs:
         self.last_eager_reason = reason
         return fn(*args, **kwargs)
 
-    def run(self, fn, args, kwargs, epoch=None, host_state=None):
+    def run(self, fn, args, kwargs, epoch=None, host_state=None, key_ignore=()):
         """`epoch`: an object that stays the same for all steps of one sampling run (None: unknown,
         re-read the module tree on every call). `host_state`: the host's own word for which weight
         patches are applied (ComfyUI: `current_weight_patches_uuid`); a change drops the graphs."""
@@ -171,7 +173,7 @@ class StepGraphs:
                 self.clear("weights changed (LoRA/patch, reload or device move)")
             self.last_fp = fp
         tensors, key = [], []
-        _flatten((args, kwargs), tensors, key)
+        _flatten((args, kwargs), tensors, key, key_ignore)
         device = next((t.device for t in tensors if t.is_cuda), None)
         if device is None:
             return self._eager(fn, args, kwargs, "no input on the GPU")
@@ -183,6 +185,8 @@ class StepGraphs:
             if key in self.broken:
                 return self._eager(fn, args, kwargs, "this call cannot be captured")
             if key not in self.warm:
+                if self.entries:
+                    log.debug("[SD Accel] new graph key for %s: %s", self.name, _key_diff(key, next(iter(self.entries))))
                 self.warm.add(key)
                 return self._eager(fn, args, kwargs, "warm-up call for a new shape")
             entry = self._capture(fn, args, kwargs, tensors, key, device)
@@ -223,6 +227,12 @@ class StepGraphs:
         self.entries[key] = entry
         self.stats["captures"] += 1
         return entry
+
+
+def _key_diff(a, b):
+    """First differing positions of two graph keys, for the debug log when a graph is recaptured."""
+    diffs = [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return diffs[:3] if diffs or len(a) == len(b) else "length %d vs %d" % (len(a), len(b))
 
 
 def _map_tensors(obj, fn):

@@ -70,8 +70,12 @@ def _make_step(st, options, base_model):
             log.info("[SD Accel] channels_last: %d conv weights converted", n)
         if options.cuda_graph:
             # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
-            epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
-            return st.graphs.run(apply_model, args, kwargs, epoch=epoch,
+            to = transformer_options or {}
+            epoch = to.get("sample_sigmas", st.epoch)
+            # ComfyUI gives every cond a fresh uuid per sampling run; only patches read them, so
+            # without patches they must not make each prompt capture anew
+            ignore = () if to.get("patches") or to.get("patches_replace") else ("uuids",)
+            return st.graphs.run(apply_model, args, kwargs, epoch=epoch, key_ignore=ignore,
                                  host_state=getattr(base_model, "current_weight_patches_uuid", None))
         return apply_model(*args, **kwargs)
     return step

@@ -81,3 +81,14 @@ def test_no_cuda_runs_eagerly_and_says_why():
     out = g.run(lambda x: x * 2, (torch.ones(2),), {})
     assert torch.equal(out, torch.full((2,), 2.0))
     assert g.stats["eager"] == 1 and g.last_eager_reason == "no CUDA device"
+
+
+def test_ignored_entries_pass_through_but_leave_the_key():
+    import uuid
+    t1, k1, t2, k2 = [], [], [], []
+    cg._flatten({"uuids": [uuid.uuid4()], "x": torch.randn(300)}, t1, k1, ("uuids",))
+    cg._flatten({"uuids": [uuid.uuid4()], "x": torch.randn(300)}, t2, k2, ("uuids",))
+    assert k1 == k2 and len(t1) == 1
+    t3, k3 = [], []
+    cg._flatten({"uuids": [uuid.uuid4()], "x": torch.randn(300)}, t3, k3)
+    assert k3 != k1
