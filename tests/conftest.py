@@ -7,6 +7,12 @@ import os
 import sys
 import types
 
+# CI has no GPU: Triton's CPU interpreter runs the kernels. It must be set before anything imports
+# Triton, so it lives here rather than in single test files. GPU runs (tests/gpu on the GPU machine)
+# set SDACCEL_GPU_TESTS=1 to compile the kernels for the device instead.
+if os.environ.get("SDACCEL_GPU_TESTS") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 if "sd_accel" not in sys.modules:
