@@ -21,12 +21,14 @@ and dropping one drops the whole pool, so graph memory is bounded and freed as a
 """
 import enum
 import logging
+import os
 import uuid
 from collections import OrderedDict
 
 import torch
 
 log = logging.getLogger("sd_accel")
+DIAG_LEVEL = logging.WARNING if os.environ.get("SDACCEL_DIAG") == "1" else logging.DEBUG
 
 
 SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: keyed by value
@@ -142,6 +144,7 @@ class StepGraphs:
         self.last_eager_reason = None
 
     def clear(self, why=None):
+        log.log(DIAG_LEVEL, "[SD Accel] clear graphs of %s: %s (%d entries)", self.name, why, len(self.entries))
         if self.entries or self.warm:
             self.stats["invalidations"] += 1
             if why:
@@ -185,8 +188,9 @@ class StepGraphs:
             if key in self.broken:
                 return self._eager(fn, args, kwargs, "this call cannot be captured")
             if key not in self.warm:
-                if self.entries:
-                    log.debug("[SD Accel] new graph key for %s: %s", self.name, _key_diff(key, next(iter(self.entries))))
+                if self.entries or self.warm:
+                    other = next(iter(self.entries)) if self.entries else next(iter(self.warm))
+                    log.log(DIAG_LEVEL, "[SD Accel] new graph key for %s: %s", self.name, _key_diff(key, other))
                 self.warm.add(key)
                 return self._eager(fn, args, kwargs, "warm-up call for a new shape")
             entry = self._capture(fn, args, kwargs, tensors, key, device)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import fused_modules, patching
+from ..engine import cuda_graph
 from ..engine.cuda_graph import StepGraphs
 
 log = logging.getLogger("sd_accel")
@@ -57,6 +58,7 @@ def _state(base_model):
     st = _states.get(base_model)
     if st is None:
         st = _states[base_model] = _ModelState(base_model)
+        log.log(cuda_graph.DIAG_LEVEL, "[SD Accel] new graph state for model %x (%d states)", id(base_model), len(_states))
     return st
 
 

@@ -4,13 +4,14 @@ The repo root is a package whose real name is whatever folder the user cloned in
 fixed name here so `import sd_accel.kernels.group_norm_silu` works from any checkout folder.
 """
 import os
+import shutil
 import sys
 import types
 
 # CI has no GPU: Triton's CPU interpreter runs the kernels. It must be set before anything imports
-# Triton, so it lives here rather than in single test files. GPU runs (tests/gpu on the GPU machine)
-# set SDACCEL_GPU_TESTS=1 to compile the kernels for the device instead.
-if os.environ.get("SDACCEL_GPU_TESTS") != "1":
+# Triton, so it lives here rather than in single test files. On a machine with an NVIDIA driver (the
+# GPU machine running tests/gpu) the kernels are compiled for the device instead.
+if not shutil.which("nvidia-smi") and os.environ.get("SDACCEL_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
