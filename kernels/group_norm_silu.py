@@ -4,9 +4,9 @@ Why a split design: SD uses 32 groups, so batch 2 gives only 64 groups, and one 
 leave most of an H200's 132 SMs idle. Instead three small launches, each with many programs:
 
   1. `_gn_stats_kernel`    grid (spatial tiles / CHUNK_ITERS, channel tiles, N): per-channel partial
-                           mean and M2 (sum of squared deviations) over a spatial chunk, fp32, merged
-                           tile by tile with Chan's formula (no E[x^2] - E[x]^2 cancellation).
-  2. `_gn_finalize_kernel` grid (N * G,): merges a group's partials into mean / rstd and writes
+                           mean and M2 (sum of squared deviations) over a spatial chunk, in fp32,
+                           from sums shifted by a data sample (no E[x^2] - E[x]^2 cancellation).
+  2. `_gn_finalize_kernel` grid (N * G,): merges a group's partials (Chan et al.) and writes
                            per-(n, c) `mean`, `scale` = rstd * weight, `shift` = bias.
   3. `_gn_apply_kernel`    grid (spatial tiles, channel tiles, N): y = (x - mean) * scale + shift,
                            SiLU, store.
@@ -25,6 +25,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_CHUNKS = 64        # spatial chunks per batch item: bounds what one finalize program merges
 _MAX_GROUP_CHANNELS = 4096
 _SMS = 132              # H200; only used to shrink tiles for small tensors (more, smaller programs)
+_TILE = 2048            # elements per program tile (measured on H200: 2048 beats 4096 and 8192 on channels_last)
 
 _tt = get_triton()
 if _tt is not None:
@@ -33,8 +34,9 @@ if _tt is not None:
     @triton.jit
     def _gn_stats_kernel(
         X,                              # input, read as (N, C, HW) through the three strides
-        PMEAN, PM2,                     # fp32 [N, NSC, C] out: per (batch, chunk, channel) mean and M2
-        C, HW,                          # channels, spatial positions (H * W, or L)
+        WS,                             # fp32 workspace; this kernel writes its first 2 * N * NSC * C:
+                                        #   PMEAN, PM2 [N, NSC, C]: per (batch, chunk, channel) mean and M2
+        N, C, HW,                       # batch, channels, spatial positions (H * W, or L)
         stride_n, stride_c, stride_s,   # element strides of x (NCHW: C*HW, HW, 1; channels_last: HW*C, 1, C)
         NSC, CHUNK_ITERS,               # spatial chunks per batch item; BLOCK_S tiles in each chunk
         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -46,42 +48,37 @@ if _tt is not None:
         cmask = offs_c < C
         ptrs = X + n * stride_n + offs_c[None, :] * stride_c
         s_start = pid_sc * CHUNK_ITERS * BLOCK_S
-        # Statistics of x - pivot, pivot = the chunk's first value per channel: exact subtraction for
-        # inputs near the pivot, so a large mean with a small spread keeps its variance.
+        # Shifted sums: accumulate d = x - pivot and d^2, pivot = the chunk's first value per channel.
+        # The pivot is a sample of the data, so sum(d^2) - sum(d)^2 / n does not cancel even when
+        # |mean| >> std. Accumulating elementwise and reducing once at the end keeps the loop free of
+        # cross-warp reductions (which made a per-tile Welford merge latency bound on channels_last).
         pivot = tl.load(X + n * stride_n + offs_c * stride_c + s_start * stride_s, mask=cmask,
                         other=0.0).to(tl.float32)
-        mean = tl.zeros([BLOCK_C], dtype=tl.float32)
-        m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        cnt = tl.zeros([BLOCK_C], dtype=tl.float32)   # a vector so the loop-carried type never changes
+        acc_s = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+        acc_q = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
         for it in range(0, CHUNK_ITERS):
             offs_s = s_start + it * BLOCK_S + tl.arange(0, BLOCK_S)
-            smask = offs_s < HW
-            mask = smask[:, None] & cmask[None, :]
+            mask = (offs_s < HW)[:, None] & cmask[None, :]
             # evict_last: the apply kernel reads x again right after; keep it in L2 (60 MB on H200)
             x = tl.load(ptrs + offs_s[:, None] * stride_s, mask=mask, other=0.0,
                         eviction_policy="evict_last").to(tl.float32)
-            x = tl.where(mask, x - pivot[None, :], 0.0)
-            t_cnt = tl.sum(smask.to(tl.float32), axis=0)
-            t_mean = tl.sum(x, axis=0) / tl.maximum(t_cnt, 1.0)
-            d = tl.where(mask, x - t_mean[None, :], 0.0)
-            t_m2 = tl.sum(d * d, axis=0)
-            # Chan et al.: merge (cnt, mean, m2) with the tile's (t_cnt, t_mean, t_m2)
-            tot = cnt + t_cnt
-            frac = t_cnt / tl.maximum(tot, 1.0)
-            delta = t_mean - mean
-            mean = mean + delta * frac
-            m2 = m2 + t_m2 + delta * delta * cnt * frac
-            cnt = tot
+            d = tl.where(mask, x - pivot[None, :], 0.0)
+            acc_s += d
+            acc_q += d * d
+        cnt = tl.minimum(HW - s_start, CHUNK_ITERS * BLOCK_S).to(tl.float32)
+        sum_d = tl.sum(acc_s, axis=0)
+        mean_d = sum_d / cnt
+        m2 = tl.maximum(tl.sum(acc_q, axis=0) - sum_d * mean_d, 0.0)
         out = (n * NSC + pid_sc) * C + offs_c
-        tl.store(PMEAN + out, mean + pivot, mask=cmask)
-        tl.store(PM2 + out, m2, mask=cmask)
+        tl.store(WS + out, pivot + mean_d, mask=cmask)
+        tl.store(WS + N * NSC * C + out, m2, mask=cmask)
 
     @triton.jit
     def _gn_finalize_kernel(
-        PMEAN, PM2,                 # fp32 [N, NSC, C] partials from _gn_stats_kernel
+        WS,                         # fp32 workspace: reads PMEAN, PM2 [N, NSC, C] (from _gn_stats_kernel),
+                                    #   then writes MEAN, SCALE, SHIFT [N, C]: y = (x - mean) * scale + shift
         W, B,                       # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
-        MEAN, SCALE, SHIFT,         # fp32 [N, C] out: y = (x - mean) * scale + shift
-        C, HW, G, CG,               # channels, spatial size, groups, channels per group
+        N, C, HW, G, CG,            # batch, channels, spatial size, groups, channels per group
         NSC, CHUNK_S,               # chunks per batch item, spatial positions per chunk (last may be short)
         eps,
         HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -90,6 +87,9 @@ if _tt is not None:
         pid = tl.program_id(0)
         n = pid // G
         g = pid % G
+        PMEAN = WS
+        PM2 = WS + N * NSC * C
+        MEAN = WS + 2 * N * NSC * C
         offs_cg = tl.arange(0, BLOCK_CG)
         cmask = offs_cg < CG
         c = g * CG + offs_cg
@@ -124,14 +124,14 @@ if _tt is not None:
         if HAS_B:
             shift = tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)
         tl.store(MEAN + n * C + c, tl.zeros([BLOCK_CG], dtype=tl.float32) + mean, mask=cmask)
-        tl.store(SCALE + n * C + c, scale, mask=cmask)
-        tl.store(SHIFT + n * C + c, shift, mask=cmask)
+        tl.store(MEAN + N * C + n * C + c, scale, mask=cmask)
+        tl.store(MEAN + 2 * N * C + n * C + c, shift, mask=cmask)
 
     @triton.jit
     def _gn_apply_kernel(
         X, Y,                           # input / output with identical strides
-        MEAN, SCALE, SHIFT,             # fp32 [N, C] from _gn_finalize_kernel
-        C, HW,
+        MEAN,                           # fp32 MEAN, SCALE, SHIFT [N, C] back to back (finalize kernel)
+        N, C, HW,
         stride_n, stride_c, stride_s,   # as in _gn_stats_kernel
         APPLY_SILU: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -146,8 +146,8 @@ if _tt is not None:
         offs = n * stride_n + offs_s[:, None] * stride_s + offs_c[None, :] * stride_c
         x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         mu = tl.load(MEAN + n * C + offs_c, mask=cmask, other=0.0)
-        a = tl.load(SCALE + n * C + offs_c, mask=cmask, other=0.0)
-        b = tl.load(SHIFT + n * C + offs_c, mask=cmask, other=0.0)
+        a = tl.load(MEAN + N * C + n * C + offs_c, mask=cmask, other=0.0)
+        b = tl.load(MEAN + 2 * N * C + n * C + offs_c, mask=cmask, other=0.0)
         # (x - mean) * a rather than x * a - mean * a: no cancellation when |mean| >> std
         y = (x - mu[None, :]) * a[None, :] + b[None, :]
         if APPLY_SILU:
@@ -162,9 +162,9 @@ def _is_channels_last(x):
 
 def _config(N, C, HW, channels_last):
     """Tile shape (BLOCK_S spatial x BLOCK_C channels), long along the contiguous axis, and chunking."""
-    # 4096 elements per program for big tensors; smaller tiles for small ones so the grid still
+    # _TILE elements per program for big tensors; smaller tiles for small ones so the grid still
     # covers the SMs a few times over (these shapes are latency bound anyway).
-    tile = max(1024, min(4096, next_pow2(N * C * HW // (4 * _SMS))))
+    tile = max(1024, min(_TILE, next_pow2(N * C * HW // (4 * _SMS))))
     if channels_last:
         # rows of C contiguous channels: 64-128 channels per tile = 128-512 B runs per row
         block_c = 128 if C % 128 == 0 else 64 if C % 64 == 0 else max(2, min(128, next_pow2(C)))
@@ -187,30 +187,26 @@ def _launch(x, num_groups, weight, bias, eps, activation):
     c_tiles = cdiv(C, block_c)
     warps = num_warps_for(block_s * block_c)
 
-    f32 = dict(device=x.device, dtype=torch.float32)
-    pmean = torch.empty((N, nsc, C), **f32)
-    pm2 = torch.empty((N, nsc, C), **f32)
-    mean = torch.empty((N, C), **f32)
-    scale = torch.empty((N, C), **f32)
-    shift = torch.empty((N, C), **f32)
+    # one fp32 workspace (fewer host-side allocations per call): PMEAN, PM2 [N, nsc, C], then
+    # MEAN, SCALE, SHIFT [N, C]; each kernel derives the parts' offsets from N, nsc and C
+    ws = torch.empty(N * C * (2 * nsc + 3), device=x.device, dtype=torch.float32)
     y = torch.empty_like(x)  # preserve_format: same strides as x, so channels_last stays channels_last
 
     _gn_stats_kernel[(nsc, c_tiles, N)](
-        x, pmean, pm2, C, HW, *strides, nsc, chunk_iters,
+        x, ws, N, C, HW, *strides, nsc, chunk_iters,
         BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
 
     cg = C // num_groups
     block_cg = max(2, next_pow2(cg))
     block_sc = max(2, min(next_pow2(nsc), 4096 // block_cg))
     _gn_finalize_kernel[(N * num_groups,)](
-        pmean, pm2,
-        weight if weight is not None else scale, bias if bias is not None else shift,
-        mean, scale, shift, C, HW, num_groups, cg, nsc, chunk_iters * block_s, float(eps),
+        ws, weight if weight is not None else ws, bias if bias is not None else ws,
+        N, C, HW, num_groups, cg, nsc, chunk_iters * block_s, float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None,
         BLOCK_SC=block_sc, BLOCK_CG=block_cg, num_warps=4)
 
     _gn_apply_kernel[(s_tiles, c_tiles, N)](
-        x, y, mean, scale, shift, C, HW, *strides,
+        x, y, ws[2 * N * nsc * C:], N, C, HW, *strides,
         APPLY_SILU=activation == "silu", BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
     return y
 
@@ -230,6 +226,8 @@ def eligible(x, num_groups, weight=None, bias=None):
         return False, "empty input"
     if x.numel() >= 2**31:
         return False, "too large for int32 offsets"
+    if x.shape[0] > 65535:
+        return False, "batch > 65535 (grid limit)"
     C = x.shape[1]
     if num_groups <= 0 or C % num_groups:
         return False, f"C={C} not divisible by num_groups={num_groups}"
