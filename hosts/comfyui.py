@@ -102,7 +102,11 @@ def _install_wrapper(clone, st, options):
             on_detach = st.wrappers.get("on_detach")
             if on_detach is None:
                 def on_detach(patcher, unpatch_all=True):
-                    st.graphs.clear("model unloaded")
+                    # ComfyUI also detaches a clone when another clone of the same model is loaded;
+                    # the graphs stay valid while the weights stay on the GPU (the fingerprint checks
+                    # them on every step), so only free the graph memory once they have left it
+                    if not _weights_on_gpu(base_model):
+                        st.graphs.clear("model unloaded")
                 st.wrappers["on_detach"] = on_detach
             clone.callbacks.setdefault(pe.CallbacksMP.ON_DETACH, {})[WRAPPER_KEY] = [on_detach]
         return "apply_model wrapper (keyed)"
@@ -122,8 +126,28 @@ def _install_wrapper(clone, st, options):
     return "model_function_wrapper" + (" (chained)" if prev is not None else "")
 
 
+def _weights_on_gpu(base_model):
+    p = next(base_model.diffusion_model.parameters(), None)
+    return p is not None and p.is_cuda
+
+
+# The patched clone of each input model, per options. ComfyUI re-runs a sampler node on every prompt
+# with the same (cached) input ModelPatcher; handing back the same clone means ComfyUI sees the same
+# patcher loaded, instead of a new clone that makes it unload the previous one.
+_clones = weakref.WeakKeyDictionary()
+
+
 def accelerate(model, options):
     """Returns (clone of `model` with SD Accel applied, info dict). `model` itself is untouched."""
+    cached = _clones.get(model, {}).get(options)
+    if cached is not None and cached[2] == getattr(model, "patches_uuid", None):
+        return cached[0], cached[1]
+    clone, info = _accelerate(model, options)
+    _clones.setdefault(model, {})[options] = (clone, info, getattr(model, "patches_uuid", None))
+    return clone, info
+
+
+def _accelerate(model, options):
     clone = model.clone()
     info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None}
     if not options.any():
