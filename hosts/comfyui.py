@@ -101,11 +101,11 @@ def _install_wrapper(clone, st, options):
         if hasattr(clone, "add_callback_with_key"):
             on_detach = st.wrappers.get("on_detach")
             if on_detach is None:
-                def on_detach(patcher, unpatch_all=True):
+                def on_detach(patcher, unpatch_all=True, _on_gpu=_weights_on_gpu):   # bound: also runs from __del__ at exit
                     # ComfyUI also detaches a clone when another clone of the same model is loaded;
                     # the graphs stay valid while the weights stay on the GPU (the fingerprint checks
                     # them on every step), so only free the graph memory once they have left it
-                    if not _weights_on_gpu(base_model):
+                    if not _on_gpu(base_model):
                         st.graphs.clear("model unloaded")
                 st.wrappers["on_detach"] = on_detach
             clone.callbacks.setdefault(pe.CallbacksMP.ON_DETACH, {})[WRAPPER_KEY] = [on_detach]
