@@ -55,7 +55,8 @@ def summarize(before, after):
         if d <= 0:
             continue
         e = out.setdefault(op, {"fused": 0, "fallback": 0, "reasons": []})
-        e["fused" if path == "triton" else "fallback"] += d
-        if path != "triton":
+        ok = path not in ("reference", "unknown")   # "triton", or the attention backend that ran
+        e["fused" if ok else "fallback"] += d
+        if not ok:
             e["reasons"] = sorted(reasons.get(op, ()))
     return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import fused_modules, patching
+from ..engine import attention, fused_modules, patching
 from ..engine import cuda_graph
 from ..engine.cuda_graph import StepGraphs
 
@@ -28,9 +28,10 @@ class AccelOptions:
     fused_kernels: bool = True
     cuda_graph: bool = True
     channels_last: bool = True
+    attention: str = "auto"     # "auto" keeps the host's own attention
 
     def any(self):
-        return self.fused_kernels or self.cuda_graph or self.channels_last
+        return self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"
 
 
 def _register_weight_caster():
@@ -76,11 +77,48 @@ def _make_step(st, options, base_model):
             epoch = to.get("sample_sigmas", st.epoch)
             # ComfyUI gives every cond a fresh uuid per sampling run; only patches read them, so
             # without patches they must not make each prompt capture anew
-            ignore = () if to.get("patches") or to.get("patches_replace") else ("uuids",)
+            ignore = ("uuids",) if _only_our_patches(to) else ()
             return st.graphs.run(apply_model, args, kwargs, epoch=epoch, key_ignore=ignore,
                                  host_state=getattr(base_model, "current_weight_patches_uuid", None))
         return apply_model(*args, **kwargs)
     return step
+
+
+def _only_our_patches(to):
+    for group in (to.get("patches") or {}).values():
+        if any(not getattr(p, "sd_accel_backend", None) for p in group):
+            return False
+    for group in (to.get("patches_replace") or {}).values():
+        if any(not getattr(p, "sd_accel_backend", None) for p in group.values()):
+            return False
+    return True
+
+
+def _transformer_blocks(diffusion_model):
+    """(block_name, index) of every UNet block holding a transformer, as ComfyUI keys attention patches."""
+    def has_transformer(m):
+        return any(type(s).__name__ == "SpatialTransformer" for s in m.modules())
+    out = []
+    for name, blocks in (("input", getattr(diffusion_model, "input_blocks", ())),
+                         ("output", getattr(diffusion_model, "output_blocks", ()))):
+        out += [(name, i) for i, b in enumerate(blocks) if has_transformer(b)]
+    mid = getattr(diffusion_model, "middle_block", None)
+    if mid is not None and has_transformer(mid):
+        out.append(("middle", 0))
+    return out
+
+
+def _install_attention(clone, backend):
+    attend = attention.attention_fn(backend)
+
+    def patch(q, k, v, extra_options):
+        return attend(q, k, v, extra_options["n_heads"])
+    patch.sd_accel_backend = backend
+    blocks = _transformer_blocks(clone.model.diffusion_model)
+    for name, i in blocks:
+        clone.set_model_attn1_replace(patch, name, i)
+        clone.set_model_attn2_replace(patch, name, i)
+    return len(blocks)
 
 
 def _install_wrapper(clone, st, options):
@@ -159,6 +197,8 @@ def _accelerate(model, options):
         for path, module in plan.patches.items():
             clone.add_object_patch(path, module)
         info["patched"] = dict(plan.counts)
+    if options.attention != "auto":
+        info["patched"]["attention_" + options.attention] = _install_attention(clone, options.attention)
     if options.cuda_graph or options.channels_last:
         st = _state(base_model)
         info["wrapper"] = _install_wrapper(clone, st, options)

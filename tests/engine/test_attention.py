@@ -1,0 +1,95 @@
+"""Attention backends: SDPA over ldm's layout equals plain attention math; backends that cannot run a
+call fall back to SDPA with a reason; the ComfyUI host installs them as attention-replace patches that
+give the stock UNet output."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from sd_accel.engine import attention, kernel_report
+
+
+def _reference(q, k, v, heads):
+    b, n, inner = q.shape
+    d = inner // heads
+    q, k, v = (t.view(b, -1, heads, d).transpose(1, 2).double() for t in (q, k, v))
+    w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), dim=-1)
+    return (w @ v).transpose(1, 2).reshape(b, n, inner).float()
+
+
+@pytest.mark.parametrize("shape,heads", [((2, 64, 320), 8), ((1, 16, 640), 8), ((2, 9, 1280), 20)])
+def test_sdpa_matches_attention_math(shape, heads):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+    k2 = torch.randn(shape[0], 7, shape[2], generator=g)       # cross-attention: other token count
+    v2 = torch.randn(shape[0], 7, shape[2], generator=g)
+    assert torch.allclose(attention.sdpa(q, k, v, heads), _reference(q, k, v, heads), atol=1e-5)
+    assert torch.allclose(attention.sdpa(q, k2, v2, heads), _reference(q, k2, v2, heads), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["xformers", "sage"])
+def test_backends_that_cannot_run_fall_back_to_sdpa_and_say_why(backend):
+    fn = attention.attention_fn(backend)
+    q = torch.randn(1, 8, 64)
+    before = kernel_report.snapshot()
+    out = fn(q, q, q, 2)
+    assert torch.allclose(out, attention.sdpa(q, q, q, 2))
+    rep = kernel_report.summarize(before, kernel_report.snapshot())["attention_" + backend]
+    assert rep["fallback"] == 1 and rep["fused"] == 0
+    assert "CUDA" in rep["reasons"][0]
+
+
+def test_sage_refuses_sd15_head_dims(monkeypatch):
+    monkeypatch.setitem(attention._modules, "sageattention", object())
+    q = torch.zeros(1, 4, 320)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    ok, why = attention.eligible("sage", q.half(), heads=8)          # 320 / 8 = 40
+    assert not ok and "head dim 40" in why
+    ok, _ = attention.eligible("sage", torch.zeros(1, 4, 640).half(), heads=10)   # 64: SDXL's
+    assert ok
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError):
+        attention.attention_fn("flash3")
+
+
+def test_comfy_host_installs_patches_that_keep_the_output():
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    home = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
+    comfy_dir = os.environ.get("SDACCEL_COMFYUI") or os.path.join(home, "ComfyUI-2024")
+    sys.path.insert(0, os.path.join(repo, "dev"))
+    import fixtures
+    fixtures._import_comfy(comfy_dir)
+    import comfy.model_patcher
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    from sd_accel.hosts import comfyui as host
+    cfg = fixtures.sd15_unet_config("tiny")
+    for k in ("use_temporal_attention", "use_temporal_resblock"):
+        cfg.pop(k)
+    torch.manual_seed(3)
+    unet = UNetModel(**cfg, dtype=torch.float32, operations=comfy.ops.manual_cast)
+    for p in unet.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+
+    class Base(torch.nn.Module):   # the smallest stand-in of BaseModel the patcher needs
+        def __init__(self):
+            super().__init__()
+            self.diffusion_model = unet
+    patcher = comfy.model_patcher.ModelPatcher(Base(), torch.device("cpu"), torch.device("cpu"))
+    clone, info = host.accelerate(patcher, host.AccelOptions(False, False, False, "sdpa"))
+    blocks = host._transformer_blocks(unet)
+    assert info["patched"]["attention_sdpa"] == len(blocks) >= 3
+    replace = clone.model_options["transformer_options"]["patches_replace"]
+    assert set(replace["attn1"]) == set(blocks) == set(replace["attn2"])
+    x, t, ctx = torch.randn(2, 4, 8, 8), torch.tensor([10.0, 500.0]), torch.randn(2, 7, 768)
+    with torch.no_grad():
+        ref = unet(x, t, context=ctx, transformer_options={})
+        before = kernel_report.snapshot()
+        out = unet(x, t, context=ctx, transformer_options=clone.model_options["transformer_options"])
+    ran = kernel_report.summarize(before, kernel_report.snapshot())["attention_sdpa"]
+    assert ran["fused"] == 2 * sum(type(m).__name__ == "BasicTransformerBlock" for m in unet.modules())
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
