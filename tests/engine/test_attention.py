@@ -5,6 +5,8 @@ import math
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import pytest
 import torch
 
@@ -57,23 +59,10 @@ def test_unknown_backend_is_refused():
 
 
 def test_comfy_host_installs_patches_that_keep_the_output():
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    home = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
-    comfy_dir = os.environ.get("SDACCEL_COMFYUI") or os.path.join(home, "ComfyUI-2024")
-    sys.path.insert(0, os.path.join(repo, "dev"))
-    import fixtures
-    fixtures._import_comfy(comfy_dir)
+    import comfy_inproc
+    unet = comfy_inproc.tiny_unet(seed=3, std=0.05)
     import comfy.model_patcher
-    import comfy.ops
-    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
     from sd_accel.hosts import comfyui as host
-    cfg = fixtures.sd15_unet_config("tiny")
-    for k in ("use_temporal_attention", "use_temporal_resblock"):
-        cfg.pop(k)
-    torch.manual_seed(3)
-    unet = UNetModel(**cfg, dtype=torch.float32, operations=comfy.ops.manual_cast)
-    for p in unet.parameters():
-        torch.nn.init.normal_(p, std=0.05)
 
     class Base(torch.nn.Module):   # the smallest stand-in of BaseModel the patcher needs
         def __init__(self):

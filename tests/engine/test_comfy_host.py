@@ -6,21 +6,16 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
-COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import comfy_inproc  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    if not os.path.isfile(os.path.join(COMFY, "main.py")):
-        pytest.fail("no ComfyUI at %s: run dev/setup_env.sh" % COMFY)
-    sys.path.insert(0, os.path.join(REPO, "dev"))
-    import fixtures
-    fixtures._import_comfy(COMFY)
+    fixtures = comfy_inproc.fixtures_module()
     import comfy.sd
     path = str(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors")
-    fixtures.build_checkpoint(COMFY, "sd15", "tiny", path, seed=5)
+    fixtures.build_checkpoint(comfy_inproc.COMFY, "sd15", "tiny", path, seed=5)
     with torch.inference_mode():
         out = comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)
     return out[0]

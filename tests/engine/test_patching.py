@@ -3,38 +3,19 @@ and ldm-style modules, with the fused kernels running under the Triton interpret
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from sd_accel.engine import fused_modules as fm  # noqa: E402
 from sd_accel.engine import kernel_report, patching  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
-COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import comfy_inproc  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def comfy_unet():
-    if not os.path.isfile(os.path.join(COMFY, "main.py")):
-        pytest.fail("no ComfyUI at %s: run dev/setup_env.sh" % COMFY)
-    sys.path.insert(0, os.path.join(REPO, "dev"))
-    import fixtures
-    fixtures._import_comfy(COMFY)
-    import comfy.ops
-    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
-    cfg = fixtures.sd15_unet_config("tiny")
-    for k in ("use_temporal_attention", "use_temporal_resblock"):
-        cfg.pop(k)
-    torch.manual_seed(0)
-    unet = UNetModel(**cfg, dtype=torch.float32, operations=comfy.ops.disable_weight_init)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in unet.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.dim() > 1 else 0.5) + (1 if name.endswith("norm.weight") else 0))
-    return unet.eval()
+    return comfy_inproc.tiny_unet(seed=0)
 
 
 def _inputs(batch=2, hw=8):

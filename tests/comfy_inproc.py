@@ -1,0 +1,43 @@
+"""ComfyUI imported in the test process (CPU), for tests that need its real classes.
+
+Which ComfyUI: $SDACCEL_COMFYUI, else the 2024 copy dev/setup_env.sh installs. Shared by the engine
+tests so the import order (args.cpu before comfy.model_management) lives in one place.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
+COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
+
+
+def fixtures_module():
+    """dev/fixtures.py, with ComfyUI importable (fails the test clearly when ComfyUI is missing)."""
+    if not os.path.isfile(os.path.join(COMFY, "main.py")):
+        pytest.fail("no ComfyUI at %s: run dev/setup_env.sh (or set SDACCEL_COMFYUI)" % COMFY)
+    if os.path.join(REPO, "dev") not in sys.path:
+        sys.path.insert(0, os.path.join(REPO, "dev"))
+    import fixtures
+    fixtures._import_comfy(COMFY)
+    return fixtures
+
+
+def tiny_unet(seed=0, operations=None, std=None):
+    """ComfyUI's real openaimodel.UNetModel at the reduced 'tiny' SD1.5 preset, random weights."""
+    fixtures = fixtures_module()
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    cfg = fixtures.sd15_unet_config("tiny")
+    for k in ("use_temporal_attention", "use_temporal_resblock"):
+        cfg.pop(k)
+    torch.manual_seed(seed)
+    unet = UNetModel(**cfg, dtype=torch.float32, operations=operations or comfy.ops.disable_weight_init)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            scale = std if std is not None else (0.05 if p.dim() > 1 else 0.5)
+            p.copy_(torch.randn(p.shape, generator=g) * scale + (1 if name.endswith("norm.weight") else 0))
+    return unet.eval()
