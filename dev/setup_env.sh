@@ -27,11 +27,20 @@ fi
 # ComfyUI 2024's own requirements.txt (torch/torchvision already pinned above), test tools.
 REQS="torchsde einops transformers>=4.37.2,<5 tokenizers>=0.13.3 sentencepiece safetensors>=0.4.2
 aiohttp>=3.11.8 yarl pyyaml Pillow scipy tqdm psutil kornia>=0.7.1 pytest requests onnx onnxruntime
-opencv-python-headless scikit-image"
-if ! "$VPY" -c "import torchsde, einops, transformers, safetensors, aiohttp, yaml, PIL, scipy, tqdm, psutil, kornia, pytest, onnx, onnxruntime, cv2, skimage" 2>/dev/null; then
+opencv-python-headless scikit-image playwright"
+if ! "$VPY" -c "import torchsde, einops, transformers, safetensors, aiohttp, yaml, PIL, scipy, tqdm, psutil, kornia, pytest, onnx, onnxruntime, cv2, skimage, playwright" 2>/dev/null; then
   log "installing ComfyUI requirements and test tools"
   # shellcheck disable=SC2086
   $PIP $REQS $TORCH_PIN
+fi
+
+# The real ldm UNetModel that A1111 runs (tests/a1111): PyPI's stable-diffusion-sdkit vendors ldm/.
+# --no-deps: its declared pins are ancient (pytorch-lightning 1.4.2, ...); the UNet needs only torch,
+# numpy, einops, Pillow, and omegaconf (imported when context_dim is set).
+if ! "$VPY" -c "import omegaconf; from ldm.modules.diffusionmodules.openaimodel import UNetModel" 2>/dev/null; then
+  log "installing stable-diffusion-sdkit==2.1.5 (--no-deps) and omegaconf for the A1111 tests"
+  $PIP --no-deps stable-diffusion-sdkit==2.1.5
+  $PIP "omegaconf>=2.1,<2.4" $TORCH_PIN
 fi
 
 C24="$HOME_DIR/ComfyUI-2024"
@@ -52,6 +61,18 @@ if [ -n "${SDACCEL_COMFYUI:-}" ] && [ -f "$SDACCEL_COMFYUI/requirements.txt" ]; 
     $PIP -r "$HOME_DIR/reqs_current.txt" $TORCH_PIN
     $PIP --no-deps spandrel   # its deps would pull another torch
     touch "$stamp"
+  fi
+fi
+
+# Browser tests (tests/browser): Debian's Chromium, driven by the playwright package installed above
+# (its pip package never touches torch; no `playwright install`: the system browser is used).
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo"; else SUDO="none"; fi
+  if [ "$SUDO" = none ] || ! command -v apt-get >/dev/null; then
+    log "no /usr/bin/chromium and no apt-get as root: install Chromium yourself for tests/browser"
+  else
+    log "installing chromium (apt-get, about a minute)"
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
   fi
 fi
 

@@ -1,0 +1,448 @@
+"""AUTOMATIC1111 WebUI host (and Forge): applies the engine's patches to the loaded SD model.
+
+A1111 has no object patches, so the UNet's leaves are swapped in place and swapped back:
+* fused kernels: `patching.plan_patches` on `sd_model.model.diffusion_model`, applied with
+  `patching.apply_patches` and undone with `patching.restore`. Replacements keep every parameter name,
+  so `state_dict()` keys are unchanged and A1111's same-object reload (`load_state_dict(strict=False)`
+  on the patched model, when switching between checkpoints of one config) loads every weight; the keys
+  are checked before and after each apply and on every model-loaded callback.
+* applying is idempotent: A1111 runs the model-loaded callbacks again after a VAE reload and after a
+  same-object weight reload, and a second `sync` with the same options changes nothing.
+* channels_last: conv weights converted in place (values unchanged) on a CUDA UNet only; undone on
+  toggle-off.
+* CUDA graphs: through A1111's own UNet hook, an `sd_unet.SdUnetOption` listed by `on_list_unets`
+  (what the TensorRT extension uses). With "SD Unet" = Automatic (A1111's default) it is picked for
+  the loaded checkpoint while the toggle is on; A1111 deactivates it before every weight reload. Its
+  forward calls the stock UNet forward through `engine.cuda_graph.StepGraphs`. The UNet's own
+  `forward` is never rebound.
+* Forge (`sd_model.forge_objects.unet`, a ComfyUI-style ModelPatcher): per sampling run on a clone
+  (`forge_accelerate`), through `hosts.comfyui.accelerate` for the wrapper. Untested: see README.
+
+This module imports nothing from A1111 at import time: the caller passes what it needs (the
+`sd_unet` module, an options object), so tests drive it with a stand-in of A1111's API.
+"""
+import logging
+import sys
+import weakref
+from collections import Counter
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..engine import fused_modules, kernel_report, patching
+from ..engine.cuda_graph import StepGraphs
+
+log = logging.getLogger("sd_accel")
+
+PREFIX = "sd_accel_"
+SECTION = ("sd_accel", "SD Accel")
+FORGE_OPS = ("group_norm", "layer_norm", "geglu")   # no SiLU folding: Forge's group_norm_wrapper
+UNET_LABEL = "SD Accel (CUDA graphs)"
+
+
+@dataclass(frozen=True)
+class A1111Options:
+    enabled: bool = True
+    fused_kernels: bool = True
+    cuda_graph: bool = True
+    channels_last: bool = True
+
+    def want(self, name):
+        return bool(self.enabled and getattr(self, name))
+
+
+# (field, label, info) of every setting; the key is PREFIX + field, the default A1111Options'.
+SETTINGS = (
+    ("enabled", "Enable SD Accel",
+     "master switch: off restores the UNet's original modules"),
+    ("fused_kernels", "Fused kernels (GroupNorm+SiLU, LayerNorm, GEGLU)",
+     "Triton kernels on CUDA; the stock torch ops elsewhere"),
+    ("cuda_graph", "CUDA graphs for the UNet step",
+     "CUDA only; works through 'SD Unet' = Automatic; replays are dropped when weights or LoRAs change"),
+    ("channels_last", "channels_last conv weights",
+     "CUDA only; values unchanged"),
+)
+
+
+def setting_key(name):
+    return PREFIX + name
+
+
+def options_from(opts):
+    """A1111Options from A1111's `shared.opts` (missing keys: defaults)."""
+    d = {}
+    for f in fields(A1111Options):
+        d[f.name] = bool(getattr(opts, setting_key(f.name), f.default))
+    return A1111Options(**d)
+
+
+# -- per UNet state -------------------------------------------------------------------------------
+
+class _UnetState:
+    def __init__(self):
+        self.backup = {}          # path -> original module (what `restore` puts back)
+        self.replacements = {}    # path -> our module
+        self.counts = {}
+        self.keys = None          # state_dict keys before the first patch
+        self.keys_ok = None
+        self.channels_last = False
+        self.graphs = None
+        self.epoch = None
+        self.structure = None     # (epoch, signature) cache for the graph key
+
+
+_states = weakref.WeakKeyDictionary()
+
+
+def _state(unet):
+    st = _states.get(unet)
+    if st is None:
+        st = _states[unet] = _UnetState()
+    return st
+
+
+def _on_cuda(unet):
+    p = next(unet.parameters(), None)
+    return p is not None and p.is_cuda
+
+
+def _intact(unet, st):
+    """Every module we put in place is still there (nobody swapped it out behind us)."""
+    for path, mod in st.replacements.items():
+        try:
+            if patching.get_attr(unet, path) is not mod:
+                return False
+        except AttributeError:
+            return False
+    return True
+
+
+def _skip_host_cast(unet, patches):
+    """Leaves out modules whose host casts their weights on the fly (Forge's `parameters_manual_cast`,
+    offloaded or low-precision weights), with the folded SiLU that goes with a fused norm."""
+    out = dict(patches)
+    for path, mod in patches.items():
+        if getattr(mod, "parameters_manual_cast", False):
+            out.pop(path, None)
+            if getattr(mod, "sdaccel_act", None):
+                parent, _, last = path.rpartition(".")
+                if last.isdigit():
+                    out.pop(("%s.%d" % (parent, int(last) + 1)) if parent else str(int(last) + 1), None)
+    return out
+
+
+def _sync_host_attrs(src, dst):
+    """Carries what the host changed on one of the pair over to the other on a swap:
+    * A1111's Lora extension keeps its bookkeeping on the module object (`network_current_names`,
+      `network_weights_backup`, ...): a LoRA is then neither lost nor applied twice;
+    * a Parameter or buffer the host replaced by a new object (`module.to("meta")`, a dtype change
+      that cannot be done in place) instead of updating the shared one."""
+    for k, v in src.__dict__.items():
+        if k.startswith("network_"):
+            dst.__dict__[k] = v
+    for d in ("_parameters", "_buffers"):
+        s, t = src.__dict__.get(d), dst.__dict__.get(d)
+        if s is None or t is None:
+            continue
+        for name, tensor in s.items():
+            if name in t and t[name] is not tensor:
+                t[name] = tensor
+
+
+def _lora_pre_hook(module, args):
+    """A1111's Lora extension applies norm-layer weights from its own `GroupNorm/LayerNorm.forward`
+    patch, which a fused module's forward bypasses: call the same function first."""
+    nets = sys.modules.get("networks")
+    fn = getattr(nets, "network_apply_weights", None)
+    if fn is None or getattr(module, "network_layer_name", None) is None:
+        return None
+    shared = sys.modules.get("modules.shared")
+    if getattr(getattr(shared, "opts", None), "lora_functional", False):
+        return None
+    fn(module)
+    return None
+
+
+def _keys(unet):
+    return tuple(unet.state_dict().keys())
+
+
+def apply_fused(unet, ops=patching.ALL_OPS):
+    """Swaps the fused modules in; a no-op when they are in place. Returns the counts per op.
+    Raises RuntimeError (with the originals back in place) if the swap changed `state_dict()` keys."""
+    st = _state(unet)
+    if st.replacements and _intact(unet, st):
+        return dict(st.counts)
+    if st.replacements:
+        remove_fused(unet)
+    before = _keys(unet)
+    plan = patching.plan_patches(unet, ops)
+    patches = _skip_host_cast(unet, plan.patches)
+    backup = patching.apply_patches(unet, patches)
+    after = _keys(unet)
+    if after != before:
+        patching.restore(unet, backup)
+        raise RuntimeError("SD Accel: patching changed the UNet's state_dict keys (%d -> %d); originals restored"
+                           % (len(before), len(after)))
+    for path, new in patches.items():
+        _sync_host_attrs(backup[path], new)
+        if fused_modules.is_fused(new) and new.sdaccel_kind in ("group_norm", "layer_norm"):
+            new.register_forward_pre_hook(_lora_pre_hook)
+    st.backup, st.replacements, st.keys, st.keys_ok = backup, patches, before, True
+    counts = {}
+    for m in patches.values():
+        kind = getattr(m, "sdaccel_kind", None)
+        if kind == "group_norm":
+            kind = "group_norm_silu" if m.sdaccel_act else "group_norm"
+        if kind and kind != "silu_folded":
+            counts[kind] = counts.get(kind, 0) + 1
+    st.counts = counts
+    return dict(counts)
+
+
+def remove_fused(unet):
+    """Puts the original modules back where ours still stand. Returns how many were restored."""
+    st = _states.get(unet)
+    if st is None or not st.backup:
+        return 0
+    back = {}
+    for path, orig in st.backup.items():
+        mine = st.replacements.get(path)
+        try:
+            here = patching.get_attr(unet, path)
+        except AttributeError:
+            continue
+        if here is mine:
+            _sync_host_attrs(mine, orig)
+            back[path] = orig
+        else:
+            log.warning("[SD Accel] %s was replaced by someone else; left as it is", path)
+    patching.restore(unet, back)
+    st.backup, st.replacements, st.counts = {}, {}, {}
+    return len(back)
+
+
+def _set_channels_last(unet, st, on):
+    if on == st.channels_last:
+        return 0
+    fmt = torch.channels_last if on else torch.contiguous_format
+    n = patching.convert_conv_weights(unet, fmt)
+    st.channels_last = on
+    log.info("[SD Accel] channels_last %s: %d conv weights converted", "on" if on else "off", n)
+    return n
+
+
+def apply(unet, options, ops=patching.ALL_OPS):
+    """Brings `unet` to `options` (idempotent). Returns `status(unet)`."""
+    st = _state(unet)
+    if options.want("fused_kernels"):
+        apply_fused(unet, ops)
+    else:
+        remove_fused(unet)
+    _set_channels_last(unet, st, options.want("channels_last") and _on_cuda(unet))
+    if not options.want("cuda_graph") and st.graphs is not None:
+        st.graphs.clear("CUDA graphs turned off")
+    return status(unet)
+
+
+def remove(unet):
+    """Everything back as loaded: original modules, contiguous conv weights, no graphs."""
+    n = remove_fused(unet)
+    st = _states.get(unet)
+    if st is not None:
+        _set_channels_last(unet, st, False)
+        if st.graphs is not None:
+            st.graphs.clear("SD Accel removed")
+    return n
+
+
+def check_keys(unet):
+    """True when `state_dict()` keys are those the UNet had before it was first patched."""
+    st = _states.get(unet)
+    if st is None or st.keys is None:
+        return True
+    st.keys_ok = _keys(unet) == st.keys
+    return st.keys_ok
+
+
+def status(unet):
+    """JSON-able: which modules are patched, per op; channels_last; graphs; keys check."""
+    if unet is None:
+        return {"model": None, "patched": 0, "counts": {}, "paths": [], "channels_last": False,
+                "state_dict_keys_unchanged": True, "graphs": {}}
+    st = _states.get(unet)
+    n_ours = sum(1 for m in unet.modules() if fused_modules.is_fused(m))
+    out = {"model": type(unet).__name__, "patched": n_ours,
+           "counts": dict(st.counts) if st else {},
+           "paths": sorted(st.replacements) if st else [],
+           "channels_last": bool(st and st.channels_last),
+           "state_dict_keys_unchanged": True if st is None or st.keys_ok is None else st.keys_ok,
+           "graphs": dict(st.graphs.stats) if st and st.graphs is not None else {}}
+    if st and st.graphs is not None and st.graphs.last_eager_reason:
+        out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
+    return out
+
+
+# -- the SD model (A1111) / Forge -----------------------------------------------------------------
+
+def is_forge(sd_model):
+    return sd_model is not None and hasattr(sd_model, "forge_objects") and not hasattr(sd_model, "model")
+
+
+def unet_of(sd_model):
+    """The ldm/sgm UNet of an A1111 SD model, or None (no model, or Forge)."""
+    inner = getattr(sd_model, "model", None)
+    return getattr(inner, "diffusion_model", None)
+
+
+def sync(sd_model, options, reason=""):
+    """Applies or removes per `options` on A1111's loaded model (Forge: nothing here, see
+    `forge_accelerate`). Returns the status dict; logs one line."""
+    unet = unet_of(sd_model)
+    if unet is None:
+        if is_forge(sd_model):
+            return {"model": "forge", "patched": 0, "note": "Forge: applied per sampling run"}
+        return status(None)
+    st = _state(unet)
+    if st.keys is not None and not check_keys(unet):
+        log.error("[SD Accel] the UNet's state_dict keys changed since it was patched: restoring originals")
+        remove(unet)
+    if options.enabled:
+        s = apply(unet, options)
+    else:
+        remove(unet)
+        s = status(unet)
+    log.info("[SD Accel] %s: %d modules patched %s, channels_last %s, keys unchanged %s", reason or "sync",
+             s["patched"], s["counts"], s["channels_last"], s["state_dict_keys_unchanged"])
+    return s
+
+
+def new_sampling_run(sd_model):
+    """Marks a new sampling run: the graph fingerprint re-reads the module tree once for it."""
+    unet = unet_of(sd_model)
+    if unet is not None:
+        _state(unet).epoch = object()
+
+
+# -- CUDA graphs through A1111's sd_unet hook -----------------------------------------------------
+
+def _structure(unet, st):
+    """Module classes and their forwards, and hook counts: a class swap (ToMe), an attention
+    optimisation switched by sd_hijack, or a hook added by another extension makes a new graph key.
+    Computed once per sampling run."""
+    if st.structure is not None and st.structure[0] is st.epoch and st.epoch is not None:
+        return st.structure[1]
+    classes, hooks = {}, 0
+    for m in unet.modules():
+        c = type(m)
+        classes.setdefault(c, c.__dict__.get("forward") or getattr(c, "forward", None))
+        hooks += len(m._forward_hooks) + len(m._forward_pre_hooks)
+    sig = (tuple(sorted((c.__module__ + "." + c.__qualname__, id(f)) for c, f in classes.items())), hooks)
+    st.structure = (st.epoch, sig)
+    return sig
+
+
+def host_state(unet, st):
+    """What A1111 changes without changing the weights' identity: LoRA set (A1111 applies it lazily
+    in forward, which a replay skips), hypernetworks, autocast, module structure."""
+    nets = sys.modules.get("networks")
+    loras = tuple((x.name, x.te_multiplier, x.unet_multiplier, getattr(x, "dyn_dim", None))
+                  for x in getattr(nets, "loaded_networks", ()))
+    shared = sys.modules.get("modules.shared")
+    hns = tuple((getattr(h, "name", id(h)), getattr(h, "multiplier", None))
+                for h in getattr(shared, "loaded_hypernetworks", ()) or ())
+    functional = bool(getattr(getattr(shared, "opts", None), "lora_functional", False))
+    ac = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) if torch.cuda.is_available() else None
+    return (loras, functional, hns, ac, _structure(unet, st))
+
+
+def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs):
+    """The UNet step through `StepGraphs` (eager, with the reason kept, when it cannot replay)."""
+    st = _state(unet)
+    if st.graphs is None:
+        st.graphs = StepGraphs(unet, name=type(unet).__name__)
+
+    def fn(*a, **k):
+        if torch.cuda.is_available() and torch.is_autocast_enabled("cuda"):
+            # a graph must not reuse autocast's cast cache across replays
+            with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+                return original_forward(unet, *a, **k)
+        return original_forward(unet, *a, **k)
+
+    return st.graphs.run(fn, (x, timesteps, context) + args, kwargs, epoch=st.epoch,
+                         host_state=host_state(unet, st))
+
+
+def make_unet_option(sd_unet, get_sd_model, get_options, original_forward_for):
+    """A1111's `SdUnetOption` for SD Accel's CUDA graphs.
+
+    `sd_unet`: A1111's `modules.sd_unet`; `get_sd_model()`: the loaded model or None;
+    `get_options()`: A1111Options; `original_forward_for(unet)`: the stock UNet forward (unbound),
+    i.e. `sd_hijack.ldm_original_forward` or `sgm_original_forward`."""
+
+    class SDAccelUnet(sd_unet.SdUnet):
+        def activate(self):
+            sd_model = get_sd_model()
+            unet = unet_of(sd_model)
+            # A1111 moves the stock UNet to the CPU before activating a replacement UNet; ours runs it
+            if unet is not None and not getattr(sd_model, "lowvram", False):
+                dev = getattr(sd_model, "device", None)
+                if dev is not None:
+                    unet.to(dev)
+            log.info("[SD Accel] CUDA-graph UNet route active")
+
+        def forward(self, x, timesteps, context, *args, **kwargs):
+            unet = unet_of(get_sd_model())
+            return graph_forward(unet, original_forward_for(unet), x, timesteps, context, *args, **kwargs)
+
+        def deactivate(self):
+            unet = unet_of(get_sd_model())
+            st = _states.get(unet) if unet is not None else None
+            if st is not None and st.graphs is not None:
+                st.graphs.clear("UNet route deactivated (weights reload or setting change)")
+
+    class SDAccelUnetOption(sd_unet.SdUnetOption):
+        label = UNET_LABEL
+
+        @property
+        def model_name(self):
+            # "Automatic" picks the option whose model_name is the loaded checkpoint's: ours, while on
+            sd_model = get_sd_model()
+            if sd_model is None or is_forge(sd_model) or not get_options().want("cuda_graph"):
+                return None
+            info = getattr(sd_model, "sd_checkpoint_info", None)
+            return getattr(info, "model_name", None)
+
+        def create_unet(self):
+            return SDAccelUnet()
+
+    return SDAccelUnetOption()
+
+
+# -- Forge ----------------------------------------------------------------------------------------
+
+def forge_accelerate(unet_patcher, options):
+    """Forge (untested here): a clone of `sd_model.forge_objects.unet` with SD Accel applied, for
+    `process_before_every_sampling` to assign back. Fused GroupNorm/LayerNorm/GEGLU as object patches
+    (no SiLU folding: Forge's `group_norm_wrapper` calls the norm alone), skipping modules Forge casts
+    on the fly; CUDA graphs and channels_last through `hosts.comfyui.accelerate`'s model wrapper."""
+    from . import comfyui
+    clone = unet_patcher.clone()
+    info = {"patched": {}}
+    if options.want("fused_kernels"):
+        plan = patching.plan_patches(clone.model.diffusion_model, FORGE_OPS, prefix="diffusion_model.")
+        for path, module in _skip_host_cast(None, plan.patches).items():
+            clone.add_object_patch(path, module)
+            kind = getattr(module, "sdaccel_kind", None)
+            info["patched"][kind] = info["patched"].get(kind, 0) + 1
+    if options.want("cuda_graph") or options.want("channels_last"):
+        clone, winfo = comfyui.accelerate(clone, comfyui.AccelOptions(
+            fused_kernels=False, cuda_graph=options.want("cuda_graph"), channels_last=options.want("channels_last")))
+        comfyui.new_sampling_run(winfo)
+        info["wrapper"] = winfo.get("wrapper")
+    return clone, info
+
+
+def kernel_summary(before=None):
+    """Fused/fallback calls per op since `before` (a kernel_report.snapshot(); None: since start)."""
+    return kernel_report.summarize(before or (Counter(), {}), kernel_report.snapshot())

@@ -1,0 +1,158 @@
+"""hosts/a1111.py on the real ldm UNetModel (the class A1111 v1.10.1 runs for SD1.x)."""
+import torch
+
+from sd_accel.engine import fused_modules, kernel_report
+from sd_accel.hosts import a1111
+
+from unet_util import make_unet, unet_inputs
+
+ON = a1111.A1111Options()
+
+
+def run(unet, inputs):
+    with torch.no_grad():
+        return unet(*inputs)
+
+
+def module_map(unet):
+    return {name: m for name, m in unet.named_modules()}
+
+
+def test_fused_kernels_run_and_match():
+    """The Triton kernels really run (CPU interpreter) and give the stock output."""
+    unet, inputs = make_unet(), unet_inputs()
+    ref = run(unet, inputs)
+    s = a1111.apply(unet, ON)
+    assert s["counts"] == {"group_norm_silu": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}
+    before = kernel_report.snapshot()
+    out = run(unet, inputs)
+    used = kernel_report.summarize(before, kernel_report.snapshot())
+    assert set(used) == {"group_norm_silu", "group_norm", "layer_norm", "geglu"}
+    for op, e in used.items():
+        assert e["fused"] > 0 and e["fallback"] == 0, (op, e)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_remove_restores_originals(stock_kernels):
+    unet, inputs = make_unet(), unet_inputs()
+    orig = module_map(unet)
+    ref = run(unet, inputs)
+    a1111.apply(unet, ON)
+    assert sum(fused_modules.is_fused(m) for m in unet.modules()) == 42
+    assert a1111.remove(unet) == 42   # 31 fused + 11 folded SiLUs
+    now = module_map(unet)
+    assert now.keys() == orig.keys()
+    assert all(now[k] is orig[k] for k in orig)
+    assert not any(fused_modules.is_fused(m) for m in unet.modules())
+    torch.testing.assert_close(run(unet, inputs), ref, atol=0, rtol=0)
+    assert a1111.remove(unet) == 0    # nothing left to do
+
+
+def test_state_dict_keys_and_strict_false_reload(stock_kernels):
+    """A1111 reloads a same-config checkpoint into the patched model with strict=False: no key may
+    be skipped, and the new weights must reach the fused modules."""
+    unet, inputs = make_unet(0), unet_inputs()
+    keys = list(unet.state_dict().keys())
+    a1111.apply(unet, ON)
+    assert list(unet.state_dict().keys()) == keys
+    other = make_unet(seed=7)
+    result = unet.load_state_dict(other.state_dict(), strict=False)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert a1111.check_keys(unet)
+    torch.testing.assert_close(run(unet, inputs), run(other, inputs), atol=2e-5, rtol=1e-4)
+    a1111.remove(unet)   # the originals share the Parameters: they hold the reloaded weights too
+    torch.testing.assert_close(run(unet, inputs), run(other, inputs), atol=0, rtol=0)
+
+
+def test_apply_twice_is_a_no_op(stock_kernels):
+    unet = make_unet()
+    s1 = a1111.apply(unet, ON)
+    mods = module_map(unet)
+    s2 = a1111.apply(unet, ON)
+    assert s2 == s1
+    assert all(module_map(unet)[k] is m for k, m in mods.items())
+
+
+def test_options_off_remove(stock_kernels):
+    unet = make_unet()
+    orig = module_map(unet)
+    a1111.apply(unet, ON)
+    for opts in (a1111.A1111Options(fused_kernels=False), a1111.A1111Options(enabled=False)):
+        a1111.apply(unet, ON)
+        s = a1111.sync(type("M", (), {"model": type("W", (), {"diffusion_model": unet})()})(), opts)
+        assert s["patched"] == 0
+        assert all(module_map(unet)[k] is m for k, m in orig.items())
+
+
+def test_channels_last_and_graphs_are_cuda_only(stock_kernels):
+    unet, inputs = make_unet(), unet_inputs()
+    s = a1111.apply(unet, ON)
+    assert s["channels_last"] is False   # CPU UNet: weights left as they are
+    assert all(m.weight.is_contiguous() for m in unet.modules() if isinstance(m, torch.nn.Conv2d))
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+    out = a1111.graph_forward(unet, UNetModel.forward, *inputs)
+    torch.testing.assert_close(out, run(unet, inputs), atol=0, rtol=0)
+    st = a1111.status(unet)["graphs"]
+    assert st["replays"] == 0 and st["eager"] == 1 and st["last_eager_reason"] == "no CUDA device"
+
+
+def test_keys_changed_behind_our_back_restores(stock_kernels):
+    """If something renames a parameter under a patched module, the next sync puts originals back
+    before re-applying, so the next reload is not silently partial."""
+    unet = make_unet()
+    a1111.apply(unet, ON)
+    path = a1111.status(unet)["paths"][0]
+    mod = unet.get_submodule(path)
+    mod._parameters["renamed"] = mod._parameters.pop("weight")   # the replacement's own dict only
+    assert not a1111.check_keys(unet)
+    holder = type("M", (), {"model": type("W", (), {"diffusion_model": unet})()})()
+    s = a1111.sync(holder, ON)
+    assert s["state_dict_keys_unchanged"] and s["patched"] == 42
+    assert a1111.check_keys(unet)
+    assert unet.get_submodule(path) is not mod
+
+
+def test_forge_patcher_clone(stock_kernels):
+    """Forge path on a minimal ModelPatcher stand-in: object patches on a clone, no SiLU folding,
+    modules Forge casts on the fly left alone."""
+    unet = make_unet()
+    unet.input_blocks[1][0].in_layers[0].parameters_manual_cast = True
+
+    class Patcher:
+        def __init__(self, model):
+            self.model, self.object_patches = model, {}
+
+        def clone(self):
+            c = Patcher(self.model)
+            c.object_patches = dict(self.object_patches)
+            return c
+
+        def add_object_patch(self, name, obj):
+            self.object_patches[name] = obj
+
+    base = type("KModel", (), {})()
+    base.diffusion_model = unet
+    p = Patcher(base)
+    clone, info = a1111.forge_accelerate(p, a1111.A1111Options(cuda_graph=False, channels_last=False))
+    assert p.object_patches == {}
+    assert "diffusion_model.input_blocks.1.0.in_layers.0" not in clone.object_patches
+    assert not any(getattr(m, "sdaccel_act", None) for m in clone.object_patches.values())
+    assert not any(isinstance(m, fused_modules.SiLUFolded) for m in clone.object_patches.values())
+    assert info["patched"] == {"group_norm": 14, "layer_norm": 12, "geglu": 4}
+    assert not any(fused_modules.is_fused(m) for m in unet.modules())   # the model itself untouched
+
+
+def test_remove_carries_replaced_parameters_and_lora_state(stock_kernels):
+    """A Parameter the host swapped for a new object while patched (not an in-place update), and
+    A1111 Lora's per-module bookkeeping, reach the original module when it is put back."""
+    unet = make_unet()
+    a1111.apply(unet, ON)
+    path = a1111.status(unet)["paths"][0]
+    mine = unet.get_submodule(path)
+    new_w = torch.nn.Parameter(torch.full_like(mine.weight, 0.5))
+    mine._parameters["weight"] = new_w
+    mine.network_current_names = (("lora", 1.0, 1.0, None),)
+    a1111.remove(unet)
+    orig = unet.get_submodule(path)
+    assert orig is not mine and orig.weight is new_w
+    assert orig.network_current_names == (("lora", 1.0, 1.0, None),)
