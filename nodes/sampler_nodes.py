@@ -3,8 +3,9 @@ import importlib
 import logging
 import os
 
-from ..engine import kernel_report, run_report
+from ..engine import attention, kernel_report, run_report
 from ..hosts import comfyui as host
+from ..hosts import comfyui_controlnet as host_cn
 
 log = logging.getLogger("sd_accel")
 
@@ -22,6 +23,22 @@ ACCEL_INPUTS = {
                       "each one. Converts the loaded UNet's conv weights in place (values unchanged), as "
                       "ComfyUI's --force-channels-last does. GPU only."}),
 }
+CONTROLNET_INPUTS = {
+    "controlnet": ("BOOLEAN", {"default": True, "tooltip":
+                   "Also accelerate the ControlNets attached to positive/negative (Apply ControlNet): the fused "
+                   "kernels on them when fused_kernels is on, and their input hint block computed once per run "
+                   "instead of at every step. Lossless. Works on a patched copy: the loaded ControlNet and "
+                   "other samplers are untouched. Full ControlNets only; T2I adapters and control-LoRAs run "
+                   "stock."}),
+}
+
+
+ATTENTION_INPUTS = {
+    "attention": (list(attention.BACKENDS), {"default": "auto", "tooltip":
+                  "Attention backend per call: auto keeps ComfyUI's own choice; sdpa = PyTorch SDPA; "
+                  "xformers and sage (SageAttention) when installed. A call a backend cannot run (CPU, "
+                  "SD1.5's head dims 40/80/160 for sage) uses SDPA and the report says why."}),
+}
 
 
 def _comfy_nodes():
@@ -29,8 +46,8 @@ def _comfy_nodes():
     return importlib.import_module("nodes")
 
 
-def _options(fused_kernels, cuda_graph, channels_last):
-    return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last))
+def _options(fused_kernels, cuda_graph, channels_last, attention="auto"):
+    return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last), attention)
 
 
 def _is_interrupt(e):
@@ -43,9 +60,10 @@ def _is_interrupt(e):
 
 class SDAccelKSampler:
     DESCRIPTION = ("KSampler with SD Accel's lossless accelerations: fused kernels, CUDA-graph replay and "
-                   "channels_last convolutions. Same inputs and the same LATENT output as KSampler; with "
-                   "every option off it is exactly KSampler. Reports it/s, seconds, peak VRAM and what ran "
-                   "or fell back (and why) after each run.")
+                   "channels_last convolutions, on the model and on the ControlNets in the conditioning. Same "
+                   "inputs and the same LATENT output as KSampler; with every option off it is exactly "
+                   "KSampler. Reports it/s, seconds, peak VRAM and what ran or fell back (and why) after each "
+                   "run.")
     CATEGORY = "SD Accel/sampling"
     RETURN_TYPES = ("LATENT", "STRING")
     RETURN_NAMES = ("LATENT", "report")
@@ -58,25 +76,32 @@ class SDAccelKSampler:
         base = _comfy_nodes().KSampler.INPUT_TYPES()
         req = dict(base["required"])
         req.update(ACCEL_INPUTS)
-        return {"required": req}
+        # optional, so prompts and workflows saved before it existed still load
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS}}
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-               denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True):
+               denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto"):
         comfy_nodes = _comfy_nodes()
-        opts = _options(fused_kernels, cuda_graph, channels_last)
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention)
         notes = []
         if opts.any():
             patched, info = host.accelerate(model, opts)
         else:
             patched, info = model, {"options": opts.__dict__.copy()}
+        cn_info = None
+        cn_pos, cn_neg = positive, negative
+        if controlnet:
+            cn_pos, cn_neg, cn_info = host_cn.accelerate_conds(
+                positive, negative, host_cn.ControlNetOptions(fused_kernels=opts.fused_kernels, hint_cache=True))
         host.new_sampling_run(info)
         k0, g0 = kernel_report.snapshot(), host.graph_stats(info)
         try:
             with run_report.RunTimer() as timer:
-                out = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
-                                                  negative, latent_image, denoise=denoise)
+                out = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, cn_pos,
+                                                  cn_neg, latent_image, denoise=denoise)
         except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
-            if patched is model or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
+            accelerated = patched is not model or bool(cn_info and cn_info["controlnets"])
+            if not accelerated or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
                 raise   # SDACCEL_STRICT=1 (tests, benchmarks): an acceleration fault must be seen
             log.error("[SD Accel] accelerated sampling failed (%s: %s); running the stock KSampler instead",
                       type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
@@ -87,7 +112,13 @@ class SDAccelKSampler:
             with run_report.RunTimer() as timer:
                 out = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
                                                   negative, latent_image, denoise=denoise)
-            info = {"options": {}}
+            host_cn.release(cn_info)
+            info, cn_info = {"options": {}}, None
+        finally:
+            cn_line = host_cn.summary(cn_info)
+            host_cn.release(cn_info)
+        if cn_line:
+            notes.append(cn_line)
         g1 = host.graph_stats(info)
         graphs = {k: g1[k] - g0.get(k, 0) for k in g1} if g1 else {}
         st = info.get("graph_state")
@@ -95,7 +126,7 @@ class SDAccelKSampler:
             graphs["eager_reason"] = st.graphs.last_eager_reason
         report = run_report.build(steps, timer, kernel_report.summarize(k0, kernel_report.snapshot()),
                                   graphs, info.get("options", {}), notes)
-        line = run_report.one_line(report)
+        line = run_report.one_line(report) + (" | " + cn_line if cn_line else "")
         log.info("[SD Accel] %s", line)
         return {"ui": {"sdaccel_report": [report], "text": [line]}, "result": (out[0], line)}
 
@@ -103,7 +134,8 @@ class SDAccelKSampler:
 class SDAccelApply:
     DESCRIPTION = ("Applies SD Accel to a MODEL for graphs that use other samplers (KSamplerAdvanced, "
                    "SamplerCustom, ...). The input model is untouched: the output is a patched clone, the "
-                   "ComfyUI way, so removing this node restores stock behaviour.")
+                   "ComfyUI way, so removing this node restores stock behaviour. ControlNets are not reached "
+                   "from here (they travel in the conditioning): Accelerated KSampler accelerates those.")
     CATEGORY = "SD Accel/patches"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model with SD Accel's patches on a clone.",)
@@ -113,10 +145,10 @@ class SDAccelApply:
     def INPUT_TYPES(cls):
         req = {"model": ("MODEL", {"tooltip": "The model to accelerate (a UNet: SD1.5, SDXL and relatives)."})}
         req.update(ACCEL_INPUTS)
-        return {"required": req}
+        return {"required": req, "optional": dict(ATTENTION_INPUTS)}
 
-    def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True):
-        opts = _options(fused_kernels, cuda_graph, channels_last)
+    def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True, attention="auto"):
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention)
         patched, info = host.accelerate(model, opts)
         parts = ["%s x%d" % kv for kv in sorted(info.get("patched", {}).items())]
         line = "patched: %s; step wrapper: %s" % (", ".join(parts) or "nothing", info.get("wrapper") or "none")

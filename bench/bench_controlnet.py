@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Stock ComfyUI vs SD Accel with one or two ControlNets, side by side in one process, same seeds.
+
+GPU machine. Runs ComfyUI's own nodes in-process, in main.py's start-up order (so the default
+cudaMallocAsync allocator is in force): CheckpointLoaderSimple, ControlNetLoader (x1 or x2: the same
+random file loaded twice gives two separate models, as two different ControlNets would), CLIPTextEncode
+x2, ControlNetApplyAdvanced chained (strength 1, 0-1), EmptyLatentImage -> KSampler | SDAccelKSampler ->
+VAEDecode. Checkpoints and full-size ControlNets are random weights built here with dev/fixtures.py
+(`build_checkpoint`, `build_controlnet(kind="sd15"/"sdxl")`). The hint is a random [1, H, W, 3] image at
+the output size, like a LoadImage output. Stock and ours alternate run by run (host variance, see
+shared/research/gpu_baseline_controlnet.md). Prints a table and appends one JSON line per config
+(fields of ../shared/BENCH.md, plus `cn_rel_err`: relative L2 error of one ControlNet step's residuals,
+patched vs stock, same input) to $OUT/results.jsonl.
+
+  python3 bench/bench_controlnet.py --comfy-dir vendor/ComfyUI --out $OUT [--configs sd15_512_b1_cn1,...]
+  python3 bench/bench_controlnet.py --smoke          # CPU plumbing check: tiny SD1.5 UNet and ControlNet, 64 px
+"""
+import argparse
+import datetime
+import inspect
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+import types
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GEOM = {  # config -> (model kind, image size, batch, ControlNets)
+    "sd15_512_b1_cn0": ("sd15", 512, 1, 0),
+    "sd15_512_b1_cn1": ("sd15", 512, 1, 1),
+    "sd15_512_b1_cn2": ("sd15", 512, 1, 2),
+    "sdxl_1024_b1_cn1": ("sdxl", 1024, 1, 1),
+}
+ap = argparse.ArgumentParser()
+ap.add_argument("--comfy-dir", default=os.path.join(REPO, "vendor", "ComfyUI"))
+ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+ap.add_argument("--work", default="/tmp/sdaccel_bench")
+ap.add_argument("--configs", default=None, help="comma list of %s (default: the cn1/cn2 ones; --smoke: SD1.5 "
+                                                  "only)" % ", ".join(GEOM))
+ap.add_argument("--steps", type=int, default=None, help="default 20 (--smoke: 4)")
+ap.add_argument("--reps", type=int, default=3)
+ap.add_argument("--deadline", type=float, default=540.0, help="seconds; later configs are skipped past it")
+ap.add_argument("--comfy-args", default="")
+ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny UNet/ControlNet, 64 px, --cpu")
+OPT = ap.parse_args()
+T0 = time.time()
+if OPT.steps is None:
+    OPT.steps = 4 if OPT.smoke else 20
+if OPT.configs is None:
+    OPT.configs = "sd15_512_b1_cn1,sd15_512_b1_cn2" + ("" if OPT.smoke else ",sdxl_1024_b1_cn1")
+os.makedirs(OPT.out, exist_ok=True)
+for sub in ("checkpoints", "controlnet"):
+    os.makedirs(os.path.join(OPT.work, sub), exist_ok=True)
+if OPT.smoke:
+    OPT.comfy_args += " --cpu"
+sys.argv = [sys.argv[0]] + shlex.split(OPT.comfy_args)
+sys.path.insert(0, os.path.abspath(OPT.comfy_dir))
+sys.path.insert(0, os.path.join(REPO, "dev"))
+
+import comfy.options  # noqa: E402  main.py's order: args, cuda_malloc (allocator), then torch
+
+comfy.options.enable_args_parsing()
+import cuda_malloc  # noqa: E402,F401
+import torch  # noqa: E402
+import folder_paths  # noqa: E402
+import comfy.utils  # noqa: E402
+import comfy.model_management as mm  # noqa: E402
+import nodes  # noqa: E402
+import fixtures  # noqa: E402
+
+pkg = types.ModuleType("sd_accel")   # the repo as a package, as ComfyUI loads it from custom_nodes
+pkg.__path__ = [REPO]
+sys.modules["sd_accel"] = pkg
+from sd_accel.nodes.sampler_nodes import SDAccelKSampler  # noqa: E402
+from sd_accel.hosts import comfyui_controlnet as host_cn  # noqa: E402
+
+comfy.utils.set_progress_bar_enabled(False)
+for _kind in ("checkpoints", "controlnet"):
+    try:
+        folder_paths.add_model_folder_path(_kind, os.path.join(OPT.work, _kind), is_default=True)
+    except TypeError:   # ComfyUI 2024: no is_default
+        folder_paths.add_model_folder_path(_kind, os.path.join(OPT.work, _kind))
+POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
+PRESET = "tiny" if OPT.smoke else "sd15"
+LOADED = {}
+CUDA = torch.cuda.is_available() and not OPT.smoke
+DEV = "cuda" if CUDA else "cpu"
+
+
+def say(*a):
+    print("[bench %6.1fs]" % (time.time() - T0), *a, flush=True)
+
+
+def load(kind, n_cn):
+    """(model, clip, vae, [ControlNet] * n_cn) of one family, the only family resident."""
+    if LOADED.get("kind") != kind:
+        LOADED.clear()
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+        name = "random_%s_%s_fp16.safetensors" % (kind, PRESET)
+        path = os.path.join(OPT.work, "checkpoints", name)
+        fixtures.ensure(path, fixtures.build_checkpoint, OPT.comfy_dir, kind, PRESET, path, 1234)
+        with torch.inference_mode():
+            LOADED.update(kind=kind, ckpt=nodes.CheckpointLoaderSimple().load_checkpoint(name)[:3], cns=[])
+    cns = LOADED["cns"]
+    while len(cns) < n_cn:
+        name = "random_cn_%s_%s_fp16.safetensors" % (kind, PRESET)
+        path = os.path.join(OPT.work, "controlnet", name)
+        fixtures.ensure(path, fixtures.build_controlnet, OPT.comfy_dir, PRESET, path, seed=99, kind=kind)
+        with torch.inference_mode():
+            cns.append(nodes.ControlNetLoader().load_controlnet(name)[0])
+    return LOADED["ckpt"] + (cns[:n_cn],)
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def hint_image(size):
+    return torch.rand((1, size, size, 3), generator=torch.Generator().manual_seed(3))
+
+
+def graph(model, clip, vae, cns, size, batch, seed, sampler):
+    """One execution of the whole graph; returns times, peak VRAM over sampling, the image, report."""
+    with torch.inference_mode():
+        sync()
+        t0 = time.perf_counter()
+        pos = nodes.CLIPTextEncode().encode(clip, POS)[0]
+        neg = nodes.CLIPTextEncode().encode(clip, NEG)[0]
+        hint = hint_image(size)
+        for cn in cns:
+            pos, neg = nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cn, hint, 1.0, 0.0, 1.0)[:2]
+        lat = nodes.EmptyLatentImage().generate(size, size, batch)[0]
+        sync()
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        t1 = time.perf_counter()
+        report = line = None
+        if sampler == "ours":
+            res = SDAccelKSampler().sample(model, seed, OPT.steps, 7.0, "euler", "normal", pos, neg, lat)
+            out, report, line = res["result"][0], res["ui"]["sdaccel_report"][0], res["ui"]["text"][0]
+        else:
+            out = nodes.KSampler().sample(model, seed, OPT.steps, 7.0, "euler", "normal", pos, neg, lat)[0]
+        sync()
+        t2 = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0
+        img = nodes.VAEDecode().decode(vae, out)[0]
+        sync()
+        t3 = time.perf_counter()
+    return {"sample_s": t2 - t1, "e2e_s": t3 - t0, "peak_gib": peak, "img": img.float().cpu(), "report": report,
+            "line": line}
+
+
+def measure_pair(model, clip, vae, cns, size, batch):
+    """Warm-up of each, then stock and ours alternating, OPT.reps timed runs each (seeds 100, 101, ...)."""
+    first = {s: graph(model, clip, vae, cns, size, batch, 1, s) for s in ("stock", "ours")}
+    runs = {"stock": [], "ours": []}
+    for r in range(OPT.reps):
+        for s in ("stock", "ours"):
+            runs[s].append(graph(model, clip, vae, cns, size, batch, 100 + r, s))
+    out = {}
+    for s, rs in runs.items():
+        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        out[s] = {"its": OPT.steps / med("sample_s"), "sample_s": med("sample_s"), "e2e_s": med("e2e_s"),
+                  "peak_gib": max(r["peak_gib"] for r in rs), "first_s": first[s]["sample_s"], "img": rs[0]["img"],
+                  "report": rs[-1]["report"], "line": rs[-1]["line"], "first_report": first[s]["report"]}
+    return out["stock"], out["ours"]
+
+
+def psnr(a, b):
+    mse = float(((a - b) ** 2).mean())
+    return 99.0 if mse == 0 else float(10 * torch.log10(torch.tensor(1.0 / mse)))
+
+
+def cn_rel_err(model, cns, size, batch):
+    """One step's ControlNet residuals (the whole chain), stock vs patched, same input, CFG batch."""
+    bm = model.model
+    dt = bm.get_dtype()
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randn((2 * batch, 4, size // 8, size // 8), device=DEV, dtype=dt, generator=g)
+    sigma = torch.full((2 * batch,), float(bm.model_sampling.sigma(torch.tensor(500.0))), device=DEV)
+    cond = {"c_crossattn": torch.randn((2 * batch, 77, bm.model_config.unet_config["context_dim"]), device=DEV,
+                                       dtype=dt, generator=g)}
+    adm = bm.model_config.unet_config.get("adm_in_channels")
+    if adm:
+        cond["y"] = torch.randn((2 * batch, adm), device=DEV, dtype=dt, generator=g)
+    hint = hint_image(size).movedim(-1, 1)
+    stock = None
+    for cn in cns:
+        stock = cn.copy().set_cond_hint(hint, 1.0).set_previous_controlnet(stock)
+    fast, info = host_cn.accelerate_controlnet(stock)
+
+    def run(c):
+        mm.load_models_gpu([model] + c.get_models())
+        c.pre_run(bm, lambda p: bm.model_sampling.percent_to_sigma(p))
+        kw = {"transformer_options": {}} if "transformer_options" in inspect.signature(c.get_control).parameters else {}
+        try:
+            out = c.get_control(x, sigma, cond, 2, **kw)
+        finally:
+            c.cleanup()
+        return [v.float() for k in ("input", "middle", "output") for v in out[k] if v is not None]
+
+    with torch.inference_mode():
+        ref = run(stock)
+        out = run(fast)
+        run(stock)   # takes the patches off again
+    host_cn.release(info)
+    return max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(out, ref))
+
+
+def versions():
+    v = {"gpu": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = None
+    cf = os.path.join(OPT.comfy_dir, ".comfy_commit")
+    v["comfyui"] = open(cf).read().strip()[:12] if os.path.exists(cf) else "unknown"
+    try:
+        import comfyui_version
+        v["comfyui"] += " (%s)" % comfyui_version.__version__
+    except ImportError:
+        pass
+    return v
+
+
+def main():
+    env = versions()
+    say("ENV", json.dumps(env), "allocator:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    rows = []
+    for tag in OPT.configs.split(","):
+        if time.time() - T0 > OPT.deadline:
+            say("SKIP", tag, "past the deadline")
+            continue
+        kind, size, batch, n_cn = GEOM[tag]
+        if OPT.smoke:
+            if kind != "sd15":
+                say("SKIP", tag, "--smoke builds only the tiny SD1.5 preset (a full SDXL ControlNet is 1.25 G "
+                                 "parameters)")
+                continue
+            size = 64
+        try:
+            model, clip, vae, cns = load(kind, n_cn)
+            stock, ours = measure_pair(model, clip, vae, cns, size, batch)
+            rec = dict(env, date=datetime.date.today().isoformat(), config=tag, steps=OPT.steps, sampler="euler",
+                       scheduler="normal", cfg=7.0, stock_its=round(stock["its"], 2), ours_its=round(ours["its"], 2),
+                       speedup=round(ours["its"] / stock["its"], 3),
+                       first_run_s=round(ours["first_s"] - ours["sample_s"], 2),
+                       stock_e2e_s=round(stock["e2e_s"], 3), ours_e2e_s=round(ours["e2e_s"], 3),
+                       stock_peak_gib=round(stock["peak_gib"], 3), ours_peak_gib=round(ours["peak_gib"], 3),
+                       psnr_db=round(psnr(stock["img"], ours["img"]), 2))
+            rec["cn_rel_err"] = cn_rel_err(model, cns, size, batch) if cns else None
+            rep = ours["report"] or {}
+            rec["notes"] = "%s; ran: %s; fell back: %s; graphs: %s; first run graphs: %s; report: %s" % (
+                "smoke (CPU, tiny preset)" if OPT.smoke else "random full-size weights",
+                ", ".join(rep.get("ran", [])), json.dumps(rep.get("fell_back", {})), json.dumps(rep.get("graphs")),
+                json.dumps((ours["first_report"] or {}).get("graphs")), "; ".join(rep.get("notes", [])))
+            rows.append(rec)
+            with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            say("RESULT", json.dumps(rec))
+        except Exception:  # noqa: BLE001 - keep the other configs
+            say("ERROR", tag, traceback.format_exc())
+    print("%-17s %10s %9s %7s %8s %8s %8s %8s %7s %9s %7s" % (
+        "config", "stock it/s", "ours it/s", "x", "first s", "e2e st", "e2e ours", "peak st", "peak us",
+        "cn err", "PSNR"))
+    for r in rows:
+        err = "%9.2e" % r["cn_rel_err"] if r["cn_rel_err"] is not None else "%9s" % "-"
+        print("%-17s %10.2f %9.2f %7.2f %8.2f %8.3f %8.3f %8.2f %7.2f %s %7.1f" % (
+            r["config"], r["stock_its"], r["ours_its"], r["speedup"], r["first_run_s"], r["stock_e2e_s"],
+            r["ours_e2e_s"], r["stock_peak_gib"], r["ours_peak_gib"], err, r["psnr_db"]))
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

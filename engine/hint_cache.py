@@ -1,0 +1,135 @@
+"""Reuse a ControlNet's `input_hint_block` output across the steps of one sampling run (lossless).
+
+A cldm ControlNet runs `input_hint_block(hint, emb, context)` on every step: a stack of convs + SiLU at
+full image resolution whose output depends only on the hint image (not on the timestep, `emb`, or
+`context`). The hint tensor ComfyUI passes stays the same object for a whole sampling run, so the
+block's output can be computed on the first step and reused on the next ones.
+
+`plan_hint_cache(root, prefix)` returns `{path: replacement}` like `patching.plan_patches`: the
+replacement is an instance of a subclass of the block's own class (`TimestepEmbedSequential`) holding
+the SAME child modules, so parameter names (`input_hint_block.0.weight`, ...) and weight patching are
+unchanged; the host applies and removes it (ComfyUI: `add_object_patch`). Only blocks made of
+timestep-free layers (convolutions, SiLU, identity, fused replacements of those) are planned.
+
+A cached output is reused only when all of these are unchanged since it was computed:
+  * the hint tensor: the same object (held, so its id cannot be reused), storage pointer, shape,
+    stride, dtype, device and version counter (when it has one: inference tensors do not);
+  * every weight of the block: identity, storage pointer, version counter where available, and the
+    host's per-module weight functions (ComfyUI's low-VRAM LoRA patches);
+  * the call itself: no `transformer_options` patches, autograd off or nothing requiring grad.
+Up to `MAX_ENTRIES` hints are kept (cond and uncond run apart with a batched hint); `clear()` drops
+them, which the host does at the end of each sampling run so no activation outlives it.
+"""
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from . import fused_modules as fm
+
+MAX_ENTRIES = 2
+HINT_BLOCK_NAMES = ("input_hint_block",)
+
+
+def _version(t):
+    try:
+        return t._version
+    except Exception:  # noqa: BLE001 - inference tensors have no version counter
+        return None
+
+
+def _tensor_key(t):
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, _version(t))
+
+
+class HintBlockCache:
+    """Mixin over the hint block's class: `forward` returns the stored output for an unchanged hint."""
+    sdaccel_kind = "hint_cache"
+
+    def sdaccel_reset(self):
+        self.__dict__["_sdaccel_entries"] = OrderedDict()
+        self.__dict__["_sdaccel_stats"] = {"hits": 0, "misses": 0, "bypassed": 0}
+
+    @property
+    def sdaccel_stats(self):
+        return dict(self.__dict__["_sdaccel_stats"])
+
+    def clear(self):
+        self.__dict__["_sdaccel_entries"].clear()
+
+    def _sdaccel_weights_key(self):
+        key = []
+        for m in self.modules():
+            for name, p in m._parameters.items():
+                if p is not None:
+                    key.append((name, id(p), _tensor_key(p)))
+            for attr in ("weight_function", "bias_function"):
+                f = getattr(m, attr, None)
+                if f:
+                    key.append((attr,) + tuple(id(x) for x in (f if isinstance(f, (list, tuple)) else [f])))
+        return tuple(key)
+
+    def _sdaccel_cacheable(self, args, kwargs):
+        to = kwargs.get("transformer_options")
+        if to is None and len(args) > 2:
+            to = args[2]
+        if isinstance(to, dict) and to.get("patches"):
+            return False   # another pack patches the block's layers for this call: do not second-guess it
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            return False
+        return True
+
+    def forward(self, x, *args, **kwargs):
+        stats = self.__dict__["_sdaccel_stats"]
+        if not isinstance(x, torch.Tensor) or not self._sdaccel_cacheable(args, kwargs):
+            stats["bypassed"] += 1
+            return super().forward(x, *args, **kwargs)
+        entries = self.__dict__["_sdaccel_entries"]
+        key = (_tensor_key(x), self._sdaccel_weights_key())
+        hit = entries.get(id(x))
+        if hit is not None and hit[0] is x and hit[1] == key:
+            entries.move_to_end(id(x))
+            stats["hits"] += 1
+            return hit[2]
+        out = super().forward(x, *args, **kwargs)
+        entries[id(x)] = (x, key, out)
+        entries.move_to_end(id(x))
+        while len(entries) > MAX_ENTRIES:
+            entries.popitem(last=False)
+        stats["misses"] += 1
+        return out
+
+
+def is_timestep_free(block):
+    """True when every layer of `block` ignores the timestep embedding and the context."""
+    children = list(block.children())
+    if not children:
+        return False
+    for m in children:
+        if fm.is_fused(m) and getattr(type(m), "sdaccel_kind", None) == "silu_folded":
+            continue
+        if not isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.SiLU, nn.Identity)):
+            return False
+    return True
+
+
+def make_hint_cache(orig):
+    """The caching stand-in for `orig` (or for the host block behind an existing stand-in)."""
+    new = fm._clone_into(fm._fused_class(HintBlockCache, fm.original_class(orig)), orig)
+    new.sdaccel_reset()
+    return new
+
+
+def plan_hint_cache(root, prefix=""):
+    """{prefix + path: caching replacement} for the hint blocks of `root` that can be cached."""
+    out = {}
+    for name in HINT_BLOCK_NAMES:
+        block = getattr(root, name, None)
+        if isinstance(block, nn.Sequential) and is_timestep_free(block):
+            out[prefix + name] = make_hint_cache(block)
+    return out
+
+
+def caches_in(modules):
+    """The hint caches among `modules` (e.g. a plan's values)."""
+    return [m for m in modules if isinstance(m, HintBlockCache)]

@@ -1,0 +1,195 @@
+"""ComfyUI host, ControlNet side: the engine's patches on ComfyUI's ControlNet objects, reversibly.
+
+What gets patched, as data (`{attribute path: replacement}` from the engine, relative to the cldm module):
+  * the fused modules of `engine.patching.plan_patches` (GroupNorm+SiLU, GroupNorm, LayerNorm, GEGLU),
+    exactly as on the UNet;
+  * `input_hint_block` -> a caching stand-in (`engine.hint_cache`) that computes the hint features once
+    per sampling run instead of on every step. Lossless; same child modules and parameter names.
+
+How it is applied, on both ComfyUI versions (2024-03 and current): a `comfy.controlnet.ControlNet` holds
+its cldm module in a ModelPatcher, `control_model_wrapped`, which the sampler loads with the UNet
+(`get_models()`). `accelerate_controlnet(cn)` returns `cn.copy()` whose `control_model_wrapped` is a
+`clone()` of cn's patcher with one `add_object_patch(path, module)` per plan entry. ComfyUI sets the
+patches when it loads that patcher for sampling and restores the original modules when it unloads it or
+loads another clone (stock ControlNet, another prompt). `cn` itself, its patcher and its cldm module are
+never modified. (The copy is needed on both versions: 2024's `copy()` builds a fresh patcher, and
+current ComfyUI's `copy()` shares the patcher, so patching it would leak into every copy.)
+
+Chains: `previous_controlnet` links are copied and re-linked bottom-up; a link that is not ComfyUI's own
+full ControlNet (T2I adapter, control-LoRA, other packs' classes) is not patched; a stock ComfyUI class
+is copied so the chain can be re-linked, another pack's class keeps the chain above it stock.
+Identity matters: ComfyUI batches cond and uncond together only when both carry the SAME control object,
+so every ControlNet found in the conds is converted once and the copy is shared wherever it appeared.
+
+Entry points are used by Accelerated KSampler: `accelerate_conds(positive, negative, options)` before
+sampling and `release(info)` after it (drops the cached hint features).
+"""
+import logging
+from dataclasses import dataclass
+
+from ..engine import hint_cache, patching
+
+log = logging.getLogger("sd_accel")
+
+
+@dataclass(frozen=True)
+class ControlNetOptions:
+    fused_kernels: bool = True
+    hint_cache: bool = True
+
+    def any(self):
+        return self.fused_kernels or self.hint_cache
+
+
+def _comfy_controlnet():
+    import comfy.controlnet
+    return comfy.controlnet
+
+
+def _register_weight_caster():
+    from . import comfyui
+    comfyui._register_weight_caster()
+
+
+def plan_controlnet(control_model, options, prefix=""):
+    """The engine's patch plan for one cldm ControlNet module: (patches, counts). Never modifies it."""
+    patches, counts = {}, {}
+    if options.fused_kernels:
+        plan = patching.plan_patches(control_model, prefix=prefix)
+        patches.update(plan.patches)
+        counts.update(plan.counts)
+    if options.hint_cache:
+        hc = hint_cache.plan_hint_cache(control_model, prefix=prefix)
+        patches.update(hc)
+        if hc:
+            counts["hint_cache"] = len(hc)
+    return patches, counts
+
+
+def _patchable(cn):
+    """None if `cn` can be patched here, else why not."""
+    cnm = _comfy_controlnet()
+    if type(cn) is not cnm.ControlNet:
+        return "%s is not a full ControlNet" % type(cn).__name__
+    wrapped = getattr(cn, "control_model_wrapped", None)
+    if getattr(cn, "control_model", None) is None or wrapped is None:
+        return "no control model"
+    if not (hasattr(wrapped, "clone") and hasattr(wrapped, "add_object_patch")):
+        return "its model patcher has no object patches"
+    return None
+
+
+def _stock_copyable(cn):
+    """A ComfyUI class whose own copy() we can rely on to re-link a chain (T2I adapter, control-LoRA)."""
+    cls = type(cn)
+    cnm = _comfy_controlnet()
+    return cls.__module__ == cnm.__name__ and getattr(cnm, cls.__name__, None) is cls and hasattr(cn, "copy")
+
+
+class _Converter:
+    def __init__(self, options):
+        self.options = options
+        self.memo = {}        # id(original) -> (original, converted)
+        self.plans = {}       # id(cldm module) -> (module, patches, counts)
+        self.info = {"controlnets": 0, "patched": {}, "skipped": [], "hint_caches": []}
+
+    def plan(self, control_model):
+        hit = self.plans.get(id(control_model))
+        if hit is None:
+            patches, counts = plan_controlnet(control_model, self.options)
+            hit = self.plans[id(control_model)] = (control_model, patches, counts)
+            self.info["hint_caches"] += hint_cache.caches_in(patches.values())
+            for op, n in counts.items():
+                self.info["patched"][op] = self.info["patched"].get(op, 0) + n
+        return hit[1]
+
+    def convert(self, cn):
+        if cn is None:
+            return None
+        hit = self.memo.get(id(cn))
+        if hit is not None:
+            return hit[1]
+        prev = getattr(cn, "previous_controlnet", None)
+        new_prev = self.convert(prev)
+        why = _patchable(cn)
+        if why is None:
+            patches = self.plan(cn.control_model)
+            new = cn.copy()
+            patcher = cn.control_model_wrapped.clone()
+            for path, module in patches.items():
+                patcher.add_object_patch(path, module)
+            new.control_model_wrapped = patcher
+            new.set_previous_controlnet(new_prev)
+            self.info["controlnets"] += 1
+        else:
+            self.info["skipped"].append(why)
+            if new_prev is prev:
+                new = cn
+            elif _stock_copyable(cn):
+                new = cn.copy()
+                new.set_previous_controlnet(new_prev)
+            else:
+                new = cn   # cannot re-link another pack's class: the chain below it stays stock here
+                self.info["skipped"].append("chain below %s left stock" % type(cn).__name__)
+        self.memo[id(cn)] = (cn, new)
+        return new
+
+
+def accelerate_controlnet(cn, options=ControlNetOptions()):
+    """(patched copy of the ControlNet chain `cn`, info). `cn` is untouched; unpatchable links stay stock."""
+    if not options.any():
+        return cn, {"controlnets": 0, "patched": {}, "skipped": [], "hint_caches": []}
+    if options.fused_kernels:
+        _register_weight_caster()
+    conv = _Converter(options)
+    return conv.convert(cn), conv.info
+
+
+def accelerate_conds(positive, negative, options=ControlNetOptions()):
+    """New (positive, negative) lists whose "control" entries are patched copies; the inputs (ComfyUI's
+    cached node outputs) are not modified. Also returns the info dict for `summary` and `release`."""
+    conv = _Converter(options)
+    if options.fused_kernels:
+        _register_weight_caster()
+
+    def convert(conds):
+        if not options.any() or conds is None:
+            return conds
+        out = []
+        for item in conds:
+            d = item[1] if isinstance(item, (list, tuple)) and len(item) > 1 else None
+            if isinstance(d, dict) and d.get("control") is not None:
+                item = [item[0], dict(d, control=conv.convert(d["control"]))] + list(item[2:])
+            out.append(item)
+        return out
+    return convert(positive), convert(negative), conv.info
+
+
+def hint_stats(info):
+    hits = misses = 0
+    for m in (info or {}).get("hint_caches", ()):
+        s = m.sdaccel_stats
+        hits += s["hits"]
+        misses += s["misses"]
+    return {"hits": hits, "misses": misses}
+
+
+def release(info):
+    """Drops the cached hint features (call after sampling): nothing outlives the run."""
+    for m in (info or {}).get("hint_caches", ()):
+        m.clear()
+
+
+def summary(info):
+    """One short line for the run report, or None when no ControlNet was found."""
+    if not info or (not info["controlnets"] and not info["skipped"]):
+        return None
+    parts = ["controlnet: %d patched" % info["controlnets"]]
+    if info["patched"]:
+        parts.append(", ".join("%s x%d" % kv for kv in sorted(info["patched"].items())))
+    hs = hint_stats(info)
+    if hs["hits"] or hs["misses"]:
+        parts.append("hint block computed %d, reused %d" % (hs["misses"], hs["hits"]))
+    if info["skipped"]:
+        parts.append("left stock: " + "; ".join(sorted(set(info["skipped"]))))
+    return "; ".join(parts)

@@ -1,0 +1,193 @@
+"""ControlNet patching through ComfyUI's own objects, in-process: a random SD1.5 ControlNet (tiny preset)
+loaded with `comfy.controlnet.load_controlnet`, run through `ControlNet.get_control` with the fused kernels
+under the Triton interpreter. Runs against $SDACCEL_COMFYUI (current ComfyUI) or the 2024 one."""
+import inspect
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sd_accel.engine import fused_modules as fm  # noqa: E402
+from sd_accel.engine import hint_cache, kernel_report  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
+COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
+
+
+class _Sampling:
+    """What get_control needs from model_sampling: identity timestep and input scaling."""
+
+    def timestep(self, t):
+        return t
+
+    def calculate_input(self, t, x):
+        return x
+
+
+@pytest.fixture(scope="module")
+def comfy_cn(tmp_path_factory):
+    if not os.path.isfile(os.path.join(COMFY, "main.py")):
+        pytest.fail("no ComfyUI at %s: run dev/setup_env.sh" % COMFY)
+    sys.path.insert(0, os.path.join(REPO, "dev"))
+    import fixtures
+    fixtures._import_comfy(COMFY)
+    import comfy.controlnet
+    from sd_accel.hosts import comfyui_controlnet as host_cn
+    path = str(tmp_path_factory.mktemp("cn") / "cn15_tiny.safetensors")
+    fixtures.build_controlnet(COMFY, "tiny", path, seed=3)
+
+    def load():
+        return comfy.controlnet.load_controlnet(path)
+    return load, host_cn
+
+
+@pytest.fixture(autouse=True)
+def _unload():
+    yield
+    import comfy.model_management as mm
+    mm.unload_all_models()
+
+
+def _hint(seed, hw=32):
+    return torch.rand(1, 3, hw, hw, generator=torch.Generator().manual_seed(seed))
+
+
+def _inputs(hw=4):
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(2, 4, hw, hw, generator=g), torch.tensor([700.0, 700.0]), torch.randn(2, 7, 768, generator=g)
+
+
+def _control(cn, x, t, ctx):
+    """One step's ControlNet residuals, the way ComfyUI's sampler asks for them (cond + uncond batch)."""
+    import comfy.model_management as mm
+    mm.load_models_gpu(cn.get_models())
+    link = cn
+    while link is not None:
+        link.model_sampling_current = _Sampling()
+        link = link.previous_controlnet
+    kw = {"transformer_options": {}} if "transformer_options" in inspect.signature(cn.get_control).parameters else {}
+    with torch.inference_mode():
+        out = cn.get_control(x, t, {"c_crossattn": ctx}, 2, **kw)
+    return [v for k in ("input", "middle", "output") for v in out[k] if v is not None]
+
+
+def _applied(cn):
+    """With a ControlNet's patcher loaded: the fused and caching modules now in its cldm module."""
+    return {n: m for n, m in cn.control_model.named_modules() if fm.is_fused(m)}
+
+
+def _rel(a, b):
+    return max(float((x - y).norm() / y.norm().clamp_min(1e-12)) for x, y in zip(a, b))
+
+
+def test_patched_controlnet_matches_stock_and_removal_restores(comfy_cn):
+    load, host_cn = comfy_cn
+    stock = load().copy().set_cond_hint(_hint(1), 0.8)
+    cm = stock.control_model
+    modules_before = dict(cm.named_modules())
+    names_before = [n for n, _ in cm.named_parameters()]
+    x, t, ctx = _inputs()
+    ref = _control(stock, x, t, ctx)
+    stock.cleanup()
+
+    fast, info = host_cn.accelerate_controlnet(stock)
+    assert fast is not stock and fast.control_model is cm, "a copy over the same weights"
+    assert fast.control_model_wrapped is not stock.control_model_wrapped
+    assert not stock.control_model_wrapped.object_patches, "the original ControlNet is not patched"
+    assert info["controlnets"] == 1 and info["patched"]["hint_cache"] == 1
+    assert info["patched"]["group_norm_silu"] >= 4 and info["patched"]["geglu"] >= 1
+    assert fast.strength == 0.8 and fast.cond_hint_original is stock.cond_hint_original
+    assert not _applied(fast), "nothing changes until ComfyUI loads the patcher"
+
+    k0 = kernel_report.snapshot()
+    out = _control(fast, x, t, ctx)
+    ran = kernel_report.summarize(k0, kernel_report.snapshot())
+    applied = _applied(fast)
+    assert isinstance(cm.input_hint_block, hint_cache.HintBlockCache)
+    assert applied.keys() == fast.control_model_wrapped.object_patches.keys()
+    assert [n for n, _ in cm.named_parameters()] == names_before, "parameter names are unchanged"
+    assert ran["group_norm_silu"]["fused"] > 0 and ran["geglu"]["fused"] > 0
+    assert all(e["fallback"] == 0 for e in ran.values()), ran
+    assert len(out) == len(ref) and _rel(out, ref) < 1e-4, _rel(out, ref)
+    assert host_cn.hint_stats(info) == {"hits": 0, "misses": 1}
+
+    # loading the stock ControlNet again (another prompt) takes the patches off: ComfyUI's own unpatch
+    again = _control(stock, x, t, ctx)
+    assert not _applied(stock)
+    assert dict(cm.named_modules()).keys() == modules_before.keys()
+    assert all(cm.get_submodule(n) is m for n, m in modules_before.items() if n)
+    assert all(torch.equal(a, b) for a, b in zip(again, ref))
+
+
+def test_hint_block_runs_once_per_hint_and_invalidates_on_a_new_hint(comfy_cn):
+    load, host_cn = comfy_cn
+    stock = load().copy().set_cond_hint(_hint(1), 1.0)
+    fast, info = host_cn.accelerate_controlnet(stock, host_cn.ControlNetOptions(fused_kernels=False))
+    assert info["patched"] == {"hint_cache": 1}
+    x, t, ctx = _inputs()
+    steps = [_control(fast, x, t + 100.0 * i, ctx) for i in range(3)]
+    assert host_cn.hint_stats(info) == {"hits": 2, "misses": 1}
+    for i, got in enumerate(steps):   # exact: the hint block's output does not depend on the step
+        want = _control(stock, x, t + 100.0 * i, ctx)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+    stock.cleanup()
+
+    # a new hint (a new image, or the next sampling run: ComfyUI rebuilds cond_hint) is recomputed
+    fast.cleanup()
+    fast.set_cond_hint(_hint(2), 1.0)
+    new = _control(fast, x, t, ctx)
+    assert host_cn.hint_stats(info) == {"hits": 2, "misses": 2}
+    stock2 = stock.copy().set_cond_hint(_hint(2), 1.0)
+    want = _control(stock2, x, t, ctx)
+    assert all(torch.equal(a, b) for a, b in zip(new, want))
+    assert not all(torch.equal(a, b) for a, b in zip(new, steps[0]))
+    host_cn.release(info)
+    assert not any(m._sdaccel_entries for m in info["hint_caches"]), "release drops the cached features"
+
+
+def test_conds_chains_and_identity(comfy_cn):
+    load, host_cn = comfy_cn
+    base = load()
+    other = load()                                    # a second ControlNet file
+    first = base.copy().set_cond_hint(_hint(1), 1.0)
+    second = other.copy().set_cond_hint(_hint(2), 0.5)
+    second.set_previous_controlnet(first)             # what two chained Apply ControlNet nodes build
+    ctx = torch.zeros(1, 7, 768)
+    positive = [[ctx, {"control": second, "pooled_output": None}]]
+    negative = [[ctx, {"control": second}]]
+    # hint cache only: the fused kernels are checked above and are slow under the interpreter
+    pos, neg, info = host_cn.accelerate_conds(positive, negative, host_cn.ControlNetOptions(fused_kernels=False))
+    assert positive[0][1]["control"] is second and negative[0][1]["control"] is second, "inputs untouched"
+    head = pos[0][1]["control"]
+    assert head is neg[0][1]["control"], "one copy for both: ComfyUI batches cond and uncond by identity"
+    assert head is not second and head.previous_controlnet is not first
+    assert head.previous_controlnet.control_model is first.control_model
+    assert info["controlnets"] == 2 and info["patched"]["hint_cache"] == 2
+    assert pos[0][1]["pooled_output"] is None and pos[0][0] is ctx
+    x, t, c = _inputs()
+    ref = _control(second, x, t, c)
+    out = _control(head, x, t, c)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    line = host_cn.summary(info)
+    assert line.startswith("controlnet: 2 patched") and "hint block computed 2" in line
+
+
+def test_options_off_and_foreign_links(comfy_cn):
+    load, host_cn = comfy_cn
+    import comfy.controlnet
+    cn = load().copy()
+    same, info = host_cn.accelerate_controlnet(cn, host_cn.ControlNetOptions(False, False))
+    assert same is cn and info["controlnets"] == 0
+
+    class OtherPack(comfy.controlnet.ControlNet):     # another pack's subclass: left stock
+        pass
+    foreign = OtherPack(cn.control_model, load_device=cn.load_device)
+    foreign.set_previous_controlnet(cn)
+    new, info = host_cn.accelerate_controlnet(foreign)
+    assert new is foreign and foreign.previous_controlnet is cn
+    assert "OtherPack is not a full ControlNet" in info["skipped"]
+    assert host_cn.summary(info).startswith("controlnet: 1 patched")
