@@ -20,14 +20,14 @@ import datetime
 import inspect
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
 import traceback
-import types
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import comfy_bench as cb  # noqa: E402
+
 GEOM = {  # config -> (model kind, image size, batch, ControlNets)
     "sd15_512_b1_cn0": ("sd15", 512, 1, 0),
     "sd15_512_b1_cn1": ("sd15", 512, 1, 1),
@@ -35,63 +35,26 @@ GEOM = {  # config -> (model kind, image size, batch, ControlNets)
     "sdxl_1024_b1_cn1": ("sdxl", 1024, 1, 1),
 }
 ap = argparse.ArgumentParser()
-ap.add_argument("--comfy-dir", default=os.path.join(REPO, "vendor", "ComfyUI"))
-ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
-ap.add_argument("--work", default="/tmp/sdaccel_bench")
+cb.add_common_args(ap)
 ap.add_argument("--configs", default=None, help="comma list of %s (default: the cn1/cn2 ones; --smoke: SD1.5 "
                                                   "only)" % ", ".join(GEOM))
 ap.add_argument("--steps", type=int, default=None, help="default 20 (--smoke: 4)")
-ap.add_argument("--reps", type=int, default=3)
-ap.add_argument("--deadline", type=float, default=540.0, help="seconds; later configs are skipped past it")
-ap.add_argument("--comfy-args", default="")
-ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny UNet/ControlNet, 64 px, --cpu")
 OPT = ap.parse_args()
-T0 = time.time()
 if OPT.steps is None:
     OPT.steps = 4 if OPT.smoke else 20
 if OPT.configs is None:
     OPT.configs = "sd15_512_b1_cn1,sd15_512_b1_cn2" + ("" if OPT.smoke else ",sdxl_1024_b1_cn1")
-os.makedirs(OPT.out, exist_ok=True)
-for sub in ("checkpoints", "controlnet"):
-    os.makedirs(os.path.join(OPT.work, sub), exist_ok=True)
-if OPT.smoke:
-    OPT.comfy_args += " --cpu"
-sys.argv = [sys.argv[0]] + shlex.split(OPT.comfy_args)
-sys.path.insert(0, os.path.abspath(OPT.comfy_dir))
-sys.path.insert(0, os.path.join(REPO, "dev"))
-
-import comfy.options  # noqa: E402  main.py's order: args, cuda_malloc (allocator), then torch
-
-comfy.options.enable_args_parsing()
-import cuda_malloc  # noqa: E402,F401
-import torch  # noqa: E402
-import folder_paths  # noqa: E402
-import comfy.utils  # noqa: E402
-import comfy.model_management as mm  # noqa: E402
-import nodes  # noqa: E402
-import fixtures  # noqa: E402
-
-pkg = types.ModuleType("sd_accel")   # the repo as a package, as ComfyUI loads it from custom_nodes
-pkg.__path__ = [REPO]
-sys.modules["sd_accel"] = pkg
+ENV = cb.boot(OPT, ("checkpoints", "controlnet"))
+torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
+say, psnr = cb.say, cb.psnr
 from sd_accel.nodes.sampler_nodes import SDAccelKSampler  # noqa: E402
 from sd_accel.hosts import comfyui_controlnet as host_cn  # noqa: E402
 
-comfy.utils.set_progress_bar_enabled(False)
-for _kind in ("checkpoints", "controlnet"):
-    try:
-        folder_paths.add_model_folder_path(_kind, os.path.join(OPT.work, _kind), is_default=True)
-    except TypeError:   # ComfyUI 2024: no is_default
-        folder_paths.add_model_folder_path(_kind, os.path.join(OPT.work, _kind))
 POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
 PRESET = "tiny" if OPT.smoke else "sd15"
 LOADED = {}
-CUDA = torch.cuda.is_available() and not OPT.smoke
-DEV = "cuda" if CUDA else "cpu"
+CUDA, DEV = ENV.cuda, ENV.dev
 
-
-def say(*a):
-    print("[bench %6.1fs]" % (time.time() - T0), *a, flush=True)
 
 
 def load(kind, n_cn):
@@ -116,8 +79,7 @@ def load(kind, n_cn):
 
 
 def sync():
-    if CUDA:
-        torch.cuda.synchronize()
+    cb.sync(ENV)
 
 
 def hint_image(size):
@@ -171,11 +133,6 @@ def measure_pair(model, clip, vae, cns, size, batch):
     return out["stock"], out["ours"]
 
 
-def psnr(a, b):
-    mse = float(((a - b) ** 2).mean())
-    return 99.0 if mse == 0 else float(10 * torch.log10(torch.tensor(1.0 / mse)))
-
-
 def cn_rel_err(model, cns, size, batch):
     """One step's ControlNet residuals (the whole chain), stock vs patched, same input, CFG batch."""
     bm = model.model
@@ -212,29 +169,13 @@ def cn_rel_err(model, cns, size, batch):
     return max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(out, ref))
 
 
-def versions():
-    v = {"gpu": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
-    try:
-        import triton
-        v["triton"] = triton.__version__
-    except ImportError:
-        v["triton"] = None
-    cf = os.path.join(OPT.comfy_dir, ".comfy_commit")
-    v["comfyui"] = open(cf).read().strip()[:12] if os.path.exists(cf) else "unknown"
-    try:
-        import comfyui_version
-        v["comfyui"] += " (%s)" % comfyui_version.__version__
-    except ImportError:
-        pass
-    return v
-
 
 def main():
-    env = versions()
+    env = cb.versions(ENV, OPT.comfy_dir)
     say("ENV", json.dumps(env), "allocator:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     rows = []
     for tag in OPT.configs.split(","):
-        if time.time() - T0 > OPT.deadline:
+        if time.time() - cb.T0 > OPT.deadline:
             say("SKIP", tag, "past the deadline")
             continue
         kind, size, batch, n_cn = GEOM[tag]

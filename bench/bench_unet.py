@@ -13,63 +13,33 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
 import traceback
-import types
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import comfy_bench as cb  # noqa: E402
+
 ap = argparse.ArgumentParser()
-ap.add_argument("--comfy-dir", default=os.path.join(REPO, "vendor", "ComfyUI"))
-ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
-ap.add_argument("--work", default="/tmp/sdaccel_bench")
+cb.add_common_args(ap)
 ap.add_argument("--configs", default="sd15_512_b1,sd15_512_b4,sd15_768_b1,sdxl_1024_b1")
 ap.add_argument("--compile", default="sd15_512_b1", help="configs also run through TorchCompileModel (inductor)")
 ap.add_argument("--steps", type=int, default=20)
-ap.add_argument("--reps", type=int, default=3)
-ap.add_argument("--deadline", type=float, default=540.0, help="seconds; later configs are skipped past it")
-ap.add_argument("--comfy-args", default="")
-ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny UNet, 64 px, --cpu")
 ap.add_argument("--profile", default="", help="configs to profile (2 steps of ours, kernel table)")
 OPT = ap.parse_args()
-T0 = time.time()
-os.makedirs(OPT.out, exist_ok=True)
-os.makedirs(os.path.join(OPT.work, "checkpoints"), exist_ok=True)
-if OPT.smoke:
-    OPT.comfy_args += " --cpu"
-sys.argv = [sys.argv[0]] + shlex.split(OPT.comfy_args)
-sys.path.insert(0, os.path.abspath(OPT.comfy_dir))
-sys.path.insert(0, os.path.join(REPO, "dev"))
-
-import comfy.options  # noqa: E402  main.py's order: args, cuda_malloc (allocator), then torch
-
-comfy.options.enable_args_parsing()
-import cuda_malloc  # noqa: E402,F401
-import torch  # noqa: E402
-import folder_paths  # noqa: E402
-import comfy.utils  # noqa: E402
-import comfy.model_management as mm  # noqa: E402
-import nodes  # noqa: E402
-import fixtures  # noqa: E402
-
-pkg = types.ModuleType("sd_accel")   # the repo as a package, as ComfyUI loads it from custom_nodes
-pkg.__path__ = [REPO]
-sys.modules["sd_accel"] = pkg
+ENV = cb.boot(OPT, ("checkpoints",))
+torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
+CUDA, DEV = ENV.cuda, ENV.dev
+say, psnr = cb.say, cb.psnr
 from sd_accel.nodes.sampler_nodes import SDAccelKSampler  # noqa: E402
 from sd_accel.engine import patching  # noqa: E402
 
-comfy.utils.set_progress_bar_enabled(False)
-folder_paths.add_model_folder_path("checkpoints", os.path.join(OPT.work, "checkpoints"), is_default=True)
 GEOM = {"sd15_512_b1": ("sd15", 512, 1), "sd15_512_b4": ("sd15", 512, 4), "sd15_768_b1": ("sd15", 768, 1),
         "sdxl_1024_b1": ("sdxl", 1024, 1)}
 POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
 LOADED = {}
 
-
-def say(*a):
-    print("[bench %6.1fs]" % (time.time() - T0), *a, flush=True)
 
 
 def load(kind):
@@ -87,13 +57,8 @@ def load(kind):
     return LOADED[kind]
 
 
-CUDA = torch.cuda.is_available() and not OPT.smoke
-DEV = "cuda" if CUDA else "cpu"
-
-
 def sync():
-    if CUDA:
-        torch.cuda.synchronize()
+    cb.sync(ENV)
 
 
 def graph(model, clip, vae, size, batch, seed, sampler):
@@ -132,18 +97,12 @@ def measure(model, clip, vae, size, batch, sampler):
             "report": runs[-1]["report"], "first_report": first["report"]}
 
 
-def psnr(a, b):
-    mse = float(((a - b) ** 2).mean())
-    return 99.0 if mse == 0 else float(10 * torch.log10(torch.tensor(1.0 / mse)))
-
-
 def unet_rel_err(model, size, batch):
     """One UNet forward, stock vs SD Accel's fused modules + channels_last, same input (CFG batch)."""
     bm = model.model
     dm = bm.diffusion_model
     dt = bm.get_dtype()
     g = torch.Generator(device=DEV).manual_seed(7)
-    x_dtype = dt
     x = torch.randn((2 * batch, 4, size // 8, size // 8), device=DEV, dtype=dt, generator=g)
     t = torch.full((2 * batch,), 500.0, device=DEV)
     ctx_dim = bm.model_config.unet_config["context_dim"]
@@ -177,30 +136,14 @@ def profile_ours(model, clip, vae, size, batch, tag):
     say("PROFILE", tag, "\n" + table[:6000])
 
 
-def versions():
-    v = {"gpu": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__}
-    try:
-        import triton
-        v["triton"] = triton.__version__
-    except ImportError:
-        v["triton"] = None
-    cf = os.path.join(OPT.comfy_dir, ".comfy_commit")
-    v["comfyui"] = open(cf).read().strip()[:12] if os.path.exists(cf) else "unknown"
-    try:
-        import comfyui_version
-        v["comfyui"] += " (%s)" % comfyui_version.__version__
-    except ImportError:
-        pass
-    return v
-
 
 def main():
-    env = versions()
+    env = cb.versions(ENV, OPT.comfy_dir)
     say("ENV", json.dumps(env), "allocator:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     rows = []
     compile_set = set(filter(None, OPT.compile.split(",")))
     for tag in OPT.configs.split(","):
-        if time.time() - T0 > OPT.deadline:
+        if time.time() - cb.T0 > OPT.deadline:
             say("SKIP", tag, "past the deadline")
             continue
         kind, size, batch = GEOM[tag]
@@ -222,7 +165,7 @@ def main():
             rec["notes"] = "ran: %s; fell back: %s; graphs: %s; first run graphs: %s" % (
                 ", ".join(rep.get("ran", [])), json.dumps(rep.get("fell_back", {})), json.dumps(rep.get("graphs")),
                 json.dumps((ours["first_report"] or {}).get("graphs")))
-            if tag in compile_set and time.time() - T0 < OPT.deadline - 120:
+            if tag in compile_set and time.time() - cb.T0 < OPT.deadline - 120:
                 try:
                     from comfy_extras.nodes_torch_compile import TorchCompileModel
                     node = TorchCompileModel()

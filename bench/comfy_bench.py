@@ -1,0 +1,88 @@
+"""What bench_unet.py and bench_controlnet.py share: ComfyUI booted in-process in main.py's order (so
+its default cudaMallocAsync allocator is in force), this repo registered as the package `sd_accel` the
+way ComfyUI loads it from custom_nodes, and the measuring helpers."""
+import argparse
+import os
+import shlex
+import sys
+import time
+import types
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T0 = time.time()
+
+
+def add_common_args(ap: argparse.ArgumentParser, deadline=540.0):
+    ap.add_argument("--comfy-dir", default=os.path.join(REPO, "vendor", "ComfyUI"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+    ap.add_argument("--work", default="/tmp/sdaccel_bench", help="where the random checkpoints are written")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--deadline", type=float, default=deadline, help="seconds; later configs are skipped past it")
+    ap.add_argument("--comfy-args", default="", help="arguments for ComfyUI's own parser, e.g. --disable-cuda-malloc")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, --cpu")
+
+
+def boot(opt, model_folders=("checkpoints",)):
+    """Imports ComfyUI as main.py does (args, cuda_malloc, then torch); returns the modules benches use."""
+    os.makedirs(opt.out, exist_ok=True)
+    if opt.smoke:
+        opt.comfy_args += " --cpu"
+    sys.argv = [sys.argv[0]] + shlex.split(opt.comfy_args)
+    sys.path.insert(0, os.path.abspath(opt.comfy_dir))
+    sys.path.insert(0, os.path.join(REPO, "dev"))
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    import cuda_malloc  # noqa: F401  sets ComfyUI's default allocator before torch initialises CUDA
+    import torch
+    import folder_paths
+    import comfy.utils
+    import comfy.model_management as mm
+    import nodes
+    import fixtures
+    pkg = types.ModuleType("sd_accel")
+    pkg.__path__ = [REPO]
+    sys.modules["sd_accel"] = pkg
+    comfy.utils.set_progress_bar_enabled(False)
+    for kind in model_folders:
+        path = os.path.join(opt.work, kind)
+        os.makedirs(path, exist_ok=True)
+        try:
+            folder_paths.add_model_folder_path(kind, path, is_default=True)
+        except TypeError:   # ComfyUI 2024: no is_default
+            folder_paths.add_model_folder_path(kind, path)
+    cuda = torch.cuda.is_available() and not opt.smoke
+    return types.SimpleNamespace(torch=torch, nodes=nodes, mm=mm, fixtures=fixtures, cuda=cuda,
+                                 dev="cuda" if cuda else "cpu")
+
+
+def say(*a):
+    print("[bench %6.1fs]" % (time.time() - T0), *a, flush=True)
+
+
+def sync(env):
+    if env.cuda:
+        env.torch.cuda.synchronize()
+
+
+def psnr(a, b):
+    import torch
+    mse = float(((a - b) ** 2).mean())
+    return 99.0 if mse == 0 else float(10 * torch.log10(torch.tensor(1.0 / mse)))
+
+
+def versions(env, comfy_dir):
+    torch = env.torch
+    v = {"gpu": torch.cuda.get_device_name() if env.cuda else "cpu", "torch": torch.__version__}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = None
+    cf = os.path.join(comfy_dir, ".comfy_commit")
+    v["comfyui"] = open(cf).read().strip()[:12] if os.path.exists(cf) else "unknown"
+    try:
+        import comfyui_version
+        v["comfyui"] += " (%s)" % comfyui_version.__version__
+    except ImportError:
+        pass
+    return v
