@@ -8,17 +8,11 @@ bandwidth, from the graph time, counts one read of h (..., 2D) and one write of 
 import argparse
 import os
 import sys
-import types
 
-# Import the repo as the package `sd_accel`, whatever its folder is called (as tests/conftest.py does).
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if "sd_accel" not in sys.modules:
-    pkg = types.ModuleType("sd_accel")
-    pkg.__path__ = [REPO]
-    sys.modules["sd_accel"] = pkg
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_timing import DTYPES, eager_us, graph_us  # noqa: E402  (also registers sd_accel)
 
 import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 from sd_accel.kernels.geglu import geglu, geglu_reference  # noqa: E402
 
@@ -27,26 +21,7 @@ SHAPES = [
     ("sd15", (2, 64, 10240)), ("sdxl", (2, 4096, 5120)), ("sdxl", (2, 1024, 10240)),
     ("b8", (8, 4096, 2560)),
 ]
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
-
-def graph_us(fn, calls=10):
-    """Median µs per call replaying `calls` calls captured in one CUDA graph: GPU time without the
-    host's launch overhead, which is what a CUDA-graphed UNet step pays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm up (compile, allocator) off the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return do_bench(graph.replay, return_mode="median") * 1e3 / calls
-
-
-def eager_us(fn):
-    return do_bench(fn, return_mode="median") * 1e3
 
 
 def main():
