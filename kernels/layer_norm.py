@@ -95,6 +95,10 @@ def eligible(x, normalized_shape, weight=None, bias=None):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """F.layer_norm over the last dim; output in x's dtype. Triton when `eligible`, else the reference;
     `layer_norm.last_path` / `.last_reason` / `.calls` say which ran."""
+    if not x.is_contiguous():
+        # torch's own layer_norm makes this same copy (expect_contiguous); A1111's ldm hands the first
+        # norm of each transformer block a rearranged, non-contiguous view
+        x = x.contiguous()
     ok, why = eligible(x, normalized_shape, weight, bias)
     if ok:
         y = _launch(x, weight, bias, eps)
