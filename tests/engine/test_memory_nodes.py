@@ -1,0 +1,188 @@
+"""nodes/memory_nodes.py (VRAM Pool) called in-process on a real ComfyUI ModelPatcher (CPU): a budget too
+small stops with the minimum needed, a valid budget gives the plan, ComfyUI's globals come back unchanged,
+and on a ComfyUI with keyed sampler wrappers a real sampling run goes through the pool."""
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import comfy_inproc  # noqa: E402
+
+GIB = 2 ** 30
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    fixtures = comfy_inproc.fixtures_module()
+    import comfy.sd
+    path = str(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors")
+    fixtures.build_checkpoint(comfy_inproc.COMFY, "sd15", "tiny", path, seed=5)
+    with torch.inference_mode():
+        out = comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)
+    return out[0]
+
+
+@pytest.fixture()
+def mm():
+    import comfy.model_management as mm
+    before = (getattr(mm, "EXTRA_RESERVED_VRAM", None), mm.vram_state, mm.minimum_inference_memory(),
+              list(mm.current_loaded_models))
+    yield mm
+    after = (getattr(mm, "EXTRA_RESERVED_VRAM", None), mm.vram_state, mm.minimum_inference_memory(),
+             list(mm.current_loaded_models))
+    assert after[:3] == before[:3], "ComfyUI's memory globals must be restored"
+
+
+def _node():
+    from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
+    return SDAccelVRAMPool()
+
+
+def _sizes(model):
+    from sd_accel.engine.vram_plan import unet_block_sizes
+    from sd_accel.nodes.memory_nodes import diffusion_model
+    return unet_block_sizes(diffusion_model(model))
+
+
+def test_node_declares_category_description_and_tooltips():
+    from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
+    from sd_accel.nodes import NODE_CLASS_MAPPINGS, LOAD_ERRORS
+    assert "memory_nodes" not in LOAD_ERRORS and NODE_CLASS_MAPPINGS["SDAccelVRAMPool"] is SDAccelVRAMPool
+    assert SDAccelVRAMPool.CATEGORY == "SD Accel/memory" and "Planned" in SDAccelVRAMPool.DESCRIPTION
+    req = SDAccelVRAMPool.INPUT_TYPES()["required"]
+    assert set(req) == {"model", "budget_gib", "offload", "release_cache", "expandable_segments"}
+    assert all(v[1].get("tooltip") for v in req.values())
+    assert req["offload"][0] == ["none", "medvram"], "no option that does nothing yet may be offered"
+
+
+def test_module_imports_without_comfyui():
+    code = ("import sys, types; pkg = types.ModuleType('sd_accel'); pkg.__path__ = [sys.argv[1]]; "
+            "sys.modules['sd_accel'] = pkg; import sd_accel.nodes.memory_nodes as m; "
+            "assert 'comfy' not in sys.modules; print(sorted(m.NODE_CLASS_MAPPINGS))")
+    out = subprocess.run([sys.executable, "-c", code, comfy_inproc.REPO], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "SDAccelVRAMPool" in out.stdout
+
+
+def test_budget_too_small_is_a_clear_error_before_sampling(model, mm):
+    from sd_accel.nodes.memory_nodes import activation_bytes
+    from sd_accel.engine.vram_plan import min_budget
+    need = min_budget(_sizes(model), activation_bytes(mm), 1)
+    with pytest.raises(ValueError) as ei:
+        _node().apply(model, budget_gib=0.25)
+    msg = str(ei.value)
+    assert "VRAM budget 0.25 GiB is too small" in msg
+    assert "at least %.2f GiB" % (need / GIB) in msg and "budget_gib" in msg
+
+
+@pytest.mark.parametrize("bad", [dict(offload="lowvram"), dict(release_cache="always"), dict(budget_gib=-1.0)])
+def test_bad_options_are_rejected(model, mm, bad):
+    with pytest.raises(ValueError, match="VRAM Pool"):
+        _node().apply(model, **bad)
+
+
+def test_valid_budget_gives_the_plan_on_a_clone(model, mm):
+    n_blocks = len(_sizes(model))
+    before = dict(model.object_patches)
+    out = _node().apply(model, budget_gib=8.0, offload="medvram", release_cache="after_run",
+                        expandable_segments=True)
+    clone = out["result"][0]
+    assert clone is not model and model.object_patches == before
+    (ui,) = out["ui"]["sdaccel_memory"]
+    assert ui["resident_count"] == n_blocks and ui["streamed_count"] == 0
+    assert 0 < ui["peak_gib"] < 8 and ui["budget_bytes"] == 8 * GIB
+    (line,) = out["ui"]["text"]
+    assert "%d blocks resident" % n_blocks in line and "offload medvram" in line
+    if hasattr(model, "add_wrapper_with_key"):
+        import comfy.patcher_extension as pe
+        from sd_accel.nodes.memory_nodes import WRAPPER_KEY
+        assert ui["enforced"] is True
+        assert len(clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)) == 1
+        assert not model.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    else:
+        assert ui["enforced"] is False and "NOT enforced" in line
+
+
+def test_budget_between_minimum_and_full_streams_some_blocks(model, mm):
+    from sd_accel.nodes.memory_nodes import activation_bytes
+    from sd_accel.engine.vram_plan import min_budget, plan_residency
+    sizes, act = _sizes(model), activation_bytes(mm)
+    budget = (min_budget(sizes, act, 1) + act + sum(s for _, s in sizes)) // 2
+    out = _node().apply(model, budget_gib=budget / GIB)
+    (ui,) = out["ui"]["sdaccel_memory"]
+    ref = plan_residency(sizes, int(round(budget / GIB * GIB)), act, 1)
+    assert ui["resident"] == ref.resident and ui["streamed"] == ref.streamed
+    assert ui["resident_count"] > 0 and ui["streamed_count"] > 0
+    assert ui["peak_bytes"] <= budget
+
+
+def test_budget_scope_sets_and_restores_extra_reserved_vram():
+    from sd_accel.nodes.memory_nodes import budget_scope
+    fake = types.SimpleNamespace(EXTRA_RESERVED_VRAM=400 * 2 ** 20)
+    with pytest.raises(RuntimeError):
+        with budget_scope(fake, 6 * GIB, 24 * GIB) as reserved:
+            assert reserved == 18 * GIB and fake.EXTRA_RESERVED_VRAM == 18 * GIB
+            raise RuntimeError("OOM")
+    assert fake.EXTRA_RESERVED_VRAM == 400 * 2 ** 20
+    with budget_scope(fake, 24 * GIB - 2 ** 20, 24 * GIB):   # never lowers the user's own reserve
+        assert fake.EXTRA_RESERVED_VRAM == 400 * 2 ** 20
+
+
+def test_run_in_pool_restores_globals_on_error_and_records_the_stage(model, mm):
+    if not hasattr(mm, "EXTRA_RESERVED_VRAM"):
+        pytest.skip("this ComfyUI has no EXTRA_RESERVED_VRAM: the budget is reported as not enforced")
+    from sd_accel.nodes.memory_nodes import PoolSettings, run_in_pool
+    old = mm.EXTRA_RESERVED_VRAM
+    s = PoolSettings(4 * GIB, "none", "after_run", False, None)
+    seen = []
+
+    def run():
+        seen.append((mm.EXTRA_RESERVED_VRAM, mm.minimum_inference_memory()))
+        raise RuntimeError("CUDA out of memory (simulated)")
+    with pytest.raises(RuntimeError, match="simulated"):
+        run_in_pool(s, model, run, mm=mm, total_bytes=16 * GIB)
+    assert seen[0][0] == 12 * GIB and seen[0][1] >= 12 * GIB   # the loader's reserve saw the budget
+    assert mm.EXTRA_RESERVED_VRAM == old
+    (stage,) = s.last_report["stages"]
+    assert stage["stage"] == "sampling" and stage["error"] == "RuntimeError"
+    assert "budget 4.00 GiB of 16.00 GiB" in s.last_notes and "cache released" in s.last_notes
+
+
+def test_real_sampling_run_goes_through_the_pool(model, mm):
+    if not hasattr(model, "add_wrapper_with_key"):
+        pytest.skip("no keyed sampler wrappers on this ComfyUI")
+    import comfy.sample
+    from sd_accel.nodes.memory_nodes import WRAPPER_KEY
+    import comfy.patcher_extension as pe
+    clone = _node().apply(model, budget_gib=8.0, release_cache="after_run")["result"][0]
+    settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
+    cond = [[torch.randn(1, 77, 768), {}]]
+    latent = torch.zeros(1, 4, 8, 8)
+    with torch.inference_mode():
+        out = comfy.sample.sample(clone, torch.randn_like(latent), 1, 1.0, "euler", "normal", cond, cond, latent,
+                                  seed=1)
+    assert out.shape == latent.shape and torch.isfinite(out).all()
+    assert settings.last_report["stages"][0]["stage"] == "sampling"
+    assert "budget: not applied (the model runs on cpu)" in settings.last_notes
+
+
+def test_medvram_unloads_others_before_and_the_model_after():
+    """Against a stand-in model_management, on a (nominal) CUDA device: the order of the calls."""
+    from sd_accel.nodes.memory_nodes import PoolSettings, run_in_pool
+    calls = []
+    patcher = types.SimpleNamespace(load_device=torch.device("cuda", 0))
+    ours, other = types.SimpleNamespace(model=patcher), types.SimpleNamespace(model=object())
+    fake = types.SimpleNamespace(
+        EXTRA_RESERVED_VRAM=0, current_loaded_models=[other, ours],
+        get_total_memory=lambda dev: 24 * GIB,
+        free_memory=lambda req, dev, keep_loaded=(): calls.append(("free", req, list(keep_loaded))),
+        soft_empty_cache=lambda: calls.append(("empty",)))
+    s = PoolSettings(0, "medvram", "after_run", False, None)
+    assert run_in_pool(s, patcher, lambda: calls.append(("run", fake.EXTRA_RESERVED_VRAM)) or "latent",
+                       mm=fake) == "latent"
+    assert calls == [("free", 1e30, [ours]), ("run", 0), ("free", 1e30, []), ("empty",)]
+    assert fake.EXTRA_RESERVED_VRAM == 0 and "cache released" in s.last_notes
