@@ -41,3 +41,14 @@ def tiny_unet(seed=0, operations=None, std=None):
             scale = std if std is not None else (0.05 if p.dim() > 1 else 0.5)
             p.copy_(torch.randn(p.shape, generator=g) * scale + (1 if name.endswith("norm.weight") else 0))
     return unet.eval()
+
+
+def tiny_model_patcher(folder, seed=5):
+    """A real ComfyUI ModelPatcher: a tiny random SD1.5 checkpoint written to `folder` and loaded by
+    ComfyUI's own load_checkpoint_guess_config (UNet only)."""
+    fixtures = fixtures_module()
+    import comfy.sd
+    path = os.path.join(str(folder), "tiny.safetensors")
+    fixtures.build_checkpoint(COMFY, "sd15", "tiny", path, seed=seed)
+    with torch.inference_mode():
+        return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)[0]

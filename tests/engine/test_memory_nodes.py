@@ -17,13 +17,7 @@ GIB = 2 ** 30
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    fixtures = comfy_inproc.fixtures_module()
-    import comfy.sd
-    path = str(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors")
-    fixtures.build_checkpoint(comfy_inproc.COMFY, "sd15", "tiny", path, seed=5)
-    with torch.inference_mode():
-        out = comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)
-    return out[0]
+    return comfy_inproc.tiny_model_patcher(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture()
