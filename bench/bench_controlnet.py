@@ -47,10 +47,8 @@ if OPT.configs is None:
 ENV = cb.boot(OPT, ("checkpoints", "controlnet"))
 torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
 say, psnr = cb.say, cb.psnr
-from sd_accel.nodes.sampler_nodes import SDAccelKSampler  # noqa: E402
 from sd_accel.hosts import comfyui_controlnet as host_cn  # noqa: E402
 
-POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
 PRESET = "tiny" if OPT.smoke else "sd15"
 LOADED = {}
 CUDA, DEV = ENV.cuda, ENV.dev
@@ -78,43 +76,18 @@ def load(kind, n_cn):
     return LOADED["ckpt"] + (cns[:n_cn],)
 
 
-def sync():
-    cb.sync(ENV)
-
-
 def hint_image(size):
     return torch.rand((1, size, size, 3), generator=torch.Generator().manual_seed(3))
 
 
 def graph(model, clip, vae, cns, size, batch, seed, sampler):
-    """One execution of the whole graph; returns times, peak VRAM over sampling, the image, report."""
-    with torch.inference_mode():
-        sync()
-        t0 = time.perf_counter()
-        pos = nodes.CLIPTextEncode().encode(clip, POS)[0]
-        neg = nodes.CLIPTextEncode().encode(clip, NEG)[0]
-        hint = hint_image(size)
+    hint = hint_image(size)
+
+    def add_controlnets(pos, neg):
         for cn in cns:
             pos, neg = nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cn, hint, 1.0, 0.0, 1.0)[:2]
-        lat = nodes.EmptyLatentImage().generate(size, size, batch)[0]
-        sync()
-        if CUDA:
-            torch.cuda.reset_peak_memory_stats()
-        t1 = time.perf_counter()
-        report = line = None
-        if sampler == "ours":
-            res = SDAccelKSampler().sample(model, seed, OPT.steps, 7.0, "euler", "normal", pos, neg, lat)
-            out, report, line = res["result"][0], res["ui"]["sdaccel_report"][0], res["ui"]["text"][0]
-        else:
-            out = nodes.KSampler().sample(model, seed, OPT.steps, 7.0, "euler", "normal", pos, neg, lat)[0]
-        sync()
-        t2 = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0
-        img = nodes.VAEDecode().decode(vae, out)[0]
-        sync()
-        t3 = time.perf_counter()
-    return {"sample_s": t2 - t1, "e2e_s": t3 - t0, "peak_gib": peak, "img": img.float().cpu(), "report": report,
-            "line": line}
+        return pos, neg
+    return cb.run_graph(ENV, model, clip, vae, size, batch, seed, sampler, OPT.steps, add_controlnets)
 
 
 def measure_pair(model, clip, vae, cns, size, batch):

@@ -32,12 +32,10 @@ ENV = cb.boot(OPT, ("checkpoints",))
 torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
 CUDA, DEV = ENV.cuda, ENV.dev
 say, psnr = cb.say, cb.psnr
-from sd_accel.nodes.sampler_nodes import SDAccelKSampler  # noqa: E402
 from sd_accel.engine import patching  # noqa: E402
 
 GEOM = {"sd15_512_b1": ("sd15", 512, 1), "sd15_512_b4": ("sd15", 512, 4), "sd15_768_b1": ("sd15", 768, 1),
         "sdxl_1024_b1": ("sdxl", 1024, 1)}
-POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
 LOADED = {}
 
 
@@ -57,35 +55,8 @@ def load(kind):
     return LOADED[kind]
 
 
-def sync():
-    cb.sync(ENV)
-
-
 def graph(model, clip, vae, size, batch, seed, sampler):
-    """One execution of the whole graph; returns times, peak VRAM over sampling, the image, report."""
-    with torch.inference_mode():
-        sync()
-        t0 = time.perf_counter()
-        pos = nodes.CLIPTextEncode().encode(clip, POS)[0]
-        neg = nodes.CLIPTextEncode().encode(clip, NEG)[0]
-        lat = nodes.EmptyLatentImage().generate(size, size, batch)[0]
-        sync()
-        if CUDA:
-            torch.cuda.reset_peak_memory_stats()
-        t1 = time.perf_counter()
-        report = None
-        if sampler == "ours":
-            res = SDAccelKSampler().sample(model, seed, OPT.steps, 7.0, "euler", "normal", pos, neg, lat)
-            out, report = res["result"][0], res["ui"]["sdaccel_report"][0]
-        else:
-            out = nodes.KSampler().sample(model, seed, OPT.steps, 7.0, "euler", "normal", pos, neg, lat)[0]
-        sync()
-        t2 = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0
-        img = nodes.VAEDecode().decode(vae, out)[0]
-        sync()
-        t3 = time.perf_counter()
-    return {"sample_s": t2 - t1, "e2e_s": t3 - t0, "peak_gib": peak, "img": img.float().cpu(), "report": report}
+    return cb.run_graph(ENV, model, clip, vae, size, batch, seed, sampler, OPT.steps)
 
 
 def measure(model, clip, vae, size, batch, sampler):

@@ -86,3 +86,41 @@ def versions(env, comfy_dir):
     except ImportError:
         pass
     return v
+
+
+POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
+
+
+def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_conds=None):
+    """One execution of the whole graph (encode, latent, KSampler or Accelerated KSampler, decode),
+    as ComfyUI's executor runs it: times, peak VRAM over sampling, the image and our node's report.
+    `add_to_conds(pos, neg) -> (pos, neg)` inserts extra conditioning nodes (e.g. ControlNets)."""
+    import time as _t
+    torch, nodes = env.torch, env.nodes
+    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
+    with torch.inference_mode():
+        sync(env)
+        t0 = _t.perf_counter()
+        pos = nodes.CLIPTextEncode().encode(clip, POS)[0]
+        neg = nodes.CLIPTextEncode().encode(clip, NEG)[0]
+        if add_to_conds is not None:
+            pos, neg = add_to_conds(pos, neg)
+        lat = nodes.EmptyLatentImage().generate(size, size, batch)[0]
+        sync(env)
+        if env.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t1 = _t.perf_counter()
+        report = line = None
+        if sampler == "ours":
+            res = SDAccelKSampler().sample(model, seed, steps, 7.0, "euler", "normal", pos, neg, lat)
+            out, report, line = res["result"][0], res["ui"]["sdaccel_report"][0], res["ui"]["text"][0]
+        else:
+            out = nodes.KSampler().sample(model, seed, steps, 7.0, "euler", "normal", pos, neg, lat)[0]
+        sync(env)
+        t2 = _t.perf_counter()
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if env.cuda else 0.0
+        img = nodes.VAEDecode().decode(vae, out)[0]
+        sync(env)
+        t3 = _t.perf_counter()
+    return {"sample_s": t2 - t1, "e2e_s": t3 - t0, "peak_gib": peak, "img": img.float().cpu(), "report": report,
+            "line": line}
