@@ -87,7 +87,6 @@ class _Recorder:
         self.backend = backend
         self.last_path = None
         self.last_reason = ""
-        self.__module__ = __name__
 
 
 def attention_fn(backend):
@@ -99,7 +98,7 @@ def attention_fn(backend):
         ok, why = eligible(backend, q, heads)
         rec.last_path, rec.last_reason = (backend, "") if ok else ("reference", why)
         out = _IMPL[backend if ok else "sdpa"](q, k, v, heads)
-        kernel_report.record("attention_" + backend, rec, q)
+        kernel_report.record("attention_" + backend, rec)
         return out
     attend.sd_accel_backend = backend
     return attend

@@ -125,7 +125,7 @@ _NO_EPOCH = object()
 
 
 class _Entry:
-    __slots__ = ("graph", "static_in", "static_out", "spec_args", "spec_kwargs")
+    __slots__ = ("graph", "static_in", "static_out")
 
 
 class StepGraphs:
@@ -227,7 +227,6 @@ class StepGraphs:
             return None
         entry.graph = graph
         entry.static_out = out
-        entry.spec_args, entry.spec_kwargs = s_args, s_kwargs
         self.entries[key] = entry
         self.stats["captures"] += 1
         return entry

@@ -1,7 +1,7 @@
 """Which fused kernels actually ran and which fell back, and why.
 
-Each kernel function sets `fn.last_path` ("triton" or "reference") on every call; the fused modules
-record it here right after the call. Inside a CUDA graph the Python side runs only at capture, so the
+Each kernel function sets `fn.last_path` ("triton" or "reference") and `fn.last_reason` on every
+call; the fused modules record them here right after the call. Inside a CUDA graph the Python side runs only at capture, so the
 counts are per eager call or per capture, which is what the report needs: did the kernel run at all.
 A fallback reason is logged once per (op, reason), not once per call.
 """
@@ -16,28 +16,16 @@ _reasons = {}                # op -> set of reasons it fell back for
 _logged = set()
 
 
-def record(op, fn, x):
+def record(op, fn):
     path = getattr(fn, "last_path", "unknown")
     with _lock:
         _counts[(op, path)] += 1
         if path == "reference":
-            reason = getattr(fn, "last_reason", None) or _reason_from(fn, x)
+            reason = getattr(fn, "last_reason", None) or "not eligible"
             _reasons.setdefault(op, set()).add(reason)
             if (op, reason) not in _logged:
                 _logged.add((op, reason))
                 log.info("[SD Accel] %s: using the stock path (%s)", op, reason)
-
-
-def _reason_from(fn, x):
-    mod = __import__(fn.__module__, fromlist=["eligible"])
-    check = getattr(mod, "eligible", None)
-    if check is None:
-        return "not eligible"
-    try:
-        ok, reason = check(x)
-    except TypeError:
-        return "not eligible"
-    return reason if not ok else "not eligible"
 
 
 def snapshot():

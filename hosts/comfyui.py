@@ -13,7 +13,6 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-import torch
 
 from ..engine import attention, fused_modules, patching
 from ..engine import cuda_graph
@@ -216,9 +215,3 @@ def new_sampling_run(info):
 def graph_stats(info):
     st = info.get("graph_state")
     return dict(st.graphs.stats) if st is not None else {}
-
-
-def device_summary():
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return "cpu"
