@@ -111,15 +111,19 @@ def _tip(text, **opts):
 
 
 # ---------------------------------------------------------------------------------------- nodes
-class SDAccelCannyMap:
-    DESCRIPTION = ("Canny edge map for ControlNet (white edges on black), cached on disk. Uses OpenCV's "
-                   "cv2.Canny when OpenCV is installed, otherwise an exact torch port of it (no kornia "
-                   "hysteresis, so it is fast on CPU too). Thresholds are on the 0-255 scale: 100/200 is "
-                   "the A1111 / controlnet_aux default.")
+class _ConditionMapNode:
+    """What the three map nodes share: category, entry point, one IMAGE output."""
     CATEGORY = CATEGORY
     FUNCTION = "execute"
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("condition",)
+
+
+class SDAccelCannyMap(_ConditionMapNode):
+    DESCRIPTION = ("Canny edge map for ControlNet (white edges on black), cached on disk. Uses OpenCV's "
+                   "cv2.Canny when OpenCV is installed, otherwise an exact torch port of it (no kornia "
+                   "hysteresis, so it is fast on CPU too). Thresholds are on the 0-255 scale: 100/200 is "
+                   "the A1111 / controlnet_aux default.")
     OUTPUT_TOOLTIPS = ("The edge map as an IMAGE, ready for Apply ControlNet.",)
 
     @classmethod
@@ -146,15 +150,11 @@ class SDAccelCannyMap:
         return run_node(pre, image, use_cache)
 
 
-class SDAccelDepthMap:
+class SDAccelDepthMap(_ConditionMapNode):
     DESCRIPTION = ("Depth map for ControlNet (near = bright), cached on disk. Runs a transformers depth model "
                    "(Depth Anything V2, DPT/MiDaS, ...) from a local folder in models/depth/<name> holding "
                    "config.json, model.safetensors and preprocessor_config.json, e.g. a copy of "
                    "depth-anything/Depth-Anything-V2-Small-hf. Nothing is downloaded.")
-    CATEGORY = CATEGORY
-    FUNCTION = "execute"
-    RETURN_TYPES = ("IMAGE",)
-    RETURN_NAMES = ("condition",)
     OUTPUT_TOOLTIPS = ("The depth map as an IMAGE, ready for Apply ControlNet.",)
 
     @classmethod
@@ -180,15 +180,11 @@ class SDAccelDepthMap:
         return run_node(pre, image, use_cache)
 
 
-class SDAccelPoseMap:
+class SDAccelPoseMap(_ConditionMapNode):
     DESCRIPTION = ("Whole-body OpenPose image for ControlNet (body, hands, face on black), cached on disk. "
                    "Runs the DWPose ONNX models through onnxruntime: yolox_l.onnx and dw-ll_ucoco_384.onnx "
                    "from models/pose/ or comfyui_controlnet_aux's ckpts folder (AUX_ANNOTATOR_CKPTS_PATH "
                    "is honoured). Nothing is downloaded.")
-    CATEGORY = CATEGORY
-    FUNCTION = "execute"
-    RETURN_TYPES = ("IMAGE",)
-    RETURN_NAMES = ("condition",)
     OUTPUT_TOOLTIPS = ("The pose skeleton image, ready for Apply ControlNet (OpenPose models).",)
 
     @classmethod
