@@ -63,11 +63,7 @@ def triton_runnable(t):
         major, minor = _device_capability(t.device)
         if (major, minor) < MIN_CAPABILITY:
             return False, f"GPU sm_{major}{minor} < sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]}"
-        if torch.cuda.is_current_stream_capturing() and async_allocator():
-            # Under cudaMallocAsync, memory allocated during a capture has no address the driver
-            # will confirm until the graph is instantiated, and Triton's launcher checks every
-            # pointer (cuPointerGetAttribute): the launch would fail. Seen on an H200, triton 3.6.
-            return False, "CUDA-graph capture under cudaMallocAsync (use --disable-cuda-malloc to fuse in graphs)"
+        # (a capture under cudaMallocAsync is handled by `launch`: see there)
         return True, ""
     if t.device.type == "cpu":
         if interpret_mode():
@@ -106,3 +102,69 @@ def init_record(fn):
     fn.last_reason = ""
     fn.calls = {"triton": 0, "reference": 0}
     return fn
+
+
+class NotWarmedUp(RuntimeError):
+    """A launch during a CUDA-graph capture under cudaMallocAsync found no kernel compiled for its
+    arguments by an earlier eager call: the op falls back to its reference for this call."""
+
+
+_compiled = {}        # (jit kernel, device index, argument signature) -> triton CompiledKernel
+_MAX_COMPILED = 4096  # distinct shapes seen; far above a UNet's (a few hundred per resolution)
+
+
+def _signature(args, meta):
+    """What Triton specialises a compiled kernel on, stricter: tensors by dtype and 16-byte alignment,
+    every scalar by value, every meta-parameter by value."""
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            sig.append(a)
+    return tuple(sig), tuple(sorted(meta.items()))
+
+
+def _bound_args(kernel, args, meta):
+    """The kernel's arguments in declaration order, as Triton's launcher takes them (constexprs
+    included; it skips them), with tensors as raw addresses. None if the call does not name every
+    parameter (the cached path is then not used for this kernel)."""
+    names = kernel.arg_names
+    if len(args) > len(names) or any(n not in meta for n in names[len(args):]):
+        return None
+    vals = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    return vals + [meta[n] for n in names[len(args):]]
+
+
+def _compiled_launch_applies(t):
+    return t.device.type == "cuda"
+
+
+def launch(kernel, grid, *args, **meta):
+    """`kernel[grid](*args, **meta)`, through the compiled kernel with raw device addresses once an
+    eager call with the same signature has compiled it.
+
+    Why: Triton's launcher asks the driver about every tensor pointer (cuPointerGetAttribute). Under
+    ComfyUI's default cudaMallocAsync allocator, memory allocated during a CUDA-graph capture has no
+    address the driver will confirm until the graph is instantiated, so a plain launch inside a
+    capture fails (seen on an H200, triton 3.6). An integer address is passed through unchecked; the
+    address is the one torch's own captured kernels use. It also skips Triton's per-call argument
+    binding, which is most of a small kernel's launch cost. During such a capture a kernel must have
+    been compiled by an earlier eager call (CUDA-graph replay always runs the step eagerly first);
+    otherwise NotWarmedUp is raised before anything is launched for that kernel."""
+    t = next(a for a in args if isinstance(a, torch.Tensor))
+    if not _compiled_launch_applies(t):   # the interpreter (CI): plain launch
+        kernel[grid](*args, **meta)
+        return
+    key = (kernel, t.device.index, _signature(args, meta))
+    compiled = _compiled.get(key)
+    if compiled is None:
+        if torch.cuda.is_current_stream_capturing() and async_allocator():
+            raise NotWarmedUp(getattr(kernel, "__name__", str(kernel)))
+        compiled = kernel[grid](*args, **meta)
+        if _bound_args(kernel, args, meta) is not None and hasattr(compiled, "__getitem__"):
+            if len(_compiled) >= _MAX_COMPILED:
+                _compiled.clear()
+            _compiled[key] = compiled
+        return
+    compiled[grid](*_bound_args(kernel, args, meta))

@@ -10,7 +10,7 @@ power of two dividing D where one exists (SD's D = 1280, 2560, 5120), so no lane
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, get_triton, init_record, next_pow2, num_warps_for, record, triton_runnable
+from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record, triton_runnable
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 4096  # output elements per program (it reads twice that)
@@ -51,7 +51,7 @@ def _launch(h):
     M = h.numel() // (2 * D)
     out = torch.empty(h.shape[:-1] + (D,), device=h.device, dtype=h.dtype)
     block_m, block_n = _config(M, D)
-    _geglu_kernel[(cdiv(M, block_m), cdiv(D, block_n))](
+    launch(_geglu_kernel, (cdiv(M, block_m), cdiv(D, block_n)),
         h, out, M, D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps_for(block_m * block_n))
     return out
 
@@ -84,9 +84,12 @@ def geglu(h):
     """
     ok, why = eligible(h)
     if ok:
-        out = _launch(h)
-        record(geglu, "triton")
-        return out
+        try:
+            out = _launch(h)
+            record(geglu, "triton")
+            return out
+        except NotWarmedUp:
+            why = "graph capture before any eager call of this shape"
     record(geglu, "reference", why)
     return geglu_reference(h).contiguous()
 

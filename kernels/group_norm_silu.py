@@ -19,7 +19,7 @@ allocations depend on shapes only, so the op can be captured in a CUDA graph.
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, get_triton, init_record, next_pow2, num_warps_for, record, triton_runnable
+from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record, triton_runnable
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_CHUNKS = 64        # spatial chunks per batch item: bounds what one finalize program merges
@@ -192,20 +192,20 @@ def _launch(x, num_groups, weight, bias, eps, activation):
     ws = torch.empty(N * C * (2 * nsc + 3), device=x.device, dtype=torch.float32)
     y = torch.empty_like(x)  # preserve_format: same strides as x, so channels_last stays channels_last
 
-    _gn_stats_kernel[(nsc, c_tiles, N)](
+    launch(_gn_stats_kernel, (nsc, c_tiles, N),
         x, ws, N, C, HW, *strides, nsc, chunk_iters,
         BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
 
     cg = C // num_groups
     block_cg = max(2, next_pow2(cg))
     block_sc = max(2, min(next_pow2(nsc), 4096 // block_cg))
-    _gn_finalize_kernel[(N * num_groups,)](
+    launch(_gn_finalize_kernel, (N * num_groups,),
         ws, weight if weight is not None else ws, bias if bias is not None else ws,
         N, C, HW, num_groups, cg, nsc, chunk_iters * block_s, float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None,
         BLOCK_SC=block_sc, BLOCK_CG=block_cg, num_warps=4)
 
-    _gn_apply_kernel[(s_tiles, c_tiles, N)](
+    launch(_gn_apply_kernel, (s_tiles, c_tiles, N),
         x, y, ws[2 * N * nsc * C:], N, C, HW, *strides,
         APPLY_SILU=activation == "silu", BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
     return y
@@ -255,9 +255,12 @@ def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation=
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     ok, why = eligible(x, num_groups, weight, bias)
     if ok:
-        y = _launch(x, num_groups, weight, bias, eps, activation)
-        record(group_norm_silu, "triton")
-        return y
+        try:
+            y = _launch(x, num_groups, weight, bias, eps, activation)
+            record(group_norm_silu, "triton")
+            return y
+        except NotWarmedUp:
+            why = "graph capture before any eager call of this shape"
     record(group_norm_silu, "reference", why)
     y = group_norm_silu_reference(x, num_groups, weight, bias, eps, activation)
     if _is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):

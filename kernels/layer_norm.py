@@ -8,7 +8,7 @@ and one write of x. grid (row tiles,); BLOCK_D = next power of two >= D, BLOCK_M
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, get_triton, init_record, next_pow2, num_warps_for, record, triton_runnable
+from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record, triton_runnable
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 4096
@@ -56,7 +56,7 @@ def _launch(x, weight, bias, eps):
     y = torch.empty_like(x)
     block_d = max(2, next_pow2(D))
     block_m = max(2, min(_TILE // block_d, next_pow2(M)))
-    _layer_norm_kernel[(cdiv(M, block_m),)](
+    launch(_layer_norm_kernel, (cdiv(M, block_m),),
         x, y, weight if weight is not None else y, bias if bias is not None else y, M, D, float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_D=block_d,
         num_warps=num_warps_for(block_m * block_d))
@@ -101,9 +101,12 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         x = x.contiguous()
     ok, why = eligible(x, normalized_shape, weight, bias)
     if ok:
-        y = _launch(x, weight, bias, eps)
-        record(layer_norm, "triton")
-        return y
+        try:
+            y = _launch(x, weight, bias, eps)
+            record(layer_norm, "triton")
+            return y
+        except NotWarmedUp:
+            why = "graph capture before any eager call of this shape"
     record(layer_norm, "reference", why)
     return layer_norm_reference(x, normalized_shape, weight, bias, eps)
 

@@ -1,0 +1,89 @@
+"""`_triton.launch`: the compiled-kernel cache that lets Triton kernels run inside a CUDA-graph capture
+under cudaMallocAsync (raw addresses skip the launcher's pointer check). The bookkeeping runs on CPU
+with a stand-in kernel that records its launches; the real launch under capture is in tests/gpu."""
+import pytest
+import torch
+
+from sd_accel.kernels import _triton
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("raw", grid, args))
+
+
+class _Kernel:
+    """Stands in for a triton JITFunction: `kernel[grid](*args, **meta)` compiles and returns the compiled kernel."""
+    arg_names = ["X", "Y", "N", "EPS", "BLOCK"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.log.append(("jit", grid, args, meta))
+            return _Compiled(self.log)
+        return run
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    monkeypatch.setattr(_triton, "_compiled_launch_applies", lambda t: True)
+    monkeypatch.setattr(_triton, "_compiled", {})
+    state = {"capturing": False, "async": True}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(_triton, "async_allocator", lambda: state["async"])
+    return state
+
+
+def test_first_call_compiles_then_later_calls_launch_raw_addresses_in_declaration_order(gpu_like):
+    k, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
+    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    assert [e[0] for e in k.log] == ["jit"]
+    x2, y2 = torch.ones(8), torch.ones(8)
+    _triton.launch(k, (2,), x2, y2, 8, 1e-5, BLOCK=4, num_warps=4)
+    assert k.log[-1] == ("raw", (2,), (x2.data_ptr(), y2.data_ptr(), 8, 1e-5, 4))
+
+
+def test_a_new_shape_or_meta_parameter_compiles_again(gpu_like):
+    k, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
+    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    _triton.launch(k, (4,), x, y, 16, 1e-5, BLOCK=4, num_warps=4)
+    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=8, num_warps=4)
+    _triton.launch(k, (2,), x.half(), y.half(), 8, 1e-5, BLOCK=4, num_warps=4)
+    assert [e[0] for e in k.log] == ["jit"] * 4
+
+
+def test_capture_under_cuda_malloc_async_needs_an_earlier_eager_compile(gpu_like):
+    k, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
+    gpu_like["capturing"] = True
+    with pytest.raises(_triton.NotWarmedUp):
+        _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    assert k.log == []                      # nothing launched into the capture
+    gpu_like["async"] = False               # native allocator: Triton's own launch works in a capture
+    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    gpu_like["async"] = True                # compiled now: raw launch inside the capture
+    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    assert [e[0] for e in k.log] == ["jit", "raw"]
+
+
+def test_a_call_that_does_not_name_every_parameter_is_never_cached(gpu_like):
+    k, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
+    for _ in range(2):
+        _triton.launch(k, (2,), x, y, 8, 1e-5, num_warps=4)   # BLOCK left to a default
+    assert [e[0] for e in k.log] == ["jit", "jit"]
+
+
+def test_ops_fall_back_to_their_reference_when_a_capture_finds_no_compiled_kernel(monkeypatch):
+    from sd_accel.kernels import geglu as geglu_mod
+
+    def not_warm(*a, **k):
+        raise _triton.NotWarmedUp("x")
+    monkeypatch.setattr(geglu_mod, "launch", not_warm)
+    h = torch.randn(3, 8)
+    out = geglu_mod.geglu(h)
+    assert geglu_mod.geglu.last_path == "reference" and "capture" in geglu_mod.geglu.last_reason
+    torch.testing.assert_close(out, geglu_mod.geglu_reference(h))
