@@ -23,7 +23,6 @@ This module imports nothing from A1111 at import time: the caller passes what it
 """
 import logging
 import sys
-import weakref
 from collections import Counter
 from dataclasses import dataclass, fields
 
@@ -91,13 +90,15 @@ class _UnetState:
         self.structure = None     # (epoch, signature) cache for the graph key
 
 
-_states = weakref.WeakKeyDictionary()
+# An attribute of the UNet, not a WeakKeyDictionary entry: the state refers back to the UNet (its
+# graphs), and a dict value that refers to its weak key would keep every UNet ever patched alive.
+_STATE_ATTR = "_sd_accel_state"
 
 
 def _state(unet):
-    st = _states.get(unet)
+    st = unet.__dict__.get(_STATE_ATTR)
     if st is None:
-        st = _states[unet] = _UnetState()
+        st = unet.__dict__[_STATE_ATTR] = _UnetState()
     return st
 
 
@@ -202,7 +203,7 @@ def apply_fused(unet, ops=patching.ALL_OPS):
 
 def remove_fused(unet):
     """Puts the original modules back where ours still stand. Returns how many were restored."""
-    st = _states.get(unet)
+    st = unet.__dict__.get(_STATE_ATTR)
     if st is None or not st.backup:
         return 0
     back = {}
@@ -248,7 +249,7 @@ def apply(unet, options, ops=patching.ALL_OPS):
 def remove(unet):
     """Everything back as loaded: original modules, contiguous conv weights, no graphs."""
     n = remove_fused(unet)
-    st = _states.get(unet)
+    st = unet.__dict__.get(_STATE_ATTR)
     if st is not None:
         _set_channels_last(unet, st, False)
         if st.graphs is not None:
@@ -258,7 +259,7 @@ def remove(unet):
 
 def check_keys(unet):
     """True when `state_dict()` keys are those the UNet had before it was first patched."""
-    st = _states.get(unet)
+    st = unet.__dict__.get(_STATE_ATTR)
     if st is None or st.keys is None:
         return True
     st.keys_ok = _keys(unet) == st.keys
@@ -270,7 +271,7 @@ def status(unet):
     if unet is None:
         return {"model": None, "patched": 0, "counts": {}, "paths": [], "channels_last": False,
                 "state_dict_keys_unchanged": True, "graphs": {}}
-    st = _states.get(unet)
+    st = unet.__dict__.get(_STATE_ATTR)
     n_ours = sum(1 for m in unet.modules() if fused_modules.is_fused(m))
     out = {"model": type(unet).__name__, "patched": n_ours,
            "counts": dict(st.counts) if st else {},
@@ -397,7 +398,7 @@ def make_unet_option(sd_unet, get_sd_model, get_options, original_forward_for):
 
         def deactivate(self):
             unet = unet_of(get_sd_model())
-            st = _states.get(unet) if unet is not None else None
+            st = unet.__dict__.get(_STATE_ATTR) if unet is not None else None
             if st is not None and st.graphs is not None:
                 st.graphs.clear("UNet route deactivated (weights reload or setting change)")
 

@@ -10,7 +10,6 @@
 Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
 """
 import logging
-import weakref
 from dataclasses import dataclass
 
 
@@ -51,14 +50,17 @@ class _ModelState:
         self.epoch = None      # set per sampling run by Accelerated KSampler
 
 
-_states = weakref.WeakKeyDictionary()
+# Kept in an attribute of the model (a reference cycle the garbage collector frees with it), not in a
+# WeakKeyDictionary: the state refers back to the model (graphs, wrappers), and a value that refers to
+# its weak key keeps it alive for ever.
+_STATE_ATTR = "_sd_accel_state"
 
 
 def _state(base_model):
-    st = _states.get(base_model)
+    st = base_model.__dict__.get(_STATE_ATTR)
     if st is None:
-        st = _states[base_model] = _ModelState(base_model)
-        log.log(cuda_graph.DIAG_LEVEL, "[SD Accel] new graph state for model %x (%d states)", id(base_model), len(_states))
+        st = base_model.__dict__[_STATE_ATTR] = _ModelState(base_model)
+        log.log(cuda_graph.DIAG_LEVEL, "[SD Accel] new graph state for model %x", id(base_model))
     return st
 
 
@@ -170,17 +172,22 @@ def _weights_on_gpu(base_model):
 
 # The patched clone of each input model, per options. ComfyUI re-runs a sampler node on every prompt
 # with the same (cached) input ModelPatcher; handing back the same clone means ComfyUI sees the same
-# patcher loaded, instead of a new clone that makes it unload the previous one.
-_clones = weakref.WeakKeyDictionary()
+# patcher loaded, instead of a new clone that makes it unload the previous one (and drop its graphs).
+# Kept in an attribute of the input model, not in a global WeakKeyDictionary: the clone refers to its
+# input (`clone.parent`), and a dict value that refers to its weak key keeps it alive for ever (every
+# model and LoRA variant ever accelerated would stay in RAM). As an attribute it is a plain reference
+# cycle that the garbage collector frees with the input model.
+_CLONES_ATTR = "_sd_accel_clones"
 
 
 def accelerate(model, options):
     """Returns (clone of `model` with SD Accel applied, info dict). `model` itself is untouched."""
-    cached = _clones.get(model, {}).get(options)
+    clones = model.__dict__.setdefault(_CLONES_ATTR, {})
+    cached = clones.get(options)
     if cached is not None and cached[2] == getattr(model, "patches_uuid", None):
         return cached[0], cached[1]
     clone, info = _accelerate(model, options)
-    _clones.setdefault(model, {})[options] = (clone, info, getattr(model, "patches_uuid", None))
+    clones[options] = (clone, info, getattr(model, "patches_uuid", None))
     return clone, info
 
 

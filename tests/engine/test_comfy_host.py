@@ -70,3 +70,32 @@ def test_wrapper_chains_a_wrapper_another_pack_set(model):
         lambda x, t, **c: seen.append(t) or x * 2, {"input": x, "timestep": torch.ones(1), "c": {},
                                                     "cond_or_uncond": [0]})
     assert calls == [1] and len(seen) == 1 and torch.equal(out, x * 2)
+
+
+def test_the_clone_cache_lets_an_unused_input_model_be_freed(model):
+    """A model ComfyUI no longer holds (a LoRA variant, an old checkpoint) must not be kept alive by
+    the cache of clones, nor keep its clone alive."""
+    import gc
+    import weakref
+    from sd_accel.hosts import comfyui as host
+    other = model.clone()
+    acc, _ = host.accelerate(other, host.AccelOptions())
+    assert host.accelerate(other, host.AccelOptions())[0] is acc
+    refs = weakref.ref(other), weakref.ref(acc)
+    del other, acc
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
+
+
+def test_graph_state_does_not_keep_an_unloaded_checkpoint_alive(tmp_path):
+    """Switching checkpoints must free the old UNet: the per-model graph state refers back to the model."""
+    import gc
+    import weakref
+    from sd_accel.hosts import comfyui as host
+    m = comfy_inproc.tiny_model_patcher(tmp_path)
+    acc, info = host.accelerate(m, host.AccelOptions())
+    assert info.get("graph_state") is not None
+    ref = weakref.ref(m.model)
+    del m, acc, info
+    gc.collect()
+    assert ref() is None
