@@ -5,6 +5,13 @@ What gets patched, as data (`{attribute path: replacement}` from the engine, rel
     exactly as on the UNet;
   * `input_hint_block` -> a caching stand-in (`engine.hint_cache`) that computes the hint features once
     per sampling run instead of on every step. Lossless; same child modules and parameter names.
+    Not with CUDA graphs: a replay cannot take a Python-side cache decision, and inside the graph the
+    block costs ~1% of the ControlNet's GPU time;
+  * `forward` -> `engine.graphed_forward.GraphedForward` when cuda_graph or channels_last is on: the
+    whole ControlNet forward replayed from CUDA graphs (one per shape, kept on the cldm module so they
+    survive from one prompt to the next, dropped when its weights change or leave the GPU), and its
+    conv weights in channels_last. Strength, start/end percent and the merge with the previous
+    ControlNet stay outside, in ComfyUI's own code, so they are honoured on every step.
 
 How it is applied, on both ComfyUI versions (2024-03 and current): a `comfy.controlnet.ControlNet` holds
 its cldm module in a ModelPatcher, `control_model_wrapped`, which the sampler loads with the UNet
@@ -28,6 +35,7 @@ import logging
 from dataclasses import dataclass
 
 from ..engine import hint_cache, patching
+from ..engine.graphed_forward import GraphedForward
 
 log = logging.getLogger("sd_accel")
 
@@ -36,9 +44,11 @@ log = logging.getLogger("sd_accel")
 class ControlNetOptions:
     fused_kernels: bool = True
     hint_cache: bool = True
+    cuda_graph: bool = False
+    channels_last: bool = False
 
     def any(self):
-        return self.fused_kernels or self.hint_cache
+        return self.fused_kernels or self.hint_cache or self.cuda_graph or self.channels_last
 
 
 def _comfy_controlnet():
@@ -58,11 +68,16 @@ def plan_controlnet(control_model, options, prefix=""):
         plan = patching.plan_patches(control_model, prefix=prefix)
         patches.update(plan.patches)
         counts.update(plan.counts)
-    if options.hint_cache:
+    if options.hint_cache and not options.cuda_graph:
         hc = hint_cache.plan_hint_cache(control_model, prefix=prefix)
         patches.update(hc)
         if hc:
             counts["hint_cache"] = len(hc)
+    if options.cuda_graph or options.channels_last:
+        gf = GraphedForward.for_module(control_model, type(control_model).__name__,
+                                       options.cuda_graph, options.channels_last)
+        patches[prefix + "forward"] = gf
+        counts["cuda_graph" if options.cuda_graph else "channels_last"] = 1
     return patches, counts
 
 
@@ -91,7 +106,7 @@ class _Converter:
         self.options = options
         self.memo = {}        # id(original) -> (original, converted)
         self.plans = {}       # id(cldm module) -> (module, patches, counts)
-        self.info = {"controlnets": 0, "patched": {}, "skipped": [], "hint_caches": []}
+        self.info = {"controlnets": 0, "patched": {}, "skipped": [], "hint_caches": [], "forwards": []}
 
     def plan(self, control_model):
         hit = self.plans.get(id(control_model))
@@ -99,6 +114,10 @@ class _Converter:
             patches, counts = plan_controlnet(control_model, self.options)
             hit = self.plans[id(control_model)] = (control_model, patches, counts)
             self.info["hint_caches"] += hint_cache.caches_in(patches.values())
+            for gf in patches.values():
+                if isinstance(gf, GraphedForward):
+                    gf.new_run()
+                    self.info["forwards"].append(gf)
             for op, n in counts.items():
                 self.info["patched"][op] = self.info["patched"].get(op, 0) + n
         return hit[1]
@@ -119,6 +138,7 @@ class _Converter:
             for path, module in patches.items():
                 patcher.add_object_patch(path, module)
             new.control_model_wrapped = patcher
+            _free_graphs_on_unload(patcher, patches)
             new.set_previous_controlnet(new_prev)
             self.info["controlnets"] += 1
         else:
@@ -133,6 +153,20 @@ class _Converter:
                 self.info["skipped"].append("chain below %s left stock" % type(cn).__name__)
         self.memo[id(cn)] = (cn, new)
         return new
+
+
+def _free_graphs_on_unload(patcher, patches):
+    """Current ComfyUI: when it detaches the ControlNet's patcher and the weights left the GPU, free the
+    graph memory (older ComfyUI has no callbacks: the graphs go when the weights change or the model dies)."""
+    forwards = [gf for gf in patches.values() if isinstance(gf, GraphedForward)]
+    if not forwards or not hasattr(patcher, "add_callback_with_key"):
+        return
+    import comfy.patcher_extension as pe
+
+    def on_detach(p, unpatch_all=True, _forwards=tuple(forwards)):
+        for gf in _forwards:
+            gf.clear_if_offloaded()
+    patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "sd_accel", on_detach)
 
 
 def accelerate_controlnet(cn, options=ControlNetOptions()):
@@ -165,6 +199,15 @@ def accelerate_conds(positive, negative, options=ControlNetOptions()):
     return convert(positive), convert(negative), conv.info
 
 
+def graph_stats(info):
+    """Summed CUDA-graph counters of the ControlNets' stand-ins (since their models were loaded)."""
+    out = {}
+    for gf in {id(g.graphs): g.graphs for g in (info or {}).get("forwards", ())}.values():
+        for k, v in gf.stats.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def hint_stats(info):
     hits = misses = 0
     for m in (info or {}).get("hint_caches", ()):
@@ -190,6 +233,10 @@ def summary(info):
     hs = hint_stats(info)
     if hs["hits"] or hs["misses"]:
         parts.append("hint block computed %d, reused %d" % (hs["misses"], hs["hits"]))
+    gs = info.get("graph_delta")
+    if gs:
+        parts.append("graphs: %d replays, %d captures, %d eager" % (gs.get("replays", 0), gs.get("captures", 0),
+                                                                  gs.get("eager", 0)))
     if info["skipped"]:
         parts.append("left stock: " + "; ".join(sorted(set(info["skipped"]))))
     return "; ".join(parts)

@@ -25,11 +25,12 @@ ACCEL_INPUTS = {
 }
 CONTROLNET_INPUTS = {
     "controlnet": ("BOOLEAN", {"default": True, "tooltip":
-                   "Also accelerate the ControlNets attached to positive/negative (Apply ControlNet): the fused "
-                   "kernels on them when fused_kernels is on, and their input hint block computed once per run "
-                   "instead of at every step. Lossless. Works on a patched copy: the loaded ControlNet and "
-                   "other samplers are untouched. Full ControlNets only; T2I adapters and control-LoRAs run "
-                   "stock."}),
+                   "Also accelerate the ControlNets attached to positive/negative (Apply ControlNet) with the "
+                   "options above: fused kernels, channels_last, and each ControlNet's forward replayed from a "
+                   "CUDA graph (strength and start/end percent are applied outside the graph, every step); "
+                   "without CUDA graphs its input hint block is computed once per run instead of at every step. "
+                   "Lossless. Works on a patched copy: the loaded ControlNet and other samplers are untouched. "
+                   "Full ControlNets only; T2I adapters and control-LoRAs run stock."}),
 }
 
 
@@ -92,9 +93,11 @@ class SDAccelKSampler:
         cn_pos, cn_neg = positive, negative
         if controlnet:
             cn_pos, cn_neg, cn_info = host_cn.accelerate_conds(
-                positive, negative, host_cn.ControlNetOptions(fused_kernels=opts.fused_kernels, hint_cache=True))
+                positive, negative, host_cn.ControlNetOptions(fused_kernels=opts.fused_kernels, hint_cache=True,
+                                                              cuda_graph=opts.cuda_graph,
+                                                              channels_last=opts.channels_last))
         host.new_sampling_run(info)
-        k0, g0 = kernel_report.snapshot(), host.graph_stats(info)
+        k0, g0, cg0 = kernel_report.snapshot(), host.graph_stats(info), host_cn.graph_stats(cn_info)
         try:
             with run_report.RunTimer() as timer:
                 out = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, cn_pos,
@@ -115,6 +118,9 @@ class SDAccelKSampler:
             host_cn.release(cn_info)
             info, cn_info = {"options": {}}, None
         finally:
+            if cn_info:
+                cg1 = host_cn.graph_stats(cn_info)
+                cn_info["graph_delta"] = {k: cg1[k] - cg0.get(k, 0) for k in cg1}
             cn_line = host_cn.summary(cn_info)
             host_cn.release(cn_info)
         if cn_line:

@@ -191,3 +191,31 @@ def test_options_off_and_foreign_links(comfy_cn):
     assert new is foreign and foreign.previous_controlnet is cn
     assert "OtherPack is not a full ControlNet" in info["skipped"]
     assert host_cn.summary(info).startswith("controlnet: 1 patched")
+
+
+def test_graphed_forward_matches_stock_survives_prompts_and_unpatches(comfy_cn):
+    """cuda_graph + channels_last on a ControlNet: its forward becomes the graph stand-in (eager on CPU,
+    where no graph can be captured), the output is stock's, the hint block is not cached (a replay cannot
+    take that Python-side decision), the stand-in is the same object on the next prompt (its graphs
+    survive) and loading the stock ControlNet puts the class's own forward back."""
+    from sd_accel.engine.graphed_forward import GraphedForward
+    load, host_cn = comfy_cn
+    stock = load().copy().set_cond_hint(_hint(2), 0.7)
+    cm = stock.control_model
+    x, t, ctx = _inputs()
+    ref = _control(stock, x, t, ctx)
+    opts = host_cn.ControlNetOptions(fused_kernels=True, cuda_graph=True, channels_last=True)
+    fast, info = host_cn.accelerate_controlnet(stock, opts)
+    assert info["patched"]["cuda_graph"] == 1 and "hint_cache" not in info["patched"]
+    out = _control(fast, x, t, ctx)
+    assert isinstance(cm.__dict__.get("forward"), GraphedForward)
+    assert _rel(out, ref) < 1e-4, _rel(out, ref)
+    gf = cm.forward
+    assert gf.graphs.stats["eager"] >= 1 and gf.graphs.last_eager_reason == "no CUDA device"
+    assert host_cn.graph_stats(info)["eager"] >= 1
+    fast2, info2 = host_cn.accelerate_controlnet(stock, opts)   # the next prompt
+    _control(fast2, x, t, ctx)
+    assert cm.forward is gf, "one stand-in per ControlNet and options: its graphs are reused"
+    again = _control(stock, x, t, ctx)
+    assert not isinstance(cm.forward, GraphedForward)
+    assert all(torch.equal(a, b) for a, b in zip(again, ref))
