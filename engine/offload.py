@@ -65,6 +65,12 @@ def off_device_bytes(unet, device):
     return {name: sum(_nbytes(t) for _, t in _owned(mod) if not _on(t, device)) for name, mod in top_level_blocks(unet)}
 
 
+def on_device_bytes(module, device):
+    """Bytes of the parameters and buffers under `module` that are on `device`."""
+    device = torch.device(device)
+    return sum(_nbytes(t) for _, t in _owned(module) if _on(t, device))
+
+
 def _on(t, device):
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 

@@ -1,12 +1,19 @@
 """VRAM Pool: a VRAM budget and memory hygiene for the sampling runs of one model, through ComfyUI's own
 model_management (its loader sees the budget and partially loads the model the way --lowvram does).
 
-What is wired now, and how (the rest of issue #4 is planned, and not offered as an option):
+What is wired now, and how (automatic VAE tiling from issue #4 is planned, and not offered as an option):
 - budget_gib: checked against the model before sampling (engine/vram_plan.py); during each sampling run of
   the returned model, `comfy.model_management.EXTRA_RESERVED_VRAM` is raised so the loader sees only the
   budget of the card, and restored afterwards. Needs a ComfyUI with keyed sampler wrappers and
   EXTRA_RESERVED_VRAM (0.3.x); on older ComfyUI the node says the budget is not enforced.
 - offload=medvram: before sampling every other model is unloaded from the GPU, after sampling the model.
+- offload=lowvram: ComfyUI partially loads the UNet under the budget minus the planner's streaming window;
+  once it has (a SAMPLER_SAMPLE wrapper, inside the run), what it left on the CPU is streamed block by block
+  (engine/offload.py, prefetch on a side stream) instead of being copied layer by layer at every use. Its
+  cast path (`comfy_cast_weights`) then finds the weight already on the GPU and does not copy. Removed after
+  the run, on error too. CUDA only; elsewhere the run is offload=none and the notes say so.
+- out of memory during a run: memory is freed and the run retried once with more offload (lowvram where it
+  can run, and half the budget); a second one is an error naming the budget and what to change.
 - release_cache=after_run: the allocator's cached blocks are released after sampling (soft_empty_cache).
 - expandable_segments: the CUDA allocator uses expandable segments during sampling (torch >= 2.1).
 """
@@ -16,14 +23,14 @@ import os
 
 import torch
 
-from ..engine import vram_plan, vram_report
+from ..engine import offload as block_offload, vram_plan, vram_report
 
 log = logging.getLogger("sd_accel")
 
 GIB = 2 ** 30
 WRAPPER_KEY = "sd_accel_vram_pool"
 PREFETCH_DEPTH = 1
-OFFLOAD = ("none", "medvram")          # lowvram block streaming is planned (issue #4), not offered yet
+OFFLOAD = ("none", "medvram", "lowvram")
 RELEASE = ("never", "after_run")
 
 INPUTS = {
@@ -37,7 +44,10 @@ INPUTS = {
     "offload": (list(OFFLOAD), {"default": "none", "tooltip":
                 "none: ComfyUI's usual placement. medvram: one model on the GPU at a time: before sampling "
                 "every other model (text encoder, VAE, other UNets) is unloaded, after sampling this model is "
-                "unloaded so the VAE decode has the card. (lowvram block streaming is planned, not offered yet.)"}),
+                "unloaded so the VAE decode has the card. lowvram: ComfyUI loads what fits in the budget and "
+                "the rest of the UNet is streamed to the GPU block by block from pinned RAM, the next block "
+                "copied while the current one computes (CUDA and ComfyUI 0.3.x; elsewhere it runs as none and "
+                "the report says so). Same image as without offload."}),
     "release_cache": (list(RELEASE), {"default": "never", "tooltip":
                       "after_run: release PyTorch's cached, unused VRAM blocks after each sampling run "
                       "(comfy.model_management.soft_empty_cache), so other programs and later stages get them. "
@@ -130,62 +140,224 @@ class PoolSettings:
         self.budget_bytes, self.offload, self.release_cache = budget_bytes, offload, release_cache
         self.expandable_segments, self.plan = expandable_segments, plan
         self.last_report, self.last_notes = None, []
+        self.active = None            # during a run: {"offload", "budget", "notes"} of the current attempt
+        self.pinned_cache = {}        # pinned host copies of streamed weights, kept across runs
+        self.cpu_streaming = False    # tests: stream (copy) every block on a CPU device too
+        self.last_streamer = None
 
 
-def run_in_pool(settings, patcher, run, mm=None, total_bytes=None):
-    """Runs `run()` (one sampling run of `patcher`) under the pool's settings; ComfyUI's globals are restored
-    on return or error. Records a MemoryReport ("sampling") and notes on `settings`."""
-    mm = mm or _mm()
-    device = torch.device(patcher.load_device)
-    notes, report = [], vram_report.MemoryReport()
+def _oom_types(mm):
+    types_ = [torch.cuda.OutOfMemoryError]
+    t = getattr(mm, "OOM_EXCEPTION", None)
+    if isinstance(t, type) and t is not Exception and t not in types_:
+        types_.append(t)
+    return tuple(types_)
+
+
+def streaming_unavailable(mm, patcher, device, settings=None):
+    """None when lowvram block streaming can run for this model here, else why not."""
+    why = budget_supported(mm, patcher)
+    if why:
+        return why
+    if device.type != "cuda" and not (settings is not None and settings.cpu_streaming):
+        return "the model runs on %s, streaming needs a CUDA device" % device.type
+    return None
+
+
+def loader_budget(plan, budget):
+    """What ComfyUI's loader may fill under `budget` with lowvram streaming: the budget less the planner's
+    streaming window at that budget (the streamed blocks in flight)."""
+    if plan is None or not budget:
+        return budget
+    try:
+        p = vram_plan.plan_residency(list(plan.sizes.items()), budget, plan.activation_bytes, plan.prefetch_depth)
+    except vram_plan.BudgetTooSmall:
+        return max(budget - (plan.min_budget_bytes - plan.activation_bytes), 0)
+    return max(budget - (p.peak_bytes - p.activation_bytes - p.resident_bytes), 0)
+
+
+def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, report, stage, notes):
     with contextlib.ExitStack() as stack:
-        if settings.budget_bytes:
+        stream = offload == "lowvram"
+        if stream:
+            why = streaming_unavailable(mm, patcher, device, settings)
+            if why:
+                notes.append("lowvram: off (%s); ran as offload=none" % why)
+                stream = False
+        if budget:
             if device.type == "cuda" or total_bytes is not None:
                 total = total_bytes if total_bytes is not None else mm.get_total_memory(device)
-                if settings.budget_bytes >= total:
-                    notes.append("budget %.2f GiB >= the card's %.2f GiB: no cap" % (settings.budget_bytes / GIB,
-                                                                                     total / GIB))
+                if budget >= total:
+                    notes.append("budget %.2f GiB >= the card's %.2f GiB: no cap" % (budget / GIB, total / GIB))
                 else:
-                    stack.enter_context(budget_scope(mm, settings.budget_bytes, total))
-                    notes.append("budget %.2f GiB of %.2f GiB" % (settings.budget_bytes / GIB, total / GIB))
+                    # lowvram: ComfyUI's loader gets the budget less the streamed blocks in flight
+                    loader = loader_budget(settings.plan, budget) if stream else budget
+                    stack.enter_context(budget_scope(mm, loader, total))
+                    notes.append("budget %.2f GiB of %.2f GiB" % (budget / GIB, total / GIB)
+                                 + (" (loader %.2f GiB, the rest for streaming)" % (loader / GIB) if stream else ""))
             else:
                 notes.append("budget: not applied (the model runs on %s)" % device.type)
         if settings.expandable_segments:
             stack.enter_context(expandable_segments_scope(device, notes))
-        if settings.offload == "medvram":
+        if offload == "medvram":
             if device.type == "cpu":
                 notes.append("medvram: n/a (the model runs on cpu)")
             else:
                 _unload_others(mm, patcher, device)
                 notes.append("medvram: other models unloaded before, this one after")
+        settings.active = {"offload": "lowvram" if stream else "none", "budget": budget, "notes": notes, "mm": mm}
         try:
-            with report.stage("sampling", device):
+            with report.stage(stage, device):
                 return run()
         finally:
-            if settings.offload == "medvram" and device.type != "cpu":
+            settings.active = None
+            if offload == "medvram" and device.type != "cpu":
                 mm.free_memory(1e30, device)
-            if settings.release_cache == "after_run":
-                mm.soft_empty_cache()
-                notes.append("cache released")
-            settings.last_report, settings.last_notes = report.to_dict(), notes
-            log.info("[SD Accel] VRAM Pool: %s | %s", report.summary(), "; ".join(notes) or "defaults")
+
+
+def _more_offload(settings, mm, patcher, device, total_bytes):
+    """(offload, budget) for the retry after an out-of-memory: lowvram where streaming can run (else medvram
+    on a GPU), at half the budget (half the card when there was none), never below the planner's minimum."""
+    offload = settings.offload
+    if streaming_unavailable(mm, patcher, device, settings) is None:
+        offload = "lowvram"
+    elif device.type == "cuda":
+        offload = "medvram"
+    budget = settings.budget_bytes
+    if device.type == "cuda" or total_bytes is not None:
+        base = budget or (total_bytes if total_bytes is not None else mm.get_total_memory(device))
+        floor = settings.plan.min_budget_bytes if settings.plan is not None else 0
+        budget = max(int(base) // 2, floor)
+    return offload, budget
+
+
+def run_in_pool(settings, patcher, run, mm=None, total_bytes=None, before_retry=None):
+    """Runs `run()` (one sampling run of `patcher`) under the pool's settings; ComfyUI's globals are restored
+    on return or error. An out-of-memory is caught once: memory freed, `before_retry()` called, and `run()`
+    called again with more offload (see _more_offload); a second one raises a RuntimeError that names the
+    budgets. Records a MemoryReport ("sampling", "sampling (retry)") and notes on `settings`."""
+    mm = mm or _mm()
+    device = torch.device(patcher.load_device)
+    notes, report = [], vram_report.MemoryReport()
+    oom = _oom_types(mm)
+    offload, budget = settings.offload, settings.budget_bytes
+    try:
+        try:
+            return _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, report, "sampling",
+                            notes)
+        except oom as e:
+            first = e
+        retry_offload, retry_budget = _more_offload(settings, mm, patcher, device, total_bytes)
+        mm.free_memory(1e30, device)
+        mm.soft_empty_cache()
+        what = "out of memory at budget %s, offload %s (%s): memory freed, retried once with offload %s, budget %s" % (
+            _gib(budget), offload, str(first).splitlines()[0][:120] if str(first) else type(first).__name__,
+            retry_offload, _gib(retry_budget))
+        notes.append(what)
+        log.warning("[SD Accel] VRAM Pool: %s", what)
+        if before_retry is not None:
+            before_retry()
+        try:
+            return _attempt(settings, patcher, run, mm, total_bytes, device, retry_offload, retry_budget, report,
+                            "sampling (retry)", notes)
+        except oom as e:
+            raise RuntimeError(
+                "VRAM Pool: out of memory twice: at budget %s with offload %s, then at %s with offload %s. "
+                "Lower the resolution or batch size, set offload to lowvram with a smaller budget_gib (the "
+                "minimum for this model is %s), or close other programs using the GPU." % (
+                    _gib(budget), offload, _gib(retry_budget), retry_offload,
+                    _gib(settings.plan.min_budget_bytes) if settings.plan is not None else "in the node's plan")
+            ) from e
+    finally:
+        if settings.release_cache == "after_run":
+            mm.soft_empty_cache()
+            notes.append("cache released")
+        settings.last_report, settings.last_notes = report.to_dict(), notes
+        log.info("[SD Accel] VRAM Pool: %s | %s", report.summary(), "; ".join(notes) or "defaults")
+
+
+def _gib(n):
+    return "%.2f GiB" % (n / GIB) if n else "none (no cap)"
+
+
+def _fit_and_streamed(settings, patcher, unet, device, budget, notes):
+    """Block names to stream. Under a budget, ComfyUI's placement is first made to fit: activations + the
+    weights it loaded + the streamed blocks in flight <= budget, by letting ComfyUI unload more (its own
+    partially_unload, smallest modules first)."""
+    depth = settings.plan.prefetch_depth if settings.plan is not None else PREFETCH_DEPTH
+    if device.type != "cuda":           # tests (cpu_streaming): every block, copied
+        return [n for n, _ in block_offload.top_level_blocks(unet)], depth
+    act = settings.plan.activation_bytes if settings.plan is not None else 0
+    for _ in range(4):
+        off = block_offload.off_device_bytes(unet, device)
+        on = block_offload.on_device_bytes(unet, device)
+        est = act + on + vram_plan._window([b for b in off.values() if b], depth)
+        if not budget or est <= budget or not hasattr(patcher, "partially_unload"):
+            break
+        if not patcher.partially_unload(patcher.offload_device, est - budget):
+            break
+    notes.append("lowvram: estimated peak %.2f GiB (%.2f GiB weights resident)" % (est / GIB, on / GIB))
+    return [n for n, b in off.items() if b], depth
+
+
+@contextlib.contextmanager
+def stream_scope(settings, patcher, budget, notes):
+    """Inside one sampling run, after ComfyUI loaded the model: stream what it left off the GPU."""
+    device = torch.device(patcher.load_device)
+    unet = patcher.model.diffusion_model
+    streamed, depth = _fit_and_streamed(settings, patcher, unet, device, budget, notes)
+    if not streamed:
+        notes.append("lowvram: the whole UNet fit in the budget, nothing streamed")
+        yield None
+        return
+    streamer = block_offload.BlockStreamer(unet, streamed, prefetch_depth=depth, device=device,
+                                           pinned_cache=settings.pinned_cache)
+    streamer.install()
+    settings.last_streamer, per_step = streamer, streamer.streamed_bytes
+    try:
+        yield streamer
+    finally:
+        streamer.remove()
+        notes.append("lowvram: %d of %d blocks streamed (%.2f GiB per step, prefetch depth %d, %d block copies, "
+                     "%d loaded on demand)" % (len(streamed), len(streamer.blocks), per_step / GIB, depth,
+                                               streamer.stats["copies"], streamer.stats["demand_loads"]))
 
 
 def _outer_sample_wrapper(settings):
     def wrapper(executor, *args, **kwargs):
-        patcher = executor.class_obj.model_patcher
-        return run_in_pool(settings, patcher, lambda: executor(*args, **kwargs))
+        guider = executor.class_obj
+        patcher = guider.model_patcher
+        saved = {k: [c.copy() for c in v] for k, v in guider.conds.items()} if isinstance(
+            getattr(guider, "conds", None), dict) else None
+
+        def before_retry():     # the run processed the conds in place of the guider's copies: start afresh
+            if saved is not None:
+                guider.conds = {k: [c.copy() for c in v] for k, v in saved.items()}
+        return run_in_pool(settings, patcher, lambda: executor(*args, **kwargs), before_retry=before_retry)
+    wrapper.sd_accel_pool = settings
+    return wrapper
+
+
+def _sampler_sample_wrapper(settings):
+    """Runs after ComfyUI loaded the models (inside outer_sample): where lowvram streaming starts and ends."""
+    def wrapper(executor, *args, **kwargs):
+        active = settings.active
+        if not active or active["offload"] != "lowvram":
+            return executor(*args, **kwargs)
+        with stream_scope(settings, args[0].model_patcher, active["budget"], active["notes"]):
+            return executor(*args, **kwargs)
     wrapper.sd_accel_pool = settings
     return wrapper
 
 
 class SDAccelVRAMPool:
     DESCRIPTION = ("Sets a VRAM budget and memory hygiene for the sampling runs of this model, through "
-                   "ComfyUI's own memory manager. Active now: budget (checked before sampling; ComfyUI's loader "
-                   "then sees only the budget and partially loads the model), medvram offload, cache release "
-                   "after the run, expandable segments. Shows the residency plan: how many UNet blocks fit "
-                   "on the GPU and the estimated peak. Planned (not offered yet): lowvram block streaming with "
-                   "prefetch, automatic VAE tiling, retry with more offload on out-of-memory.")
+                   "ComfyUI's own memory manager: budget (checked before sampling; ComfyUI's loader then sees "
+                   "only the budget and partially loads the model), offload medvram or lowvram (the UNet blocks "
+                   "that do not fit are streamed to the GPU with the next block prefetched), cache release after "
+                   "the run, expandable segments. An out-of-memory during sampling is retried once with more "
+                   "offload. Shows the residency plan: how many UNet blocks fit on the GPU and the estimated "
+                   "peak. Planned (not offered yet): automatic VAE tiling.")
     CATEGORY = "SD Accel/memory"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model on a clone that carries the pool's settings into every sampler using it.",)
@@ -217,16 +389,25 @@ class SDAccelVRAMPool:
         if unsupported is None:
             import comfy.patcher_extension as pe
             clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, _outer_sample_wrapper(settings))
+            clone.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, _sampler_sample_wrapper(settings))
         else:
             notes.append("NOT enforced: %s; the plan below is advisory" % unsupported)
             log.warning("[SD Accel] VRAM Pool settings not enforced: %s", unsupported)
+        streaming = None
+        if offload == "lowvram":
+            why = streaming_unavailable(mm, clone, torch.device(clone.load_device))
+            streaming = why is None
+            if why:
+                notes.append("lowvram: block streaming off (%s); runs as offload=none" % why)
+                log.warning("[SD Accel] VRAM Pool: lowvram block streaming off (%s); runs as offload=none", why)
         ui = plan.to_dict()
         ui.update(resident_count=len(plan.resident), streamed_count=len(plan.streamed), offload=offload,
                   release_cache=release_cache, expandable_segments=bool(expandable_segments),
-                  enforced=unsupported is None, notes=notes)
-        line = ("VRAM Pool: plan for block streaming: %s (placement now: ComfyUI's partial loading); offload %s, "
+                  enforced=unsupported is None, streaming=streaming, notes=notes)
+        placement = ("ComfyUI's partial loading, the rest streamed" if streaming else "ComfyUI's partial loading")
+        line = ("VRAM Pool: plan for block streaming: %s (placement: %s); offload %s, "
                 "release cache %s, expandable segments %s%s") % (
-            plan.summary(), offload, release_cache, "on" if expandable_segments else "off",
+            plan.summary(), placement, offload, release_cache, "on" if expandable_segments else "off",
             " | " + "; ".join(notes) if notes else "")
         log.info("[SD Accel] %s", line)
         return {"ui": {"text": [line], "sdaccel_memory": [ui]}, "result": (clone,)}

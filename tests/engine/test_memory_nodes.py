@@ -50,7 +50,7 @@ def test_node_declares_category_description_and_tooltips():
     req = SDAccelVRAMPool.INPUT_TYPES()["required"]
     assert set(req) == {"model", "budget_gib", "offload", "release_cache", "expandable_segments"}
     assert all(v[1].get("tooltip") for v in req.values())
-    assert req["offload"][0] == ["none", "medvram"], "no option that does nothing yet may be offered"
+    assert req["offload"][0] == ["none", "medvram", "lowvram"], "no option that does nothing yet may be offered"
 
 
 def test_module_imports_without_comfyui():
@@ -73,7 +73,7 @@ def test_budget_too_small_is_a_clear_error_before_sampling(model, mm):
     assert "at least %.2f GiB" % (need / GIB) in msg and "budget_gib" in msg
 
 
-@pytest.mark.parametrize("bad", [dict(offload="lowvram"), dict(release_cache="always"), dict(budget_gib=-1.0)])
+@pytest.mark.parametrize("bad", [dict(offload="novram"), dict(release_cache="always"), dict(budget_gib=-1.0)])
 def test_bad_options_are_rejected(model, mm, bad):
     with pytest.raises(ValueError, match="VRAM Pool"):
         _node().apply(model, **bad)
@@ -180,3 +180,149 @@ def test_medvram_unloads_others_before_and_the_model_after():
                        mm=fake) == "latent"
     assert calls == [("free", 1e30, [ours]), ("run", 0), ("free", 1e30, []), ("empty",)]
     assert fake.EXTRA_RESERVED_VRAM == 0 and "cache released" in s.last_notes
+
+
+def _pool(clone):
+    import comfy.patcher_extension as pe
+    from sd_accel.nodes.memory_nodes import WRAPPER_KEY
+    return clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
+
+
+def _sample(patcher, seed=3):
+    import comfy.sample
+    g = torch.Generator().manual_seed(11)
+    cond = [[torch.randn(1, 77, 768, generator=g), {}]]
+    neg = [[torch.randn(1, 77, 768, generator=g), {}]]
+    latent = torch.zeros(1, 4, 8, 8)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        return comfy.sample.sample(patcher, noise, 2, 5.0, "euler", "normal", cond, neg, latent, seed=seed)
+
+
+def _unet_state(model):
+    from sd_accel.nodes.memory_nodes import diffusion_model
+    unet = diffusion_model(model)
+    return ([(n, id(p), p.data_ptr()) for n, p in unet.named_parameters()],
+            sum(len(m._forward_pre_hooks) for m in unet.modules()))
+
+
+def test_lowvram_on_cpu_says_streaming_is_off(model, mm):
+    out = _node().apply(model, budget_gib=8.0, offload="lowvram")
+    (ui,) = out["ui"]["sdaccel_memory"]
+    (line,) = out["ui"]["text"]
+    assert ui["offload"] == "lowvram" and ui["streaming"] is False
+    if hasattr(model, "add_wrapper_with_key"):
+        assert "lowvram: block streaming off (the model runs on cpu, streaming needs a CUDA device)" in line
+    else:
+        assert "NOT enforced" in line and "lowvram: block streaming off (this ComfyUI has no" in line
+
+
+def test_lowvram_run_on_cpu_falls_back_with_the_same_result(model, mm):
+    if not hasattr(model, "add_wrapper_with_key"):
+        pytest.skip("no keyed sampler wrappers on this ComfyUI")
+    ref = _sample(model)
+    clone = _node().apply(model, budget_gib=8.0, offload="lowvram")["result"][0]
+    assert torch.equal(_sample(clone), ref)
+    notes = _pool(clone).last_notes
+    assert any(n.startswith("lowvram: off (the model runs on cpu") for n in notes), notes
+
+
+def test_lowvram_streams_every_block_inside_a_real_sampling_run(model, mm):
+    """cpu_streaming: the streamer runs inside ComfyUI's sampler (SAMPLER_SAMPLE wrapper) with real copies."""
+    if not hasattr(model, "add_wrapper_with_key"):
+        pytest.skip("no keyed sampler wrappers on this ComfyUI")
+    ref = _sample(model)
+    clone = _node().apply(model, budget_gib=8.0, offload="lowvram")["result"][0]
+    settings = _pool(clone)
+    settings.cpu_streaming = True
+    before = _unet_state(clone)
+    out = _sample(clone)
+    assert torch.equal(out, ref)
+    assert _unet_state(clone) == before                       # Parameters, data and hooks as they were
+    streamer = settings.last_streamer
+    n = len(streamer.blocks)
+    assert not streamer.installed and streamer.stats["steps"] >= 2
+    assert ("lowvram: %d of %d blocks streamed" % (n, n)) in " ".join(settings.last_notes)
+    names = [b for b, _ in streamer.blocks]
+    # first forward: the first block on demand, then each block prefetches the next (the last one the next
+    # forward's first); the second forward: exactly the cyclic pairs
+    assert streamer.prefetch_log[0] == (names[0], names[0])
+    assert set(streamer.prefetch_log[n + 1:2 * n + 1]) == {(names[j], names[j - 1]) for j in range(n)}
+    assert settings.active is None
+
+
+def _oom_once(clone, mm, count=1):
+    import comfy.patcher_extension as pe
+    fired = []
+
+    def raiser(executor, *a, **kw):
+        if len(fired) < count:
+            fired.append(1)
+            raise mm.OOM_EXCEPTION("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return executor(*a, **kw)
+    clone.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test_oom", raiser)
+    return fired
+
+
+def test_out_of_memory_in_a_real_run_is_retried_once(model, mm):
+    if not hasattr(model, "add_wrapper_with_key"):
+        pytest.skip("no keyed sampler wrappers on this ComfyUI")
+    ref = _sample(model)
+    clone = _node().apply(model, budget_gib=8.0, release_cache="after_run")["result"][0]
+    fired = _oom_once(clone, mm)
+    out = _sample(clone)
+    assert fired == [1] and torch.equal(out, ref)
+    settings = _pool(clone)
+    stages = settings.last_report["stages"]
+    assert [s["stage"] for s in stages] == ["sampling", "sampling (retry)"]
+    assert stages[0]["error"] == mm.OOM_EXCEPTION.__name__ and stages[1]["error"] is None
+    (what,) = [n for n in settings.last_notes if n.startswith("out of memory")]
+    assert "budget 8.00 GiB, offload none" in what and "retried once" in what and "injected" in what
+
+
+def test_out_of_memory_twice_is_a_clear_error(model, mm):
+    if not hasattr(model, "add_wrapper_with_key"):
+        pytest.skip("no keyed sampler wrappers on this ComfyUI")
+    clone = _node().apply(model, budget_gib=8.0)["result"][0]
+    fired = _oom_once(clone, mm, count=2)
+    with pytest.raises(RuntimeError) as ei:
+        _sample(clone)
+    assert len(fired) == 2
+    msg = str(ei.value)
+    assert msg.startswith("VRAM Pool: out of memory twice: at budget 8.00 GiB with offload none")
+    assert "budget_gib" in msg and "minimum for this model is" in msg
+    assert isinstance(ei.value.__cause__, mm.OOM_EXCEPTION)
+    assert _pool(clone).active is None
+
+
+def test_retry_goes_to_lowvram_at_half_the_budget_where_streaming_runs():
+    """Against a stand-in model_management on a (nominal) CUDA device: what the retry asks for."""
+    from sd_accel.nodes.memory_nodes import PoolSettings, run_in_pool
+    from sd_accel.engine.vram_plan import plan_residency
+    seen = []
+    patcher = types.SimpleNamespace(load_device=torch.device("cuda", 0), add_wrapper_with_key=lambda *a: None)
+    fake = types.SimpleNamespace(
+        EXTRA_RESERVED_VRAM=0, extra_reserved_memory=lambda: fake.EXTRA_RESERVED_VRAM, current_loaded_models=[],
+        get_total_memory=lambda dev: 24 * GIB, OOM_EXCEPTION=torch.cuda.OutOfMemoryError,
+        free_memory=lambda req, dev, keep_loaded=(): seen.append(("free", req)),
+        soft_empty_cache=lambda: seen.append(("empty",)))
+    sizes = [("a", GIB // 4), ("b", GIB // 2), ("c", GIB // 4), ("d", GIB)]
+    plan = plan_residency(sizes, 4 * GIB, GIB // 2)
+    s = PoolSettings(4 * GIB, "none", "never", False, plan)
+    retries = []
+
+    def run():
+        seen.append(("run", dict(s.active, notes=None, mm=None), fake.EXTRA_RESERVED_VRAM))
+        if len(seen) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return "latent"
+    assert run_in_pool(s, patcher, run, mm=fake, before_retry=lambda: retries.append(1)) == "latent"
+    assert retries == [1]
+    assert seen[0] == ("run", {"offload": "none", "budget": 4 * GIB, "notes": None, "mm": None}, 20 * GIB)
+    assert seen[1:3] == [("free", 1e30), ("empty",)]
+    at3 = plan_residency(sizes, 2 * GIB, GIB // 2)
+    window = at3.peak_bytes - at3.activation_bytes - at3.resident_bytes
+    assert plan.streamed == [] and at3.streamed and window > 0
+    assert seen[3] == ("run", {"offload": "lowvram", "budget": 2 * GIB, "notes": None, "mm": None},
+                       24 * GIB - (2 * GIB - window))     # the loader gets the budget less the streaming window
+    assert fake.EXTRA_RESERVED_VRAM == 0 and s.active is None
