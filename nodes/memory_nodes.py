@@ -72,6 +72,19 @@ def activation_bytes(mm):
     return int(mm.minimum_inference_memory() - extra)
 
 
+def activation_estimate(mm, model):
+    """The planner's activation bytes: ComfyUI's own estimate for this model (BaseModel.memory_required) at its
+    native size (latent 64², SDXL-type models 128²), CFG batch 2, capped at ComfyUI's minimum inference
+    reserve (the estimate without flash/xformers attention, e.g. on CPU, is far above it)."""
+    reserve = activation_bytes(mm)
+    try:
+        bm = model.model
+        lat = 128 if bm.model_config.unet_config.get("adm_in_channels") else 64
+        return int(min(reserve, bm.memory_required([2, 4, lat, lat])))
+    except Exception:  # noqa: BLE001 - an unusual model class: ComfyUI's reserve
+        return reserve
+
+
 def diffusion_model(model):
     """The ModelPatcher's diffusion model (get_model_object on ComfyUI 0.3.x, the attribute on 2024)."""
     if hasattr(model, "get_model_object"):
@@ -164,16 +177,19 @@ def streaming_unavailable(mm, patcher, device, settings=None):
     return None
 
 
-def loader_budget(plan, budget):
-    """What ComfyUI's loader may fill under `budget` with lowvram streaming: the budget less the planner's
-    streaming window at that budget (the streamed blocks in flight)."""
+def loader_budget(plan, budget, comfy_reserve=None):
+    """The budget ComfyUI's loader is shown with lowvram streaming: the budget less the planner's streaming
+    window at that budget (the streamed blocks in flight) and its activation estimate, plus the inference
+    reserve the loader subtracts itself (`comfy_reserve`), so it loads the planner's resident bytes."""
     if plan is None or not budget:
         return budget
     try:
         p = vram_plan.plan_residency(list(plan.sizes.items()), budget, plan.activation_bytes, plan.prefetch_depth)
+        window = p.peak_bytes - p.activation_bytes - p.resident_bytes
     except vram_plan.BudgetTooSmall:
-        return max(budget - (plan.min_budget_bytes - plan.activation_bytes), 0)
-    return max(budget - (p.peak_bytes - p.activation_bytes - p.resident_bytes), 0)
+        window = plan.min_budget_bytes - plan.activation_bytes
+    reserve = plan.activation_bytes if comfy_reserve is None else comfy_reserve
+    return min(budget, max(budget - window - plan.activation_bytes + reserve, 0))
 
 
 def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, report, stage, notes):
@@ -191,7 +207,8 @@ def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, r
                     notes.append("budget %.2f GiB >= the card's %.2f GiB: no cap" % (budget / GIB, total / GIB))
                 else:
                     # lowvram: ComfyUI's loader gets the budget less the streamed blocks in flight
-                    loader = loader_budget(settings.plan, budget) if stream else budget
+                    reserve = activation_bytes(mm) if hasattr(mm, "minimum_inference_memory") else None
+                    loader = loader_budget(settings.plan, budget, reserve) if stream else budget
                     stack.enter_context(budget_scope(mm, loader, total))
                     notes.append("budget %.2f GiB of %.2f GiB" % (budget / GIB, total / GIB)
                                  + (" (loader %.2f GiB, the rest for streaming)" % (loader / GIB) if stream else ""))
@@ -280,18 +297,23 @@ def _gib(n):
     return "%.2f GiB" % (n / GIB) if n else "none (no cap)"
 
 
-def _fit_and_streamed(settings, patcher, unet, device, budget, notes):
-    """Block names to stream. Under a budget, ComfyUI's placement is first made to fit: activations + the
-    weights it loaded + the streamed blocks in flight <= budget, by letting ComfyUI unload more (its own
-    partially_unload, smallest modules first)."""
+def _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shape=None):
+    """Block names to stream. Under a budget, ComfyUI's placement is first made to fit: activations (ComfyUI's
+    estimate for this run's shape, CFG batch) + everything allocated now + the streamed blocks in flight <=
+    budget, by letting ComfyUI unload more (its own partially_unload, smallest modules first)."""
     depth = settings.plan.prefetch_depth if settings.plan is not None else PREFETCH_DEPTH
     if device.type != "cuda":           # tests (cpu_streaming): every block, copied
         return [n for n, _ in block_offload.top_level_blocks(unet)], depth
     act = settings.plan.activation_bytes if settings.plan is not None else 0
+    if noise_shape is not None:
+        try:
+            act = int(patcher.model.memory_required([noise_shape[0] * 2] + list(noise_shape[1:])))
+        except Exception:  # noqa: BLE001 - keep the planner's estimate
+            pass
     for _ in range(4):
         off = block_offload.off_device_bytes(unet, device)
         on = block_offload.on_device_bytes(unet, device)
-        est = act + on + vram_plan._window([b for b in off.values() if b], depth)
+        est = act + torch.cuda.memory_allocated(device) + vram_plan._window([b for b in off.values() if b], depth)
         if not budget or est <= budget or not hasattr(patcher, "partially_unload"):
             break
         if not patcher.partially_unload(patcher.offload_device, est - budget):
@@ -301,11 +323,11 @@ def _fit_and_streamed(settings, patcher, unet, device, budget, notes):
 
 
 @contextlib.contextmanager
-def stream_scope(settings, patcher, budget, notes):
+def stream_scope(settings, patcher, budget, notes, noise_shape=None):
     """Inside one sampling run, after ComfyUI loaded the model: stream what it left off the GPU."""
     device = torch.device(patcher.load_device)
     unet = patcher.model.diffusion_model
-    streamed, depth = _fit_and_streamed(settings, patcher, unet, device, budget, notes)
+    streamed, depth = _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shape)
     if not streamed:
         notes.append("lowvram: the whole UNet fit in the budget, nothing streamed")
         yield None
@@ -344,7 +366,9 @@ def _sampler_sample_wrapper(settings):
         active = settings.active
         if not active or active["offload"] != "lowvram":
             return executor(*args, **kwargs)
-        with stream_scope(settings, args[0].model_patcher, active["budget"], active["notes"]):
+        noise = args[4] if len(args) > 4 else kwargs.get("noise")
+        with stream_scope(settings, args[0].model_patcher, active["budget"], active["notes"],
+                          getattr(noise, "shape", None)):
             return executor(*args, **kwargs)
     wrapper.sd_accel_pool = settings
     return wrapper
@@ -378,7 +402,7 @@ class SDAccelVRAMPool:
         budget = int(round(float(budget_gib) * GIB))
         sizes = vram_plan.unet_block_sizes(diffusion_model(model))
         try:
-            plan = vram_plan.plan_residency(sizes, budget, activation_bytes(mm), PREFETCH_DEPTH)
+            plan = vram_plan.plan_residency(sizes, budget, activation_estimate(mm, model), PREFETCH_DEPTH)
         except vram_plan.BudgetTooSmall as e:
             raise ValueError("VRAM Pool: %s. Raise budget_gib to at least %.2f, or set it to 0 (no cap)."
                              % (e, e.needed / GIB)) from e

@@ -63,9 +63,9 @@ def test_module_imports_without_comfyui():
 
 
 def test_budget_too_small_is_a_clear_error_before_sampling(model, mm):
-    from sd_accel.nodes.memory_nodes import activation_bytes
+    from sd_accel.nodes.memory_nodes import activation_estimate
     from sd_accel.engine.vram_plan import min_budget
-    need = min_budget(_sizes(model), activation_bytes(mm), 1)
+    need = min_budget(_sizes(model), activation_estimate(mm, model), 1)
     with pytest.raises(ValueError) as ei:
         _node().apply(model, budget_gib=0.25)
     msg = str(ei.value)
@@ -102,9 +102,9 @@ def test_valid_budget_gives_the_plan_on_a_clone(model, mm):
 
 
 def test_budget_between_minimum_and_full_streams_some_blocks(model, mm):
-    from sd_accel.nodes.memory_nodes import activation_bytes
+    from sd_accel.nodes.memory_nodes import activation_estimate
     from sd_accel.engine.vram_plan import min_budget, plan_residency
-    sizes, act = _sizes(model), activation_bytes(mm)
+    sizes, act = _sizes(model), activation_estimate(mm, model)
     budget = (min_budget(sizes, act, 1) + act + sum(s for _, s in sizes)) // 2
     out = _node().apply(model, budget_gib=budget / GIB)
     (ui,) = out["ui"]["sdaccel_memory"]
@@ -326,3 +326,24 @@ def test_retry_goes_to_lowvram_at_half_the_budget_where_streaming_runs():
     assert seen[3] == ("run", {"offload": "lowvram", "budget": 2 * GIB, "notes": None, "mm": None},
                        24 * GIB - (2 * GIB - window))     # the loader gets the budget less the streaming window
     assert fake.EXTRA_RESERVED_VRAM == 0 and s.active is None
+
+
+def test_activation_estimate_is_comfyuis_capped_at_its_reserve(model, mm):
+    from sd_accel.nodes.memory_nodes import activation_bytes, activation_estimate
+    est = activation_estimate(mm, model)
+    assert 0 < est <= activation_bytes(mm)
+    assert est == min(activation_bytes(mm), int(model.model.memory_required([2, 4, 64, 64])))
+
+
+def test_loader_budget_leaves_room_for_the_streamed_blocks():
+    from sd_accel.nodes.memory_nodes import loader_budget
+    from sd_accel.engine.vram_plan import plan_residency
+    sizes = [("a", GIB // 4), ("b", GIB // 2), ("c", GIB // 4), ("d", GIB)]
+    plan = plan_residency(sizes, 0, GIB // 4)
+    at2 = plan_residency(sizes, 2 * GIB, GIB // 4)
+    window = at2.peak_bytes - at2.activation_bytes - at2.resident_bytes
+    # ComfyUI's loader subtracts its own 0.8 GiB reserve: shown that much more, it loads the planned residency
+    reserve = int(0.8 * GIB)
+    assert loader_budget(plan, 2 * GIB, reserve) == 2 * GIB - window - GIB // 4 + reserve
+    assert loader_budget(plan, 0, reserve) == 0
+    assert loader_budget(plan, 8 * GIB, reserve) == 8 * GIB          # never above the budget
