@@ -167,4 +167,5 @@ def launch(kernel, grid, *args, **meta):
                 _compiled.clear()
             _compiled[key] = compiled
         return
-    compiled[grid](*_bound_args(kernel, args, meta))
+    # CompiledKernel's runner reads grid[0], grid[1] and grid[2] (the JIT path pads the grid itself)
+    compiled[tuple(grid) + (1,) * (3 - len(grid))](*_bound_args(kernel, args, meta))

@@ -12,6 +12,7 @@ class _Compiled:
         self.log = log
 
     def __getitem__(self, grid):
+        assert len(grid) == 3, "triton's CompiledKernel runner indexes grid[0..2]"
         return lambda *args: self.log.append(("raw", grid, args))
 
 
@@ -45,7 +46,7 @@ def test_first_call_compiles_then_later_calls_launch_raw_addresses_in_declaratio
     assert [e[0] for e in k.log] == ["jit"]
     x2, y2 = torch.ones(8), torch.ones(8)
     _triton.launch(k, (2,), x2, y2, 8, 1e-5, BLOCK=4, num_warps=4)
-    assert k.log[-1] == ("raw", (2,), (x2.data_ptr(), y2.data_ptr(), 8, 1e-5, 4))
+    assert k.log[-1] == ("raw", (2, 1, 1), (x2.data_ptr(), y2.data_ptr(), 8, 1e-5, 4))
 
 
 def test_a_new_shape_or_meta_parameter_compiles_again(gpu_like):
