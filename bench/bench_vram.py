@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""VRAM Pool under a budget vs stock ComfyUI fully resident (vs ComfyUI's own low-VRAM loading held to the
+same budget), side by side in one process, same seeds.
+
+GPU machine only (--smoke: a CPU plumbing check). ComfyUI's own nodes in-process (comfy_bench's boot):
+CheckpointLoaderSimple -> CLIPTextEncode x2 -> EmptyLatentImage -> KSampler -> VAEDecode on random full-size
+checkpoints. Per config three variants of the model fed to the same KSampler:
+  stock        the model as loaded, fully resident (the baseline of ratio_vs_full),
+  ours         SDAccelVRAMPool(budget, offload=lowvram): partial load + block streaming with prefetch,
+  comfy_lowvram SDAccelVRAMPool(budget, offload=none): only ComfyUI's partial loading held to the budget
+               (what --lowvram --reserve-vram does), for speedup_vs_comfy_lowvram.
+Peak = torch.cuda.max_memory_allocated over the sampling call. Appends one JSON line per config (fields of
+../shared/BENCH.md) to $OUT/results.jsonl and prints a table.
+
+  python3 bench/bench_vram.py --comfy-dir vendor/ComfyUI --out $OUT [--configs sd15_512_b1_budget1,...]
+  python3 bench/bench_vram.py --smoke          # CPU: tiny models, 64 px, 2 steps
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import comfy_bench as cb  # noqa: E402
+
+CONFIGS = {"sd15_512_b1_budget1": ("sd15", 512, 1, 1.0), "sdxl_1024_b1_budget4": ("sdxl", 1024, 1, 4.0),
+           "sdxl_1024_b1_budget2": ("sdxl", 1024, 1, 2.0)}
+
+ap = argparse.ArgumentParser()
+cb.add_common_args(ap)
+ap.add_argument("--configs", default=",".join(CONFIGS))
+ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--variants", default="stock,ours,comfy_lowvram")
+OPT = ap.parse_args()
+if OPT.smoke:
+    OPT.steps = min(OPT.steps, 2)
+    OPT.reps = min(OPT.reps, 1)
+    if OPT.configs == ",".join(CONFIGS):
+        OPT.configs = "sd15_512_b1_budget1"     # a full-size SDXL is too much for a CPU check
+ENV = cb.boot(OPT, ("checkpoints",))
+torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
+say, psnr = cb.say, cb.psnr
+LOADED = {}
+
+
+def load(kind):
+    if kind not in LOADED:
+        LOADED.clear()
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+        name = "random_%s_fp16.safetensors" % kind
+        path = os.path.join(OPT.work, "checkpoints", name)
+        fixtures.ensure(path, fixtures.build_checkpoint, OPT.comfy_dir, kind, "tiny" if OPT.smoke else "sd15",
+                        path, 1234)
+        with torch.inference_mode():
+            LOADED[kind] = nodes.CheckpointLoaderSimple().load_checkpoint(name)[:3]
+    return LOADED[kind]
+
+
+def pool_model(model, budget, offload):
+    from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
+    import comfy.patcher_extension as pe
+    from sd_accel.nodes.memory_nodes import WRAPPER_KEY
+    res = SDAccelVRAMPool().apply(model, budget_gib=budget, offload=offload)
+    clone = res["result"][0]
+    settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
+    if OPT.smoke and offload == "lowvram":
+        settings.cpu_streaming = True     # the CPU check runs the streamer with real copies
+    return clone, settings, res["ui"]["text"][0]
+
+
+def measure(model, clip, vae, size, batch, settings=None):
+    mm.unload_all_models()               # every variant loads the UNet itself, under its own rules
+    mm.soft_empty_cache()
+    run = lambda seed: cb.run_graph(ENV, model, clip, vae, size, batch, seed, "stock", OPT.steps)  # noqa: E731
+    first = run(1)
+    runs = []
+    for r in range(OPT.reps):
+        runs.append(run(100 + r))
+    med = lambda k: statistics.median(x[k] for x in runs)  # noqa: E731
+    out = {"its": OPT.steps / med("sample_s"), "sample_s": med("sample_s"), "e2e_s": med("e2e_s"),
+           "peak_gib": max(x["peak_gib"] for x in runs), "first_s": first["sample_s"], "img": runs[0]["img"]}
+    if settings is not None:
+        out["notes"] = "; ".join(settings.last_notes)
+        out["report"] = settings.last_report
+    return out
+
+
+def main():
+    env = cb.versions(ENV, OPT.comfy_dir)
+    say("ENV", json.dumps(env), "allocator:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    variants = OPT.variants.split(",")
+    rows = []
+    for tag in OPT.configs.split(","):
+        if time.time() - cb.T0 > OPT.deadline:
+            say("SKIP", tag, "past the deadline")
+            continue
+        kind, size, batch, budget = CONFIGS[tag]
+        if OPT.smoke:
+            size, budget = 64, 8.0       # the CPU check: tiny model, no real cap
+        try:
+            model, clip, vae = load(kind)
+            rec = dict(env, date=datetime.date.today().isoformat(), config=tag, steps=OPT.steps, sampler="euler",
+                       scheduler="normal", cfg=7.0, budget_gib=budget)
+            stock = measure(model, clip, vae, size, batch)
+            rec.update(stock_its=round(stock["its"], 2), stock_peak_gib=round(stock["peak_gib"], 3),
+                       stock_e2e_s=round(stock["e2e_s"], 3))
+            say("stock", tag, "%.2f it/s, peak %.2f GiB" % (stock["its"], stock["peak_gib"]))
+            notes = []
+            if "ours" in variants:
+                pm, settings, line = pool_model(model, budget, "lowvram")
+                say("plan", line)
+                ours = measure(pm, clip, vae, size, batch, settings)
+                rec.update(ours_its=round(ours["its"], 2), ours_peak_gib=round(ours["peak_gib"], 3),
+                           ours_e2e_s=round(ours["e2e_s"], 3), ratio_vs_full=round(ours["its"] / stock["its"], 3),
+                           first_run_s=round(ours["first_s"] - ours["sample_s"], 2),
+                           psnr_db=round(psnr(stock["img"], ours["img"]), 2),
+                           within_budget=bool(ours["peak_gib"] <= budget) if ENV.cuda else None)
+                notes.append("ours: " + ours["notes"])
+                say("ours", tag, "%.2f it/s, peak %.2f GiB | %s" % (ours["its"], ours["peak_gib"], ours["notes"]))
+                del pm
+            if "comfy_lowvram" in variants and time.time() - cb.T0 < OPT.deadline - 60:
+                cm, settings, _ = pool_model(model, budget, "none")
+                low = measure(cm, clip, vae, size, batch, settings)
+                rec.update(comfy_lowvram_its=round(low["its"], 2), comfy_lowvram_peak_gib=round(low["peak_gib"], 3),
+                           comfy_lowvram_psnr_db=round(psnr(stock["img"], low["img"]), 2))
+                if "ours_its" in rec:
+                    rec["speedup_vs_comfy_lowvram"] = round(rec["ours_its"] / low["its"], 3)
+                notes.append("comfy_lowvram (ComfyUI's partial loading held to the budget through the pool, "
+                             "offload=none): " + low["notes"])
+                say("comfy_lowvram", tag, "%.2f it/s, peak %.2f GiB" % (low["its"], low["peak_gib"]))
+                del cm
+            rec["notes"] = " | ".join(notes)
+            rows.append(rec)
+            with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            say("RESULT", json.dumps(rec))
+        except Exception:  # noqa: BLE001 - keep the other configs
+            say("ERROR", tag, traceback.format_exc())
+    print("%-22s %6s %9s %9s %7s %9s %7s %8s %8s %8s %7s" % (
+        "config", "budget", "stock it/s", "ours it/s", "ratio", "comfy_lv", "x lv", "peak st", "peak us",
+        "peak lv", "PSNR"))
+    for r in rows:
+        print("%-22s %6.1f %9.2f %9s %7s %9s %7s %8.2f %8s %8s %7s" % (
+            r["config"], r["budget_gib"], r["stock_its"], r.get("ours_its", "-"), r.get("ratio_vs_full", "-"),
+            r.get("comfy_lowvram_its", "-"), r.get("speedup_vs_comfy_lowvram", "-"), r["stock_peak_gib"],
+            r.get("ours_peak_gib", "-"), r.get("comfy_lowvram_peak_gib", "-"), r.get("psnr_db", "-")))
+
+
+if __name__ == "__main__":
+    main()
