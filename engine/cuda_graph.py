@@ -27,6 +27,8 @@ from collections import OrderedDict
 
 import torch
 
+from . import kernel_report
+
 log = logging.getLogger("sd_accel")
 DIAG_LEVEL = logging.WARNING if os.environ.get("SDACCEL_DIAG") == "1" else logging.DEBUG
 
@@ -125,7 +127,7 @@ _NO_EPOCH = object()
 
 
 class _Entry:
-    __slots__ = ("graph", "static_in", "static_out")
+    __slots__ = ("graph", "static_in", "static_out", "kernel_calls")
 
 
 class StepGraphs:
@@ -196,12 +198,16 @@ class StepGraphs:
             entry = self._capture(fn, args, kwargs, tensors, key, device)
             if entry is None:
                 return self._eager(fn, args, kwargs, "capture failed")
+            fresh = True   # its kernels were counted while capturing
         else:
             self.entries.move_to_end(key)
+            fresh = False
         for s, t in zip(entry.static_in, tensors):
             s.copy_(t, non_blocking=True)
         entry.graph.replay()
         self.stats["replays"] += 1
+        if entry.kernel_calls and not fresh:
+            kernel_report.replayed(entry.kernel_calls)
         return _map_tensors(entry.static_out, lambda t: t.clone())
 
     def _capture(self, fn, args, kwargs, tensors, key, device):
@@ -215,6 +221,7 @@ class StepGraphs:
         it = iter(entry.static_in)
         s_args, s_kwargs = _rebuild((args, kwargs), it)
         graph = torch.cuda.CUDAGraph()
+        k0 = kernel_report.snapshot()
         try:
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -227,6 +234,8 @@ class StepGraphs:
             return None
         entry.graph = graph
         entry.static_out = out
+        # which fused kernels (or fallbacks) the graph holds: counted again on every replay
+        entry.kernel_calls = kernel_report.calls_between(k0, kernel_report.snapshot())
         self.entries[key] = entry
         self.stats["captures"] += 1
         return entry

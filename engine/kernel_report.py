@@ -1,8 +1,9 @@
 """Which fused kernels actually ran and which fell back, and why.
 
 Each kernel function sets `fn.last_path` ("triton" or "reference") and `fn.last_reason` on every
-call; the fused modules record them here right after the call. Inside a CUDA graph the Python side runs only at capture, so the
-counts are per eager call or per capture, which is what the report needs: did the kernel run at all.
+call; the fused modules record them here right after the call. Inside a CUDA graph the Python side runs
+only at capture: the graph runner keeps the calls its capture recorded and adds them again on every
+replay (`replayed`), so the counts are the kernels the GPU actually ran, eager or replayed.
 A fallback reason is logged once per (op, reason), not once per call.
 """
 import logging
@@ -26,6 +27,17 @@ def record(op, fn):
             if (op, reason) not in _logged:
                 _logged.add((op, reason))
                 log.info("[SD Accel] %s: using the stock path (%s)", op, reason)
+
+
+def replayed(counts):
+    """A CUDA graph replay ran again the calls its capture recorded (`counts`: a snapshot difference)."""
+    with _lock:
+        _counts.update(counts)
+
+
+def calls_between(before, after):
+    """The (op, path) call counts recorded between two snapshots, for `replayed`."""
+    return after[0] - before[0]
 
 
 def snapshot():

@@ -92,3 +92,20 @@ def test_ignored_entries_pass_through_but_leave_the_key():
     t3, k3 = [], []
     cg._flatten({"uuids": [uuid.uuid4()], "x": torch.randn(300)}, t3, k3)
     assert k3 != k1
+
+
+def test_a_replay_counts_the_kernels_its_capture_recorded():
+    """The run report reads kernel_report: a replayed graph must count the fused kernels it holds,
+    or a run served entirely from graphs would report that no fused kernel ran."""
+    from sd_accel.engine import kernel_report
+
+    class _Op:
+        last_path, last_reason = "triton", ""
+    k0 = kernel_report.snapshot()
+    kernel_report.record("demo_op", _Op)          # what a capture records, once per call in the step
+    kernel_report.record("demo_op", _Op)
+    calls = kernel_report.calls_between(k0, kernel_report.snapshot())
+    k1 = kernel_report.snapshot()
+    kernel_report.replayed(calls)
+    kernel_report.replayed(calls)
+    assert kernel_report.summarize(k1, kernel_report.snapshot())["demo_op"] == {"fused": 4, "fallback": 0, "reasons": []}

@@ -82,6 +82,8 @@ def test_accelerated_equals_stock_and_replays_graphs(comfy_env):
     assert any(r.startswith("group_norm_silu") for r in rep["ran"]), rep
     out2, rep2 = _sample(comfy_env, comfy_env.model)   # second prompt: graphs from the first are reused
     assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
+    assert any(r.startswith("group_norm_silu") for r in rep2["ran"]), rep2   # counted from the replays
+    assert "fused kernels" not in rep2["fell_back"], rep2
     assert _rel(out2, ref) < 2e-2
 
 
