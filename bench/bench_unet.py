@@ -68,8 +68,10 @@ def measure(model, clip, vae, size, batch, sampler):
             "report": runs[-1]["report"], "first_report": first["report"]}
 
 
-def unet_rel_err(model, size, batch):
-    """One UNet forward, stock vs SD Accel's fused modules + channels_last, same input (CFG batch)."""
+def unet_rel_err(model, size, batch, profile_tag=None):
+    """One UNet forward, stock vs SD Accel's fused modules + channels_last, same input (CFG batch).
+    With `profile_tag`: also a table of where the patched forward's GPU time goes, per aten op and
+    input shape (eager: a replayed graph shows kernels only, without the op that launched them)."""
     bm = model.model
     dm = bm.diffusion_model
     dt = bm.get_dtype()
@@ -91,9 +93,27 @@ def unet_rel_err(model, size, batch):
             if CUDA:
                 x = x.contiguous(memory_format=torch.channels_last)
             out = dm(x, t, context=ctx, **kw).float()
+            if profile_tag and CUDA:
+                _profile_ops(lambda: dm(x, t, context=ctx, **kw), profile_tag)
         finally:
             patching.restore(dm, backup)
     return float((out - ref).norm() / ref.norm())
+
+
+def _profile_ops(fn, tag):
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    avg = prof.key_averages(group_by_input_shape=True)
+    key = "device_time_total" if hasattr(next(iter(avg)), "device_time_total") else "cuda_time_total"
+    table = avg.table(sort_by=key, row_limit=45, max_name_column_width=40, max_shapes_column_width=70)
+    with open(os.path.join(OPT.out, "profile_ops_%s.txt" % tag), "w") as f:
+        f.write(table)
+    say("PROFILE-OPS", tag, "written")
 
 
 def profile_ours(model, clip, vae, size, batch, tag):
@@ -131,7 +151,8 @@ def main():
                        stock_e2e_s=round(stock["e2e_s"], 3), ours_e2e_s=round(ours["e2e_s"], 3),
                        stock_peak_gib=round(stock["peak_gib"], 3), ours_peak_gib=round(ours["peak_gib"], 3),
                        psnr_db=round(psnr(stock["img"], ours["img"]), 2))
-            rec["unet_rel_err"] = unet_rel_err(model, size, batch)
+            rec["unet_rel_err"] = unet_rel_err(model, size, batch,
+                                               tag if tag in OPT.profile.split(",") else None)
             rep = ours["report"] or {}
             rec["notes"] = "ran: %s; fell back: %s; graphs: %s; first run graphs: %s" % (
                 ", ".join(rep.get("ran", [])), json.dumps(rep.get("fell_back", {})), json.dumps(rep.get("graphs")),
