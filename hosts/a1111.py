@@ -21,7 +21,9 @@ A1111 has no object patches, so the UNet's leaves are swapped in place and swapp
 This module imports nothing from A1111 at import time: the caller passes what it needs (the
 `sd_unet` module, an options object), so tests drive it with a stand-in of A1111's API.
 """
+import contextlib
 import logging
+import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, fields
@@ -357,6 +359,48 @@ def host_state(unet, st):
     return (loras, functional, hns, ac, _structure(unet, st))
 
 
+_freqs = {}   # (half, max_period, device) -> the sinusoid frequencies, already on the device
+
+
+def _graphable_timestep_embedding(original):
+    """ldm's (and sgm's) `timestep_embedding`, with the frequencies built on the CPU exactly as there
+    (so the result is bitwise the same) but copied to the device once and kept: ldm copies them on
+    every call, and a host-to-device copy from pageable memory cannot be captured in a CUDA graph.
+    The graph's eager warm-up call always fills the cache before a capture needs it."""
+    def timestep_embedding(timesteps, dim, max_period=10000, repeat_only=False):
+        if repeat_only:
+            return original(timesteps, dim, max_period, repeat_only)
+        half = dim // 2
+        key = (half, max_period, timesteps.device)
+        freqs = _freqs.get(key)
+        if freqs is None:
+            freqs = _freqs[key] = torch.exp(
+                -math.log(max_period) * torch.arange(start=0, end=half, dtype=torch.float32) / half
+            ).to(device=timesteps.device)
+        args = timesteps[:, None].float() * freqs[None]
+        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if dim % 2:
+            embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
+        return embedding
+    timestep_embedding.sd_accel_original = original
+    return timestep_embedding
+
+
+@contextlib.contextmanager
+def _capturable_unet_module(unet):
+    """For the duration of one graph-path call, the UNet's module uses `_graphable_timestep_embedding`."""
+    mod = sys.modules.get(type(unet).__module__)
+    original = getattr(mod, "timestep_embedding", None)
+    if original is None or getattr(original, "sd_accel_original", None) is not None:
+        yield
+        return
+    mod.timestep_embedding = _graphable_timestep_embedding(original)
+    try:
+        yield
+    finally:
+        mod.timestep_embedding = original
+
+
 def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs):
     """The UNet step through `StepGraphs` (eager, with the reason kept, when it cannot replay)."""
     st = _state(unet)
@@ -364,11 +408,12 @@ def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs
         st.graphs = StepGraphs(unet, name=type(unet).__name__)
 
     def fn(*a, **k):
-        if torch.cuda.is_available() and torch.is_autocast_enabled("cuda"):
-            # a graph must not reuse autocast's cast cache across replays
-            with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
-                return original_forward(unet, *a, **k)
-        return original_forward(unet, *a, **k)
+        with _capturable_unet_module(unet):
+            if torch.cuda.is_available() and torch.is_autocast_enabled("cuda"):
+                # a graph must not reuse autocast's cast cache across replays
+                with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+                    return original_forward(unet, *a, **k)
+            return original_forward(unet, *a, **k)
 
     return st.graphs.run(fn, (x, timesteps, context) + args, kwargs, epoch=st.epoch,
                          host_state=host_state(unet, st))

@@ -156,3 +156,23 @@ def test_remove_carries_replaced_parameters_and_lora_state(stock_kernels):
     orig = unet.get_submodule(path)
     assert orig is not mine and orig.weight is new_w
     assert orig.network_current_names == (("lora", 1.0, 1.0, None),)
+
+
+def test_graph_path_timestep_embedding_is_bitwise_ldms_and_restored(stock_kernels):
+    """ldm copies its sinusoid frequencies host-to-device on every call, which a CUDA-graph capture
+    refuses (seen on the H200: the capture failed, every step ran eagerly). The graph path uses a copy
+    kept on the device: same values bit for bit, and ldm's own function is back after the call."""
+    import ldm.modules.diffusionmodules.openaimodel as om
+    original = om.timestep_embedding
+    ours = a1111._graphable_timestep_embedding(original)
+    t = torch.tensor([999.0, 500.5, 1.0, 0.0])
+    for dim in (320, 321):
+        assert torch.equal(ours(t, dim), original(t, dim))
+    assert torch.equal(ours(t, 8, repeat_only=True), original(t, 8, repeat_only=True))
+    unet, inputs = make_unet(), unet_inputs()
+    seen = []
+    unet.time_embed.register_forward_pre_hook(lambda m, a: seen.append(om.timestep_embedding))
+    out = a1111.graph_forward(unet, om.UNetModel.forward, *inputs)
+    assert getattr(seen[0], "sd_accel_original", None) is original, "the graph path uses the device-kept copy"
+    assert om.timestep_embedding is original
+    torch.testing.assert_close(out, run(unet, inputs), atol=0, rtol=0)
