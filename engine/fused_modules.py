@@ -103,6 +103,11 @@ def _clone_into(cls, orig):
     return new
 
 
+def clone_as(mixin, orig):
+    """A replacement of `orig`: an instance of (mixin, orig's host class) sharing its tensors and children."""
+    return _clone_into(_fused_class(mixin, original_class(orig)), orig)
+
+
 def make_fused_group_norm(orig, act):
     cls = _fused_class(FusedGroupNorm, original_class(orig))
     new = _clone_into(cls, orig)

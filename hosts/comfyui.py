@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 
-from ..engine import attention, fused_modules, patching
+from ..engine import attention, fused_modules, layout_modules, patching
 from ..engine import cuda_graph
 from ..engine.cuda_graph import StepGraphs
 
@@ -198,11 +198,19 @@ def _accelerate(model, options):
         return clone, info
     _register_weight_caster()
     base_model = clone.model
+    if options.channels_last and _loads_on_cuda(clone):
+        # before the fused modules: a SpatialTransformer stand-in must be in place before the patches of
+        # its children are set through it (ComfyUI applies and undoes object patches in insertion order)
+        layout = layout_modules.plan_layout_patches(base_model.diffusion_model, prefix="diffusion_model.")
+        for path, module in layout.items():
+            clone.add_object_patch(path, module)
+        if layout:
+            info["patched"]["channels_last_transformer"] = len(layout)
     if options.fused_kernels:
         plan = patching.plan_patches(base_model.diffusion_model, prefix="diffusion_model.")
         for path, module in plan.patches.items():
             clone.add_object_patch(path, module)
-        info["patched"] = dict(plan.counts)
+        info["patched"].update(plan.counts)
     if options.attention != "auto":
         info["patched"]["attention_" + options.attention] = _install_attention(clone, options.attention)
     if options.cuda_graph or options.channels_last:
@@ -210,6 +218,13 @@ def _accelerate(model, options):
         info["wrapper"] = _install_wrapper(clone, st, options)
         info["graph_state"] = st
     return clone, info
+
+
+def _loads_on_cuda(patcher):
+    """channels_last only pays on a GPU (and only there are conv weights converted): on the CPU the
+    host's own modules run, so CPU results stay bit-identical to stock."""
+    dev = getattr(patcher, "load_device", None)
+    return getattr(dev, "type", str(dev)) == "cuda"
 
 
 def new_sampling_run(info):

@@ -99,3 +99,27 @@ def test_graph_state_does_not_keep_an_unloaded_checkpoint_alive(tmp_path):
     del m, acc, info
     gc.collect()
     assert ref() is None
+
+
+def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, monkeypatch):
+    """On a GPU, channels_last adds SpatialTransformer stand-ins before the fused modules, so ComfyUI sets
+    the fused norm through the stand-in and, unpatching in the same order, leaves the original
+    SpatialTransformer with its original norm (CPU here: the GPU check is forced)."""
+    import comfy.model_management as mm
+    from sd_accel.engine import fused_modules as fm
+    from sd_accel.engine.layout_modules import ChannelsLastSpatialTransformer
+    from sd_accel.hosts import comfyui as host
+    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    dm = model.model.diffusion_model
+    path, st = next((n, m) for n, m in dm.named_modules() if type(m).__name__ == "SpatialTransformer")
+    norm = st.norm
+    acc, info = host.accelerate(model.clone(), host.AccelOptions())
+    assert info["patched"]["channels_last_transformer"] >= 1
+    keys = list(acc.object_patches)
+    assert keys.index("diffusion_model." + path) < keys.index("diffusion_model." + path + ".norm")
+    mm.load_models_gpu([acc])
+    live = dm.get_submodule(path)
+    assert isinstance(live, ChannelsLastSpatialTransformer) and fm.is_fused(live.norm)
+    assert st.norm is norm, "the host's SpatialTransformer itself is not modified"
+    mm.unload_all_models()
+    assert dm.get_submodule(path) is st and st.norm is norm
