@@ -31,6 +31,13 @@ CONTROLNET_INPUTS = {
                    "without CUDA graphs its input hint block is computed once per run instead of at every step. "
                    "Lossless. Works on a patched copy: the loaded ControlNet and other samplers are untouched. "
                    "Full ControlNets only; T2I adapters and control-LoRAs run stock."}),
+    "controlnet_cond_only": ("BOOLEAN", {"default": False, "tooltip":
+                             "LOSSY, off by default: the image changes. Runs the ControlNets on the positive "
+                             "(cond) rows of each batch only; the negative (uncond) rows get no ControlNet "
+                             "residual. Saves about half of the ControlNets' work per step with CFG (they "
+                             "normally run on positive and negative together). Needs a ComfyUI that tells the "
+                             "ControlNet which rows are cond (current ComfyUI does); an older one runs the full "
+                             "batch, lossless, and the report says so."}),
 }
 
 
@@ -63,8 +70,8 @@ class SDAccelKSampler:
     DESCRIPTION = ("KSampler with SD Accel's lossless accelerations: fused kernels, CUDA-graph replay and "
                    "channels_last convolutions, on the model and on the ControlNets in the conditioning. Same "
                    "inputs and the same LATENT output as KSampler; with every option off it is exactly "
-                   "KSampler. Reports it/s, seconds, peak VRAM and what ran or fell back (and why) after each "
-                   "run.")
+                   "KSampler. One opt-in lossy option: controlnet_cond_only. Reports it/s, seconds, peak VRAM "
+                   "and what ran or fell back (and why) after each run.")
     CATEGORY = "SD Accel/sampling"
     RETURN_TYPES = ("LATENT", "STRING")
     RETURN_NAMES = ("LATENT", "report")
@@ -81,7 +88,8 @@ class SDAccelKSampler:
         return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS}}
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-               denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto"):
+               denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto",
+               controlnet_cond_only=False):
         comfy_nodes = _comfy_nodes()
         opts = _options(fused_kernels, cuda_graph, channels_last, attention)
         notes = []
@@ -91,11 +99,12 @@ class SDAccelKSampler:
             patched, info = model, {"options": opts.__dict__.copy()}
         cn_info = None
         cn_pos, cn_neg = positive, negative
-        if controlnet:
+        if controlnet or controlnet_cond_only:
             cn_pos, cn_neg, cn_info = host_cn.accelerate_conds(
-                positive, negative, host_cn.ControlNetOptions(fused_kernels=opts.fused_kernels, hint_cache=True,
-                                                              cuda_graph=opts.cuda_graph,
-                                                              channels_last=opts.channels_last))
+                positive, negative, host_cn.ControlNetOptions(
+                    fused_kernels=bool(controlnet) and opts.fused_kernels, hint_cache=bool(controlnet),
+                    cuda_graph=bool(controlnet) and opts.cuda_graph,
+                    channels_last=bool(controlnet) and opts.channels_last, cond_only=bool(controlnet_cond_only)))
         host.new_sampling_run(info)
         k0, g0, cg0 = kernel_report.snapshot(), host.graph_stats(info), host_cn.graph_stats(cn_info)
         try:

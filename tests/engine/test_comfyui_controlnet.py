@@ -219,3 +219,121 @@ def test_graphed_forward_matches_stock_survives_prompts_and_unpatches(comfy_cn):
     again = _control(stock, x, t, ctx)
     assert not isinstance(cm.forward, GraphedForward)
     assert all(torch.equal(a, b) for a, b in zip(again, ref))
+
+
+def _takes_rows():
+    """Current ComfyUI passes transformer_options (with cond_or_uncond) to get_control; 2024's does not."""
+    import comfy.controlnet
+    return "transformer_options" in inspect.signature(comfy.controlnet.ControlNet.get_control).parameters
+
+
+def _control_rows(cn, x, t, ctx, cond_or_uncond):
+    """get_control as ComfyUI's calc_cond_batch calls it for chunks labelled `cond_or_uncond` (0 cond, 1 uncond);
+    None when the ControlNet gave no control at all."""
+    import comfy.model_management as mm
+    mm.load_models_gpu(cn.get_models())
+    link = cn
+    while link is not None:
+        link.model_sampling_current = _Sampling()
+        link = link.previous_controlnet
+    to = {"cond_or_uncond": list(cond_or_uncond), "uuids": ["u%d" % i for i in range(len(cond_or_uncond))]}
+    cond = {"c_crossattn": ctx}
+    args = (to,) if _takes_rows() else ()
+    if _takes_rows():
+        cond["transformer_options"] = to
+    with torch.inference_mode():
+        out = cn.get_control(x, t, cond, len(cond_or_uncond), *args)
+    if out is None:
+        return None
+    return [v for k in ("input", "middle", "output") for v in out[k] if v is not None]
+
+
+def _chain(load, seeds=(1,)):
+    head = None
+    for i, s in enumerate(seeds):
+        head = load().copy().set_cond_hint(_hint(s), 1.0 - 0.25 * i).set_previous_controlnet(head)
+    return head
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["cond_first", "uncond_first"])
+def test_cond_only_runs_the_cond_rows_and_leaves_the_uncond_rows_without_control(comfy_cn, order):
+    """Lossy opt-in mode: on a cond+uncond batch the ControlNet chain (two links) runs on the cond rows
+    only; those rows get exactly stock's residuals, the uncond rows none (zeros). With it off nothing
+    changes. Without cond/uncond labels (2024's ComfyUI) the full batch runs, lossless, and the report says so."""
+    load, host_cn = comfy_cn
+    stock = _chain(load, seeds=(1, 2))
+    x, t, ctx = _inputs()
+    x = torch.cat([x, x[:1] * 0.5])            # 3 rows per chunk: a batch of 3 latents
+    x = torch.cat([x, x.flip(0)])               # two chunks of 3 rows
+    t = torch.full((6,), 700.0)
+    ctx = torch.cat([ctx[:1]] * 3 + [ctx[1:]] * 3)
+    ref = _control_rows(stock, x, t, ctx, order)
+
+    off, info_off = host_cn.accelerate_controlnet(stock, host_cn.ControlNetOptions(fused_kernels=False))
+    assert "get_control" not in off.__dict__ and "cond_only" not in info_off
+    assert all(torch.equal(a, b) for a, b in zip(_control_rows(off, x, t, ctx, order), ref))
+    assert "cond only" not in host_cn.summary(info_off)
+
+    opts = host_cn.ControlNetOptions(fused_kernels=False, cond_only=True)
+    fast, info = host_cn.accelerate_controlnet(stock, opts)
+    assert "get_control" in fast.__dict__ and "get_control" not in stock.__dict__, "only our copy"
+    out = _control_rows(fast, x, t, ctx, order)
+    assert len(out) == len(ref)
+    cs = info["cond_only"]
+    if not _takes_rows():
+        assert all(torch.equal(a, b) for a, b in zip(out, ref)), "no labels: the full batch, lossless"
+        assert cs == {"halved": 0, "uncond_skipped": 0, "no_info": 1}
+        assert "ran the full batch, lossless" in host_cn.summary(info)
+        return
+    cond = slice(0, 3) if order[0] == 0 else slice(3, 6)
+    unc = slice(3, 6) if order[0] == 0 else slice(0, 3)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape
+        # the cond rows ran as a batch of 3 instead of 6: equal up to the conv's batch-size rounding
+        assert torch.allclose(a[cond], b[cond], rtol=1e-4, atol=1e-4), float((a[cond] - b[cond]).abs().max())
+        assert not a[unc].any(), "no residual on the uncond rows"
+        assert b[unc].abs().sum() > 0
+    assert cs == {"halved": 1, "uncond_skipped": 0, "no_info": 0}
+
+    # a batch of cond rows only runs as stock; a batch of uncond rows only gets no control
+    alone = _control_rows(fast, x[cond], t[cond], ctx[cond], [0])
+    assert all(torch.allclose(a, b[cond], rtol=1e-4, atol=1e-4) for a, b in zip(alone, ref))
+    assert _control_rows(fast, x[unc], t[unc], ctx[unc], [1]) is None
+    assert info["cond_only"] == {"halved": 1, "uncond_skipped": 1, "no_info": 0}
+    line = host_cn.summary(info)
+    assert "cond only (lossy): uncond rows skipped in 2 calls" in line and "lossless" not in line, line
+
+    # no labels at all (another caller): the full batch, lossless
+    link = fast
+    while link is not None:
+        link.model_sampling_current = _Sampling()
+        link = link.previous_controlnet
+    with torch.inference_mode():
+        full = fast.get_control(x, t, {"c_crossattn": ctx}, 2, {})
+    full = [v for k in ("input", "middle", "output") for v in full[k] if v is not None]
+    assert all(torch.equal(a, b) for a, b in zip(full, ref))
+    assert info["cond_only"]["no_info"] == 1 and "ran the full batch, lossless" in host_cn.summary(info)
+
+    link = fast
+    while link is not None:                   # the class's own method again on every link: stock behaviour
+        del link.get_control
+        link = link.previous_controlnet
+    assert all(torch.equal(a, b) for a, b in zip(_control_rows(fast, x, t, ctx, order), ref))
+
+
+def test_cond_only_with_the_graphed_forward(comfy_cn):
+    """cond_only over the CUDA-graph stand-in (eager on CPU): the half batch goes through the stand-in."""
+    from sd_accel.engine.graphed_forward import GraphedForward
+    load, host_cn = comfy_cn
+    stock = _chain(load)
+    x, t, ctx = _inputs()
+    ref = _control_rows(stock, x, t, ctx, (1, 0))
+    opts = host_cn.ControlNetOptions(fused_kernels=False, cuda_graph=True, channels_last=True, cond_only=True)
+    fast, info = host_cn.accelerate_controlnet(stock, opts)
+    out = _control_rows(fast, x, t, ctx, (1, 0))
+    assert isinstance(fast.control_model.__dict__.get("forward"), GraphedForward)
+    assert host_cn.graph_stats(info)["eager"] >= 1
+    if _takes_rows():
+        assert all(not a[:1].any() and torch.allclose(a[1:], b[1:], rtol=1e-4, atol=1e-4) for a, b in zip(out, ref))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
