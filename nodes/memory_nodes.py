@@ -374,6 +374,24 @@ def _sampler_sample_wrapper(settings):
     return wrapper
 
 
+def plan_for_budget(sizes, budget, activation_bytes):
+    """(plan, notes). Prefetching the next block needs room for two streamed blocks at once; a budget that
+    fits only one (SDXL at 2 GiB: its largest block is 0.77 GiB) runs without prefetch, slower, rather than
+    being refused. Below even that: ValueError naming the minimum."""
+    try:
+        return vram_plan.plan_residency(sizes, budget, activation_bytes, PREFETCH_DEPTH), []
+    except vram_plan.BudgetTooSmall as with_prefetch:
+        try:
+            plan = vram_plan.plan_residency(sizes, budget, activation_bytes, 0)
+        except vram_plan.BudgetTooSmall as e:
+            raise ValueError("VRAM Pool: %s. Raise budget_gib to at least %.2f, or set it to 0 (no cap)."
+                             % (e, e.needed / GIB)) from e
+        note = ("prefetch off: the budget holds one streamed block at a time (%.2f GiB needed to prefetch); "
+                "each block's copy waits for the one before it, slower" % (with_prefetch.needed / GIB))
+        log.info("[SD Accel] VRAM Pool: %s", note)
+        return plan, [note]
+
+
 class SDAccelVRAMPool:
     DESCRIPTION = ("Sets a VRAM budget and memory hygiene for the sampling runs of this model, through "
                    "ComfyUI's own memory manager: budget (checked before sampling; ComfyUI's loader then sees "
@@ -401,15 +419,10 @@ class SDAccelVRAMPool:
         mm = _mm()
         budget = int(round(float(budget_gib) * GIB))
         sizes = vram_plan.unet_block_sizes(diffusion_model(model))
-        try:
-            plan = vram_plan.plan_residency(sizes, budget, activation_estimate(mm, model), PREFETCH_DEPTH)
-        except vram_plan.BudgetTooSmall as e:
-            raise ValueError("VRAM Pool: %s. Raise budget_gib to at least %.2f, or set it to 0 (no cap)."
-                             % (e, e.needed / GIB)) from e
+        plan, notes = plan_for_budget(sizes, budget, activation_estimate(mm, model))
         settings = PoolSettings(budget, offload, release_cache, bool(expandable_segments), plan)
         clone = model.clone()
         unsupported = budget_supported(mm, clone)
-        notes = []
         if unsupported is None:
             import comfy.patcher_extension as pe
             clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, _outer_sample_wrapper(settings))

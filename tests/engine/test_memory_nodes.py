@@ -65,12 +65,27 @@ def test_module_imports_without_comfyui():
 def test_budget_too_small_is_a_clear_error_before_sampling(model, mm):
     from sd_accel.nodes.memory_nodes import activation_estimate
     from sd_accel.engine.vram_plan import min_budget
-    need = min_budget(_sizes(model), activation_estimate(mm, model), 1)
+    need = min_budget(_sizes(model), activation_estimate(mm, model), 0)   # without prefetch: the true floor
     with pytest.raises(ValueError) as ei:
         _node().apply(model, budget_gib=0.25)
     msg = str(ei.value)
     assert "VRAM budget 0.25 GiB is too small" in msg
     assert "at least %.2f GiB" % (need / GIB) in msg and "budget_gib" in msg
+
+
+def test_a_budget_that_fits_one_streamed_block_runs_without_prefetch(model, mm):
+    """Between the floor without prefetch and the floor with it, the node plans depth 0 and says so,
+    rather than refusing a budget the model can run in (SDXL at 2 GiB on the H200 was refused)."""
+    from sd_accel.nodes.memory_nodes import activation_estimate, plan_for_budget
+    from sd_accel.engine.vram_plan import min_budget
+    act = activation_estimate(mm, model)
+    lo, hi = min_budget(_sizes(model), act, 0), min_budget(_sizes(model), act, 1)
+    assert lo < hi
+    plan, notes = plan_for_budget(_sizes(model), (lo + hi) // 2, act)
+    assert plan.prefetch_depth == 0 and plan.peak_bytes <= (lo + hi) // 2
+    assert notes and "prefetch off" in notes[0]
+    plan, notes = plan_for_budget(_sizes(model), hi, act)
+    assert plan.prefetch_depth == 1 and not notes
 
 
 @pytest.mark.parametrize("bad", [dict(offload="novram"), dict(release_cache="always"), dict(budget_gib=-1.0)])
