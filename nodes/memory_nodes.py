@@ -1,7 +1,7 @@
 """VRAM Pool: a VRAM budget and memory hygiene for the sampling runs of one model, through ComfyUI's own
 model_management (its loader sees the budget and partially loads the model the way --lowvram does).
 
-What is wired now, and how (automatic VAE tiling from issue #4 is planned, and not offered as an option):
+What is wired now, and how (the VAE decode under a budget is the separate VAE Decode (SD Accel) node, nodes/vae_nodes.py):
 - budget_gib: checked against the model before sampling (engine/vram_plan.py); during each sampling run of
   the returned model, `comfy.model_management.EXTRA_RESERVED_VRAM` is raised so the loader sees only the
   budget of the card, and restored afterwards. Needs a ComfyUI with keyed sampler wrappers and
@@ -399,7 +399,8 @@ class SDAccelVRAMPool:
                    "that do not fit are streamed to the GPU with the next block prefetched), cache release after "
                    "the run, expandable segments. An out-of-memory during sampling is retried once with more "
                    "offload. Shows the residency plan: how many UNet blocks fit on the GPU and the estimated "
-                   "peak. Planned (not offered yet): automatic VAE tiling.")
+                   "peak. For the decode under a budget, use VAE Decode (SD Accel): it tiles when the whole decode "
+                   "would not fit.")
     CATEGORY = "SD Accel/memory"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model on a clone that carries the pool's settings into every sampler using it.",)

@@ -4,7 +4,8 @@ import os
 
 from workflow_util import WORKFLOWS
 
-OUR_NODES = {"SDAccelKSampler": "SD Accel/sampling", "SDAccelApply": "SD Accel/patches"}
+OUR_NODES = {"SDAccelKSampler": "SD Accel/sampling", "SDAccelApply": "SD Accel/patches",
+             "SDAccelVRAMPool": "SD Accel/memory", "SDAccelVAEDecode": "SD Accel/memory"}
 
 
 def test_pack_imported_without_errors(comfy):
