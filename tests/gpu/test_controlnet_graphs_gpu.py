@@ -1,0 +1,57 @@
+"""GPU only (run on the GPU machine with tests/gpu): a ControlNet's forward replayed from CUDA graphs never
+replays stale. Same process and models as test_graphs_gpu.py (its `comfy_env` fixture, the small random
+SD1.5 checkpoint) plus a random ControlNet of the same preset. Each accelerated image is compared with
+stock's for the same inputs: a new hint image, a new strength, and start/end percent that leave some steps
+without the ControlNet, each on a later prompt whose graphs already exist."""
+import os
+
+import pytest
+import torch
+
+from test_graphs_gpu import WORK, _rel, comfy_env  # noqa: F401  (the shared module fixture)
+
+
+@pytest.fixture(scope="module")
+def cn(comfy_env):  # noqa: F811
+    import fixtures
+    import folder_paths
+    from test_graphs_gpu import COMFY
+    os.makedirs(os.path.join(WORK, "controlnet"), exist_ok=True)
+    folder_paths.add_model_folder_path("controlnet", os.path.join(WORK, "controlnet"), is_default=True)
+    path = os.path.join(WORK, "controlnet", "gpu_small_cn.safetensors")
+    fixtures.ensure(path, fixtures.build_controlnet, COMFY, "small", path, 6)
+    with torch.inference_mode():
+        return comfy_env.nodes.ControlNetLoader().load_controlnet("gpu_small_cn.safetensors")[0]
+
+
+def _hint(seed, size=256):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand((1, size, size, 3), generator=g)
+
+
+def _sample(env, cn, hint, strength=1.0, start=0.0, end=1.0, ours=True):
+    with torch.inference_mode():
+        pos, neg = env.nodes.ControlNetApplyAdvanced().apply_controlnet(env.pos, env.neg, cn, hint, strength,
+                                                                      start, end)[:2]
+        lat = env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+        if ours:
+            res = env.ours.sample(env.model, 9, 6, 7.0, "euler", "normal", pos, neg, lat)
+            return res["result"][0]["samples"].float(), res["result"][1]
+        return env.nodes.KSampler().sample(env.model, 9, 6, 7.0, "euler", "normal", pos, neg, lat)[0]["samples"].float(), None
+
+
+def test_controlnet_graphs_follow_hint_strength_and_range(comfy_env, cn):  # noqa: F811
+    cases = [dict(hint=_hint(1)), dict(hint=_hint(1)), dict(hint=_hint(2)), dict(hint=_hint(2), strength=0.4),
+             dict(hint=_hint(2), strength=0.4, start=0.3, end=0.7)]
+    outs = []
+    for i, case in enumerate(cases):
+        ref, _ = _sample(comfy_env, cn, ours=False, **case)
+        out, line = _sample(comfy_env, cn, **case)
+        assert _rel(out, ref) < 2e-2, (i, case.keys(), _rel(out, ref), line)
+        assert "controlnet: 1 patched" in line and "cuda_graph x1" in line, line
+        outs.append(out)
+        if i == 1:   # same inputs again: the ControlNet's graph from prompt 0 is replayed, not recaptured
+            assert "0 captures" in line.split("graphs:")[-1], line
+    assert _rel(outs[2], outs[1]) > 1e-2, "a new hint changed nothing: stale graph?"
+    assert _rel(outs[3], outs[2]) > 1e-2, "a new strength changed nothing"
+    assert _rel(outs[4], outs[3]) > 1e-2, "start/end percent changed nothing"
