@@ -46,7 +46,7 @@ def test_node_declares_category_description_and_tooltips():
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
     from sd_accel.nodes import NODE_CLASS_MAPPINGS, LOAD_ERRORS
     assert "memory_nodes" not in LOAD_ERRORS and NODE_CLASS_MAPPINGS["SDAccelVRAMPool"] is SDAccelVRAMPool
-    assert SDAccelVRAMPool.CATEGORY == "SD Accel/memory" and "Planned" in SDAccelVRAMPool.DESCRIPTION
+    assert SDAccelVRAMPool.CATEGORY == "SD Accel/memory" and "VAE Decode (SD Accel)" in SDAccelVRAMPool.DESCRIPTION
     req = SDAccelVRAMPool.INPUT_TYPES()["required"]
     assert set(req) == {"model", "budget_gib", "offload", "release_cache", "expandable_segments"}
     assert all(v[1].get("tooltip") for v in req.values())
