@@ -21,7 +21,6 @@ rows only (the notes say whether the uncond rows got zero residuals). Not in the
 """
 import argparse
 import contextlib
-import datetime
 import inspect
 import json
 import os
@@ -194,13 +193,7 @@ def main():
             extra = SAMPLER_INPUTS.get(tag, {})
             with sampler_inputs(extra):
                 stock, ours = measure_pair(model, clip, vae, cns, size, batch)
-            rec = dict(env, date=datetime.date.today().isoformat(), config=tag, steps=OPT.steps, sampler="euler",
-                       scheduler="normal", cfg=7.0, stock_its=round(stock["its"], 2), ours_its=round(ours["its"], 2),
-                       speedup=round(ours["its"] / stock["its"], 3),
-                       first_run_s=round(ours["first_s"] - ours["sample_s"], 2),
-                       stock_e2e_s=round(stock["e2e_s"], 3), ours_e2e_s=round(ours["e2e_s"], 3),
-                       stock_peak_gib=round(stock["peak_gib"], 3), ours_peak_gib=round(ours["peak_gib"], 3),
-                       psnr_db=round(psnr(stock["img"], ours["img"]), 2))
+            rec = cb.pair_record(env, OPT, tag, stock, ours)
             cond_only = bool(extra.get("controlnet_cond_only"))
             rec["cn_rel_err"] = cn_rel_err(model, cns, size, batch, cond_only) if cns else None
             what = "smoke (CPU, tiny preset)" if OPT.smoke else "random full-size weights"
@@ -214,9 +207,7 @@ def main():
                 ", ".join(rep.get("ran", [])), json.dumps(rep.get("fell_back", {})), json.dumps(rep.get("graphs")),
                 json.dumps((ours["first_report"] or {}).get("graphs")), "; ".join(rep.get("notes", [])))
             rows.append(rec)
-            with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            say("RESULT", json.dumps(rec))
+            cb.append_record(OPT, rec)
         except Exception:  # noqa: BLE001 - keep the other configs
             say("ERROR", tag, traceback.format_exc())
     print("%-24s %10s %9s %7s %8s %8s %8s %8s %7s %9s %7s" % (

@@ -10,7 +10,6 @@ SDXL checkpoints built here with dev/fixtures.py. Prints a table and appends one
   python3 bench/bench_unet.py --comfy-dir vendor/ComfyUI --out $OUT [--configs sd15_512_b1,...] [--compile sd15_512_b1]
 """
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -41,18 +40,7 @@ LOADED = {}
 
 
 def load(kind):
-    if kind not in LOADED:
-        for k in list(LOADED):   # one model family resident at a time, as a user's server would
-            del LOADED[k]
-        mm.unload_all_models()
-        mm.soft_empty_cache()
-        name = "random_%s_fp16.safetensors" % kind
-        path = os.path.join(OPT.work, "checkpoints", name)
-        fixtures.ensure(path, fixtures.build_checkpoint, OPT.comfy_dir, kind, "tiny" if OPT.smoke else "sd15",
-                        path, 1234)
-        with torch.inference_mode():
-            LOADED[kind] = nodes.CheckpointLoaderSimple().load_checkpoint(name)[:3]
-    return LOADED[kind]
+    return cb.load_family(ENV, OPT, kind, LOADED)
 
 
 def graph(model, clip, vae, size, batch, seed, sampler):
@@ -144,13 +132,7 @@ def main():
             model, clip, vae = load(kind)
             stock = measure(model, clip, vae, size, batch, "stock")
             ours = measure(model, clip, vae, size, batch, "ours")
-            rec = dict(env, date=datetime.date.today().isoformat(), config=tag, steps=OPT.steps, sampler="euler",
-                       scheduler="normal", cfg=7.0, stock_its=round(stock["its"], 2), ours_its=round(ours["its"], 2),
-                       speedup=round(ours["its"] / stock["its"], 3),
-                       first_run_s=round(ours["first_s"] - ours["sample_s"], 2),
-                       stock_e2e_s=round(stock["e2e_s"], 3), ours_e2e_s=round(ours["e2e_s"], 3),
-                       stock_peak_gib=round(stock["peak_gib"], 3), ours_peak_gib=round(ours["peak_gib"], 3),
-                       psnr_db=round(psnr(stock["img"], ours["img"]), 2))
+            rec = cb.pair_record(env, OPT, tag, stock, ours)
             rec["unet_rel_err"] = unet_rel_err(model, size, batch,
                                                tag if tag in OPT.profile.split(",") else None)
             rep = ours["report"] or {}
@@ -173,9 +155,7 @@ def main():
             if tag in OPT.profile.split(","):
                 profile_ours(model, clip, vae, size, batch, tag)
             rows.append(rec)
-            with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            say("RESULT", json.dumps(rec))
+            cb.append_record(OPT, rec)
         except Exception:  # noqa: BLE001 - keep the other configs
             say("ERROR", tag, traceback.format_exc())
     hdr = "%-14s %9s %9s %7s %9s %8s %8s %8s %8s %7s %9s %7s" % (

@@ -48,17 +48,7 @@ LOADED = {}
 
 
 def load(kind):
-    if kind not in LOADED:
-        LOADED.clear()
-        mm.unload_all_models()
-        mm.soft_empty_cache()
-        name = "random_%s_fp16.safetensors" % kind
-        path = os.path.join(OPT.work, "checkpoints", name)
-        fixtures.ensure(path, fixtures.build_checkpoint, OPT.comfy_dir, kind, "tiny" if OPT.smoke else "sd15",
-                        path, 1234)
-        with torch.inference_mode():
-            LOADED[kind] = nodes.CheckpointLoaderSimple().load_checkpoint(name)[:3]
-    return LOADED[kind]
+    return cb.load_family(ENV, OPT, kind, LOADED)
 
 
 def pool_model(model, budget, offload):
@@ -136,9 +126,7 @@ def main():
                 del cm
             rec["notes"] = " | ".join(notes)
             rows.append(rec)
-            with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            say("RESULT", json.dumps(rec))
+            cb.append_record(OPT, rec)
         except Exception:  # noqa: BLE001 - keep the other configs
             say("ERROR", tag, traceback.format_exc())
     print("%-22s %6s %9s %9s %7s %9s %7s %8s %8s %8s %7s" % (

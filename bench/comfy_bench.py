@@ -2,6 +2,8 @@
 its default cudaMallocAsync allocator is in force), this repo registered as the package `sd_accel` the
 way ComfyUI loads it from custom_nodes, and the measuring helpers."""
 import argparse
+import datetime
+import json
 import os
 import shlex
 import sys
@@ -124,3 +126,37 @@ def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_c
         t3 = _t.perf_counter()
     return {"sample_s": t2 - t1, "e2e_s": t3 - t0, "peak_gib": peak, "img": img.float().cpu(), "report": report,
             "line": line}
+
+
+def load_family(env, opt, kind, loaded):
+    """(model, clip, vae) of the random `kind` ("sd15"/"sdxl") checkpoint, built once under opt.work; one
+    model family resident at a time, as a user's server would (`loaded` is the caller's cache)."""
+    if kind not in loaded:
+        loaded.clear()
+        env.mm.unload_all_models()
+        env.mm.soft_empty_cache()
+        name = "random_%s_fp16.safetensors" % kind
+        path = os.path.join(opt.work, "checkpoints", name)
+        env.fixtures.ensure(path, env.fixtures.build_checkpoint, opt.comfy_dir, kind,
+                            "tiny" if opt.smoke else "sd15", path, 1234)
+        with env.torch.inference_mode():
+            loaded[kind] = env.nodes.CheckpointLoaderSimple().load_checkpoint(name)[:3]
+    return loaded[kind]
+
+
+def pair_record(env_info, opt, tag, stock, ours):
+    """The BENCH.md fields of one config from two `measure` results (stock and ours)."""
+    return dict(env_info, date=datetime.date.today().isoformat(), config=tag, steps=opt.steps, sampler="euler",
+                scheduler="normal", cfg=7.0, stock_its=round(stock["its"], 2), ours_its=round(ours["its"], 2),
+                speedup=round(ours["its"] / stock["its"], 3),
+                first_run_s=round(ours["first_s"] - ours["sample_s"], 2),
+                stock_e2e_s=round(stock["e2e_s"], 3), ours_e2e_s=round(ours["e2e_s"], 3),
+                stock_peak_gib=round(stock["peak_gib"], 3), ours_peak_gib=round(ours["peak_gib"], 3),
+                psnr_db=round(psnr(stock["img"], ours["img"]), 2))
+
+
+def append_record(opt, rec):
+    """One JSON line to <out>/results.jsonl, and the RESULT line of the log."""
+    with open(os.path.join(opt.out, "results.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    say("RESULT", json.dumps(rec))
