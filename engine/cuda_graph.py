@@ -19,6 +19,7 @@ stay referenced for as long as the graph lives (under ComfyUI's default cudaMall
 capture after a graph's output was freed outside the graph fails), at most `max_graphs` keys are kept
 and dropping one drops the whole pool, so graph memory is bounded and freed as a unit.
 """
+import contextlib
 import enum
 import logging
 import os
@@ -34,6 +35,27 @@ DIAG_LEVEL = logging.WARNING if os.environ.get("SDACCEL_DIAG") == "1" else loggi
 
 
 SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: keyed by value
+# off by default until a GPU run measures it (speed, first-run time, the warm-up's peak VRAM)
+CUDNN_AUTOTUNE = os.environ.get("SDACCEL_CUDNN_AUTOTUNE", "0") == "1"
+
+
+@contextlib.contextmanager
+def cudnn_autotuned(on=True):
+    """cuDNN picks each convolution's algorithm by timing the candidates (`cudnn.benchmark`) inside the
+    scope, and the previous setting is restored after. Used for a graph's warm-up call and its capture
+    only: the warm-up times each new conv shape once (cuDNN caches the choice per shape, dtype and
+    layout), the capture then finds every choice cached, and replays run what was captured. Stock
+    ComfyUI leaves it off unless started with `--fast autotune`. Same arithmetic, another algorithm:
+    lossless within fp16 noise. SDACCEL_CUDNN_AUTOTUNE=1 turns it on (not yet measured on a GPU)."""
+    if not on:
+        yield
+        return
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = old
 
 
 def _flatten(obj, tensors, key, ignore=()):
@@ -194,7 +216,8 @@ class StepGraphs:
                     other = next(iter(self.entries)) if self.entries else next(iter(self.warm))
                     log.log(DIAG_LEVEL, "[SD Accel] new graph key for %s: %s", self.name, _key_diff(key, other))
                 self.warm.add(key)
-                return self._eager(fn, args, kwargs, "warm-up call for a new shape")
+                with cudnn_autotuned(CUDNN_AUTOTUNE):
+                    return self._eager(fn, args, kwargs, "warm-up call for a new shape")
             entry = self._capture(fn, args, kwargs, tensors, key, device)
             if entry is None:
                 return self._eager(fn, args, kwargs, "capture failed")
@@ -224,7 +247,7 @@ class StepGraphs:
         k0 = kernel_report.snapshot()
         try:
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with cudnn_autotuned(CUDNN_AUTOTUNE), torch.cuda.graph(graph, pool=self.pool):
                 out = fn(*s_args, **s_kwargs)
         except Exception as e:  # an op that cannot be captured: remember and run eagerly
             log.warning("[SD Accel] CUDA graph capture failed for %s (%s: %s); running eagerly",

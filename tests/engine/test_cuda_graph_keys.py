@@ -109,3 +109,19 @@ def test_a_replay_counts_the_kernels_its_capture_recorded():
     kernel_report.replayed(calls)
     kernel_report.replayed(calls)
     assert kernel_report.summarize(k1, kernel_report.snapshot())["demo_op"] == {"fused": 4, "fallback": 0, "reasons": []}
+
+
+def test_cudnn_autotune_scope_sets_and_restores_the_flag():
+    import torch
+    before = torch.backends.cudnn.benchmark
+    seen = []
+    with cg.cudnn_autotuned():
+        seen.append(torch.backends.cudnn.benchmark)
+    with cg.cudnn_autotuned(False):
+        seen.append(torch.backends.cudnn.benchmark)
+    try:
+        with cg.cudnn_autotuned():
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert seen == [True, before] and torch.backends.cudnn.benchmark is before
