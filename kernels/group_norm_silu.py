@@ -78,12 +78,16 @@ if _tt is not None:
         WS,                         # fp32 workspace: reads PMEAN, PM2 [N, NSC, C] (from _gn_stats_kernel),
                                     #   then writes MEAN, SCALE, SHIFT [N, C]: y = (x - mean) * scale + shift
         W, B,                       # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
+        ADD,                        # fp32 [N, C] added to x before the norm (ignored unless HAS_ADD)
         N, C, HW, G, CG,            # batch, channels, spatial size, groups, channels per group
         NSC, CHUNK_S,               # chunks per batch item, spatial positions per chunk (last may be short)
         eps,
-        HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr,
         BLOCK_SC: tl.constexpr, BLOCK_CG: tl.constexpr,
     ):
+        # GroupNorm(x + add) with add constant per (n, c): each channel's chunk means shift by add[n, c],
+        # its M2 does not; and (x + add - mean) = (x - (mean - add)), so the apply kernel is unchanged
+        # when MEAN holds mean - add. The add costs nothing on the big tensor.
         pid = tl.program_id(0)
         n = pid // G
         g = pid % G
@@ -95,14 +99,19 @@ if _tt is not None:
         c = g * CG + offs_cg
         base = n * NSC * C + c
         count = CG * HW * 1.0
+        shift_c = tl.zeros([BLOCK_CG], dtype=tl.float32)
+        if HAS_ADD:
+            shift_c = tl.load(ADD + n * C + c, mask=cmask, other=0.0)
         # pass 1: group mean = chunk means weighted by chunk sizes, summed relative to the first one
         pivot = tl.load(PMEAN + n * NSC * C + g * CG)
+        if HAS_ADD:
+            pivot += tl.load(ADD + n * C + g * CG)
         acc = tl.zeros([BLOCK_SC, BLOCK_CG], dtype=tl.float32)
         for sc0 in range(0, NSC, BLOCK_SC):
             sc = sc0 + tl.arange(0, BLOCK_SC)
             m = (sc < NSC)[:, None] & cmask[None, :]
             w_sc = tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S).to(tl.float32)
-            pm = tl.load(PMEAN + base[None, :] + sc[:, None] * C, mask=m, other=0.0)
+            pm = tl.load(PMEAN + base[None, :] + sc[:, None] * C, mask=m, other=0.0) + shift_c[None, :]
             acc += tl.where(m, pm - pivot, 0.0) * w_sc[:, None]
         mean = pivot + tl.sum(tl.sum(acc, axis=1), axis=0) / count
         # pass 2: group M2 = sum of chunk M2s + chunk sizes * (chunk mean - group mean)^2
@@ -111,7 +120,7 @@ if _tt is not None:
             sc = sc0 + tl.arange(0, BLOCK_SC)
             m = (sc < NSC)[:, None] & cmask[None, :]
             w_sc = tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S).to(tl.float32)
-            pm = tl.load(PMEAN + base[None, :] + sc[:, None] * C, mask=m, other=0.0)
+            pm = tl.load(PMEAN + base[None, :] + sc[:, None] * C, mask=m, other=0.0) + shift_c[None, :]
             pm2 = tl.load(PM2 + base[None, :] + sc[:, None] * C, mask=m, other=0.0)
             d = pm - mean
             acc += tl.where(m, pm2 + w_sc[:, None] * d * d, 0.0)
@@ -123,7 +132,7 @@ if _tt is not None:
         shift = tl.zeros([BLOCK_CG], dtype=tl.float32)
         if HAS_B:
             shift = tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(MEAN + n * C + c, tl.zeros([BLOCK_CG], dtype=tl.float32) + mean, mask=cmask)
+        tl.store(MEAN + n * C + c, mean - shift_c, mask=cmask)
         tl.store(MEAN + N * C + n * C + c, scale, mask=cmask)
         tl.store(MEAN + 2 * N * C + n * C + c, shift, mask=cmask)
 
@@ -178,7 +187,7 @@ def _config(N, C, HW, channels_last):
     return block_s, block_c, s_tiles, chunk_iters, nsc
 
 
-def _launch(x, num_groups, weight, bias, eps, activation):
+def _launch(x, num_groups, weight, bias, eps, activation, add=None):
     N, C = x.shape[0], x.shape[1]
     HW = x.numel() // (N * C)
     cl = _is_channels_last(x)
@@ -201,8 +210,9 @@ def _launch(x, num_groups, weight, bias, eps, activation):
     block_sc = max(2, min(next_pow2(nsc), 4096 // block_cg))
     launch(_gn_finalize_kernel, (N * num_groups,),
         ws, weight if weight is not None else ws, bias if bias is not None else ws,
+        add if add is not None else ws,
         N, C, HW, num_groups, cg, nsc, chunk_iters * block_s, float(eps),
-        HAS_W=weight is not None, HAS_B=bias is not None,
+        HAS_W=weight is not None, HAS_B=bias is not None, HAS_ADD=add is not None,
         BLOCK_SC=block_sc, BLOCK_CG=block_cg, num_warps=4)
 
     launch(_gn_apply_kernel, (s_tiles, c_tiles, N),
@@ -243,10 +253,21 @@ def eligible(x, num_groups, weight=None, bias=None):
     return True, ""
 
 
-@init_record
-def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation="silu"):
-    """F.silu(F.group_norm(x, num_groups, weight, bias, eps)) (activation=None: the norm alone).
+def _add_operand(x, add):
+    """`add` as the kernel reads it: fp32, contiguous [N, C]; None if it is not one per (n, c)."""
+    if add.dim() == 1:
+        add = add.unsqueeze(0).expand(x.shape[0], -1)
+    if add.shape != x.shape[:2] or add.device != x.device or not add.is_floating_point():
+        return None
+    return add.to(torch.float32).contiguous()
 
+
+@init_record
+def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation="silu", add=None):
+    """F.silu(F.group_norm(x + add, num_groups, weight, bias, eps)) (activation=None: the norm alone).
+
+    `add`: optional [N, C] (or [C]) term added to x per sample and channel before the norm (a ResBlock's
+    conv bias plus its timestep embedding): folded into the statistics, so it costs no pass over x.
     Runs the fused Triton kernels when `eligible`, else the reference; `group_norm_silu.last_path`
     ("triton" / "reference"), `.last_reason` and `.calls` say which ran. Output has x's dtype and
     memory format.
@@ -254,22 +275,34 @@ def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation=
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     ok, why = eligible(x, num_groups, weight, bias)
+    add_k = None
+    if ok and add is not None:
+        add_k = _add_operand(x, add)
+        if add_k is None:
+            ok, why = False, "add is not one value per (sample, channel) on x's device"
     if ok:
         try:
-            y = _launch(x, num_groups, weight, bias, eps, activation)
+            y = _launch(x, num_groups, weight, bias, eps, activation, add_k)
             record(group_norm_silu, "triton")
             return y
         except NotWarmedUp:
             why = "graph capture before any eager call of this shape"
     record(group_norm_silu, "reference", why)
-    y = group_norm_silu_reference(x, num_groups, weight, bias, eps, activation)
+    y = group_norm_silu_reference(x, num_groups, weight, bias, eps, activation, add)
     if _is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):
         y = y.contiguous(memory_format=torch.channels_last)
     return y
 
 
-def group_norm_silu_reference(x, num_groups, weight=None, bias=None, eps=1e-5, activation="silu"):
-    """Plain torch, in x's dtype: weight and bias are cast to it first, as ComfyUI's ops do."""
+def group_norm_silu_reference(x, num_groups, weight=None, bias=None, eps=1e-5, activation="silu", add=None):
+    """Plain torch, in x's dtype: weight and bias are cast to it first, as ComfyUI's ops do; `add`
+    ([N, C] or [C]) is added to x first, in x's dtype, as the ResBlock it stands for does."""
+    if add is not None:
+        add = add.to(x.dtype)
+        add = add[None] if add.dim() == 1 else add
+        if add.dim() == 2:   # [N, C]: one value per sample and channel
+            add = add.reshape(add.shape + (1,) * (x.dim() - 2))
+        x = x + add
     if x.is_floating_point():
         weight = weight.to(x.dtype) if weight is not None else None
         bias = bias.to(x.dtype) if bias is not None else None

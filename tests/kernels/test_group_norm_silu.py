@@ -87,6 +87,33 @@ def test_affine_and_activation(x_dtype, w_dtype, affine, activation, channels_la
     _check(y, x, _fp32_reference(x, w, b, 1e-6, activation), tol, tol)
 
 
+@pytest.mark.parametrize("shape, channels_last", [
+    pytest.param((2, 320, 8, 8), False, id="nchw"), pytest.param((2, 320, 8, 8), True, id="cl"),
+    pytest.param((1, 64, 45, 45), True, id="multi-chunk-cl"), pytest.param((2, 160, 7), False, id="ncl")])
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_add_per_sample_and_channel_is_folded_into_the_norm(shape, channels_last, dtype, atol, rtol, device,
+                                                             poison_empty):
+    """GroupNorm(x + add) for a ResBlock's conv bias + timestep embedding: the add varies across the
+    channels of a group (so it moves the group's variance, not just its mean) and across samples."""
+    x, w, b = _inputs(shape, dtype, device, channels_last, seed=3)
+    g = torch.Generator().manual_seed(4)
+    add = (torch.randn(shape[:2], generator=g) * 3).to(device)
+    y = group_norm_silu(x, 32, w, b, 1e-5, add=add)
+    ref = group_norm_silu_reference(x.float(), 32, w.float(), b.float(), 1e-5, "silu", add.float())
+    _check(y, x, ref, atol, rtol)
+    y1 = group_norm_silu(x, 32, w, b, 1e-5, add=add[0])          # a [C] add, the same for every sample
+    _check(y1, x, group_norm_silu_reference(x.float(), 32, w.float(), b.float(), 1e-5, "silu",
+                                            add[0].float()), atol, rtol)
+
+
+def test_an_add_of_the_wrong_shape_falls_back_with_a_reason(device):
+    x, w, b = _inputs((2, 320, 4, 4), torch.float32, device)
+    add = torch.randn(2, 320, 4, 4, device=device)          # not one value per (sample, channel)
+    y = group_norm_silu(x, 32, w, b, add=add)
+    assert group_norm_silu.last_path == "reference" and "add" in group_norm_silu.last_reason
+    torch.testing.assert_close(y, torch.nn.functional.silu(torch.nn.functional.group_norm(x + add, 32, w, b)))
+
+
 def test_large_mean_small_std(device):
     # mean 1000, std 0.01: E[x^2] - E[x]^2 in fp32 would lose the variance entirely here; torch's own
     # fp32 GroupNorm is off by ~6e-3 against fp64 on this input
