@@ -12,7 +12,9 @@ Targets, matched by structure rather than by class name where possible:
     norm and the SiLU: there only the norm is fused;
   * any other GroupNorm (SpatialTransformer.norm) -> fused GroupNorm;
   * LayerNorm over the last dim (transformer blocks' norm1/2/3) -> fused LayerNorm;
-  * GEGLU (`ff.net.0`) -> fused GEGLU that keeps its `proj` Linear.
+  * GEGLU (`ff.net.0`) -> fused GEGLU that keeps its `proj` Linear;
+  * with the op "resblock_add_norm" (ComfyUI host): plain ResBlocks -> a stand-in that folds the first
+    conv's bias and the timestep embedding into the following GroupNorm (engine/fused_resblock.py).
 """
 from dataclasses import dataclass, field
 
@@ -20,8 +22,10 @@ import torch
 from torch import nn
 
 from . import fused_modules as fm
+from . import fused_resblock
 
 ALL_OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
+COMFY_OPS = ALL_OPS + ("resblock_add_norm",)
 
 
 @dataclass
@@ -56,6 +60,9 @@ def plan_patches(root, ops=ALL_OPS, prefix=""):
             plan.add(prefix + name, fm.make_fused_layer_norm(mod), "layer_norm")
         elif fm.is_geglu(mod) and "geglu" in ops:
             plan.add(prefix + name, fm.make_fused_geglu(mod), "geglu")
+    if "resblock_add_norm" in ops:
+        for path, mod in fused_resblock.plan_resblocks(root, prefix).items():
+            plan.add(path, mod, "resblock_add_norm")
     return plan
 
 

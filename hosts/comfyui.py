@@ -207,7 +207,7 @@ def _accelerate(model, options):
         if layout:
             info["patched"]["channels_last_transformer"] = len(layout)
     if options.fused_kernels:
-        plan = patching.plan_patches(base_model.diffusion_model, prefix="diffusion_model.")
+        plan = patching.plan_patches(base_model.diffusion_model, patching.COMFY_OPS, prefix="diffusion_model.")
         for path, module in plan.patches.items():
             clone.add_object_patch(path, module)
         info["patched"].update(plan.counts)

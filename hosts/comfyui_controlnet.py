@@ -85,7 +85,7 @@ def plan_controlnet(control_model, options, prefix=""):
         if layout:
             counts["channels_last_transformer"] = len(layout)
     if options.fused_kernels:
-        plan = patching.plan_patches(control_model, prefix=prefix)
+        plan = patching.plan_patches(control_model, patching.COMFY_OPS, prefix=prefix)
         patches.update(plan.patches)
         counts.update(plan.counts)
     if options.hint_cache and not options.cuda_graph:

@@ -1,0 +1,82 @@
+"""A ResBlock whose first conv's bias and the timestep embedding go into the GroupNorm after them.
+
+ComfyUI's (and ldm's) ResBlock computes `h = conv(silu(gn(x)))` (cuDNN adds the conv bias in its own
+kernel), `h = h + emb_layers(emb)[..., None, None]` (a broadcast add), then `silu(gn(h))`. Both adds are
+constant per (sample, channel), so `kernels.group_norm_silu(h, add=bias + emb)` folds them into the
+norm's statistics: two full passes over the activation fewer per ResBlock (22 ResBlocks in an SD1.5
+UNet). The arithmetic is the block's own, with the two adds done in fp32 instead of fp16.
+
+The stand-in is a subclass clone (same children and parameter names, `isinstance` holds) overriding
+`_forward`, planned only where it reproduces the host's `_forward` exactly: a plain ResBlock (no up/down
+sampling, no scale-shift norm, timestep embedding used, no exchanged dims), `in_layers` ending in a
+Conv2d, `out_layers` = [GroupNorm, SiLU, Dropout, Conv2d], and a host `_forward` whose source has the
+expected steps. The convolution's weights are read through the host's casting (`weights_of`).
+"""
+import inspect
+
+from torch import nn
+
+from ..kernels.group_norm_silu import group_norm_silu
+from . import fused_modules as fm
+from . import kernel_report
+
+_STEPS = ("self.in_layers(x)", "self.emb_layers(emb)", "h = h + emb_out", "self.out_layers(h)",
+          "self.skip_connection(x) + h", "use_scale_shift_norm")
+
+
+class FusedResBlock:
+    sdaccel_kind = "resblock"
+
+    def _forward(self, x, emb):
+        layers = self.in_layers
+        h = x
+        for i in range(len(layers) - 1):
+            h = layers[i](h)
+        conv = layers[len(layers) - 1]
+        w, b = fm.weights_of(conv, h)
+        h = conv._conv_forward(h, w, None)           # the bias goes into the norm's add
+        add = self.emb_layers(emb).float()
+        if b is not None:
+            add = add + b.float()
+        out = self.out_layers
+        norm = out[0]
+        nw, nb = fm.weights_of(norm, h) if norm.weight is not None else (None, None)
+        h = group_norm_silu(h, norm.num_groups, nw, nb, norm.eps, activation="silu", add=add)
+        kernel_report.record("resblock_add_norm", group_norm_silu)
+        for i in range(2, len(out)):                 # dropout, conv
+            h = out[i](h)
+        return self.skip_connection(x) + h
+
+
+def _host_forward_matches(cls):
+    fwd = cls.__dict__.get("_forward")
+    if fwd is None:
+        return False
+    try:
+        params = tuple(inspect.signature(fwd).parameters)
+        src = inspect.getsource(fwd)
+    except (TypeError, ValueError, OSError):
+        return False
+    return params == ("self", "x", "emb") and all(s in src for s in _STEPS)
+
+
+def eligible(m):
+    """The module is a plain ResBlock whose `_forward` the stand-in reproduces."""
+    cls = fm.original_class(m)
+    if cls.__name__ != "ResBlock" or not _host_forward_matches(cls):
+        return False
+    if getattr(m, "updown", True) or getattr(m, "use_scale_shift_norm", True):
+        return False
+    if getattr(m, "skip_t_emb", False) or getattr(m, "exchange_temb_dims", False):
+        return False
+    ins, out = getattr(m, "in_layers", None), getattr(m, "out_layers", None)
+    if not (isinstance(ins, nn.Sequential) and isinstance(out, nn.Sequential) and len(out) == 4 and len(ins) >= 1):
+        return False
+    return (isinstance(ins[len(ins) - 1], nn.Conv2d) and fm.is_group_norm(out[0]) and fm.is_silu(out[1])
+            and isinstance(out[2], nn.Dropout) and isinstance(out[3], nn.Conv2d))
+
+
+def plan_resblocks(root, prefix=""):
+    """{prefix + path: stand-in} for every eligible ResBlock of `root`; never modifies `root`."""
+    return {prefix + name: fm.clone_as(FusedResBlock, mod)
+            for name, mod in root.named_modules() if name and eligible(mod)}
