@@ -177,6 +177,13 @@ class StepGraphs:
         self.warm.clear()
         self.pool = None
 
+    def clear_if_offloaded(self):
+        """Frees the graph memory once the weights have left the GPU (the host unloaded the model);
+        while they stay, the graphs stay valid (the fingerprint checks them on every step)."""
+        p = next(self.fp.module.parameters(), None)
+        if p is None or not p.is_cuda:
+            self.clear("model unloaded")
+
     def _eager(self, fn, args, kwargs, reason):
         self.stats["eager"] += 1
         self.last_eager_reason = reason

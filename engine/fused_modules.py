@@ -10,6 +10,9 @@ Weights are read through `weights_of`, which defers to the host's own casting wh
 the module for it (ComfyUI's low-VRAM and manual-cast modes set `comfy_cast_weights` or
 `weight_function`), so offloaded and low-precision weights keep working.
 """
+import functools
+import inspect
+
 from torch import nn
 
 from ..kernels.geglu import geglu
@@ -101,6 +104,22 @@ def _clone_into(cls, orig):
         if isinstance(v, (dict, set)):
             new.__dict__[k] = v.copy()
     return new
+
+
+@functools.lru_cache(maxsize=None)
+def host_source(cls, method, params):
+    """The source of `cls.<method>` when `cls` itself defines it with exactly these parameter names, else
+    None. Stand-ins that re-implement a host method (a SpatialTransformer's forward, a ResBlock's
+    _forward) check it for the steps they reproduce. Read once per class."""
+    fn = cls.__dict__.get(method)
+    if fn is None:
+        return None
+    try:
+        if tuple(inspect.signature(fn).parameters) != tuple(params):
+            return None
+        return inspect.getsource(fn)
+    except (TypeError, ValueError, OSError):
+        return None
 
 
 def clone_as(mixin, orig):

@@ -12,8 +12,6 @@ sampling, no scale-shift norm, timestep embedding used, no exchanged dims), `in_
 Conv2d, `out_layers` = [GroupNorm, SiLU, Dropout, Conv2d], and a host `_forward` whose source has the
 expected steps. The convolution's weights are read through the host's casting (`weights_of`).
 """
-import inspect
-
 from torch import nn
 
 from ..kernels.group_norm_silu import group_norm_silu
@@ -48,22 +46,11 @@ class FusedResBlock:
         return self.skip_connection(x) + h
 
 
-def _host_forward_matches(cls):
-    fwd = cls.__dict__.get("_forward")
-    if fwd is None:
-        return False
-    try:
-        params = tuple(inspect.signature(fwd).parameters)
-        src = inspect.getsource(fwd)
-    except (TypeError, ValueError, OSError):
-        return False
-    return params == ("self", "x", "emb") and all(s in src for s in _STEPS)
-
-
 def eligible(m):
     """The module is a plain ResBlock whose `_forward` the stand-in reproduces."""
     cls = fm.original_class(m)
-    if cls.__name__ != "ResBlock" or not _host_forward_matches(cls):
+    src = fm.host_source(cls, "_forward", ("self", "x", "emb")) if cls.__name__ == "ResBlock" else None
+    if src is None or not all(step in src for step in _STEPS):
         return False
     if getattr(m, "updown", True) or getattr(m, "use_scale_shift_norm", True):
         return False

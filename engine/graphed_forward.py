@@ -59,13 +59,6 @@ class GraphedForward:
     def _eager(self, *args, **kwargs):
         return self.forward(self.module, *args, **kwargs)
 
-    def clear_if_offloaded(self):
-        """Frees the graph memory once the module's weights have left the GPU (it was unloaded)."""
-        p = next(self.module.parameters(), None)
-        if p is None or not p.is_cuda:
-            self.graphs.clear("model unloaded")
-
-
 def _graphs_of(module, name):
     # one StepGraphs per module, shared by its stand-ins: graph memory is bounded per module
     g = module.__dict__.get("_sd_accel_graphs")

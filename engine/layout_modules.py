@@ -13,8 +13,6 @@ copy as the host's for NCHW) and the image is `reshape(b, h, w, c).movedim(3, 1)
 It is planned only for classes whose forward has the signature it reproduces, and only by the
 channels_last option: for an NCHW UNet the host's own forward is already the right one.
 """
-import inspect
-
 from . import fused_modules as fm
 
 _SIGNATURE = ("self", "x", "context", "transformer_options")
@@ -48,21 +46,14 @@ class ChannelsLastSpatialTransformer:
         return x + x_in
 
 
+_STEPS = ("self.norm(x)", "self.proj_in(x)", "self.proj_out(x)", "block_index", "x + x_in", "use_linear")
+
+
 def _host_forward_matches(cls):
-    """The host class's forward is the one this stand-in reproduces: its parameters, and a source that
-    uses the same steps (read once per class)."""
-    fwd = cls.__dict__.get("forward")
-    if fwd is None:
-        return None
-    try:
-        params = tuple(inspect.signature(fwd).parameters)
-        src = inspect.getsource(fwd)
-    except (TypeError, ValueError, OSError):
-        return None
-    if params != _SIGNATURE:
-        return None
-    needed = ("self.norm(x)", "self.proj_in(x)", "self.proj_out(x)", "block_index", "x + x_in", "use_linear")
-    if not all(s in src for s in needed):
+    """None unless the host class's forward is the one this stand-in reproduces (its parameters and the
+    same steps in its source); else what differs between host versions it does reproduce."""
+    src = fm.host_source(cls, "forward", _SIGNATURE)
+    if src is None or not all(step in src for step in _STEPS):
         return None
     return {"sets_activations_shape": "activations_shape" in src}
 

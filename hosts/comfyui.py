@@ -140,12 +140,10 @@ def _install_wrapper(clone, st, options):
         if hasattr(clone, "add_callback_with_key"):
             on_detach = st.wrappers.get("on_detach")
             if on_detach is None:
-                def on_detach(patcher, unpatch_all=True, _on_gpu=_weights_on_gpu):   # bound: also runs from __del__ at exit
+                def on_detach(patcher, unpatch_all=True):
                     # ComfyUI also detaches a clone when another clone of the same model is loaded;
-                    # the graphs stay valid while the weights stay on the GPU (the fingerprint checks
-                    # them on every step), so only free the graph memory once they have left it
-                    if not _on_gpu(base_model):
-                        st.graphs.clear("model unloaded")
+                    # the graphs are freed only once the weights have left the GPU
+                    st.graphs.clear_if_offloaded()
                 st.wrappers["on_detach"] = on_detach
             clone.callbacks.setdefault(pe.CallbacksMP.ON_DETACH, {})[WRAPPER_KEY] = [on_detach]
         return "apply_model wrapper (keyed)"
@@ -163,11 +161,6 @@ def _install_wrapper(clone, st, options):
     model_function_wrapper.sd_accel_prev = prev
     clone.set_model_unet_function_wrapper(model_function_wrapper)
     return "model_function_wrapper" + (" (chained)" if prev is not None else "")
-
-
-def _weights_on_gpu(base_model):
-    p = next(base_model.diffusion_model.parameters(), None)
-    return p is not None and p.is_cuda
 
 
 # The patched clone of each input model, per options. ComfyUI re-runs a sampler node on every prompt

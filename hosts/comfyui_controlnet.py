@@ -79,7 +79,7 @@ def _register_weight_caster():
 def plan_controlnet(control_model, options, prefix=""):
     """The engine's patch plan for one cldm ControlNet module: (patches, counts). Never modifies it."""
     patches, counts = {}, {}
-    if options.channels_last and _on_cuda(control_model):   # first: see hosts/comfyui.py (patch order)
+    if options.channels_last and _runs_on_cuda():   # first: see hosts/comfyui.py (patch order)
         layout = layout_modules.plan_layout_patches(control_model, prefix=prefix)
         patches.update(layout)
         if layout:
@@ -101,8 +101,8 @@ def plan_controlnet(control_model, options, prefix=""):
     return patches, counts
 
 
-def _on_cuda(module):
-    """channels_last stand-ins only for a ControlNet that runs on a GPU (CPU results stay stock's)."""
+def _runs_on_cuda():
+    """channels_last stand-ins only when ComfyUI runs its models on a GPU (CPU results stay stock's)."""
     import comfy.model_management as mm
     return getattr(mm.get_torch_device(), "type", None) == "cuda"
 
@@ -292,7 +292,7 @@ def _free_graphs_on_unload(patcher, patches):
 
     def on_detach(p, unpatch_all=True, _forwards=tuple(forwards)):
         for gf in _forwards:
-            gf.clear_if_offloaded()
+            gf.graphs.clear_if_offloaded()
     patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "sd_accel", on_detach)
 
 

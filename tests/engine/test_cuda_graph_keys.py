@@ -125,3 +125,11 @@ def test_cudnn_autotune_scope_sets_and_restores_the_flag():
     except KeyError:
         pass
     assert seen == [True, before] and torch.backends.cudnn.benchmark is before
+
+
+def test_graphs_are_freed_once_the_weights_have_left_the_gpu():
+    """What the hosts call when ComfyUI detaches a model: CPU weights here, so the graphs go."""
+    g = cg.StepGraphs(torch.nn.Linear(2, 2))
+    g.warm.add(("some key",))
+    g.clear_if_offloaded()
+    assert not g.warm and g.stats["invalidations"] == 1
