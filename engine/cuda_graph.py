@@ -11,7 +11,9 @@ Never a stale graph: the weights fingerprint (identity, storage pointer and vers
 parameter and buffer) is checked on every call; when it changes (a LoRA patched or re-weighted, the
 model moved or offloaded, another model loaded into the same object) all graphs are dropped.
 Graphs are not used when any weight is off the GPU (CPU, offloaded or partially loaded weights), or
-while another capture is under way. Inputs the host keeps on the CPU until the model moves them (ComfyUI's
+while another capture is under way; weights streamed into fixed places (engine/offload.py) are on the GPU
+for this purpose, and the streamer's token (WEIGHTS_TOKEN) is part of the fingerprint. Inputs the host
+keeps on the CPU until the model moves them (ComfyUI's
 conds) get GPU static buffers: the model's own move then happens on the GPU, inside the graph.
 
 Memory: all graphs of one model share one private memory pool; each graph's static inputs and output
@@ -34,6 +36,9 @@ log = logging.getLogger("sd_accel")
 DIAG_LEVEL = logging.WARNING if os.environ.get("SDACCEL_DIAG") == "1" else logging.DEBUG
 
 
+# set on the weights module by whatever puts its weights' bytes somewhere the fingerprint cannot see (the block
+# streamer's ring and host buffers: engine/offload.py), a new object each time: part of the fingerprint
+WEIGHTS_TOKEN = "sd_accel_weights_token"
 SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: keyed by value
 # off by default until a GPU run measures it (speed, first-run time, the warm-up's peak VRAM)
 CUDNN_AUTOTUNE = os.environ.get("SDACCEL_CUDNN_AUTOTUNE", "0") == "1"
@@ -198,7 +203,7 @@ class StepGraphs:
         if torch.cuda.is_current_stream_capturing():
             return self._eager(fn, args, kwargs, "another capture is under way")
         fp, all_cuda = self.fp.read(epoch)
-        fp = (fp, host_state)
+        fp = (fp, host_state, getattr(self.fp.module, WEIGHTS_TOKEN, None))
         if not all_cuda:
             self.clear()
             return self._eager(fn, args, kwargs, "weights not all on the GPU (offloaded or partially loaded)")

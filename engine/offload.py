@@ -1,32 +1,41 @@
-"""UNet block streaming: the weights of some top-level blocks live in (pinned) host memory and are copied to
-the GPU on a side stream just before they run, the next blocks' copies in flight while the current one
-computes. Host-agnostic (no ComfyUI import); the host decides which tensors are off the GPU.
+"""UNet block streaming: the weights of some top-level blocks live in (pinned) host memory and are copied into
+a GPU ring buffer on a side stream just before they run, the next blocks' copies in flight while the current
+one computes. Host-agnostic (no ComfyUI import); the host decides which tensors are off the GPU.
 
 The unit is a top-level block of an ldm UNetModel in execution order (engine/vram_plan.py's names:
-time_embed, label_emb, input_blocks.i, middle_block, output_blocks.i, out); a step runs them in that order
-and the next step starts again at the first (cyclic). ComfyUI runs a TimestepEmbedSequential layer by layer
-rather than through its __call__, so the trigger is a forward pre-hook on every module of a block that owns
-tensors: the first one that runs in a block "enters" the block (later ones are a dict lookup).
+time_embed, label_emb, input_blocks.i, middle_block, output_blocks.i, out). ComfyUI runs a
+TimestepEmbedSequential layer by layer rather than through its __call__, so the trigger is a forward pre-hook
+on every module of a block that owns tensors: the first one that runs in a block "enters" the block.
 
-Entering streamed block s[i] (streamed = the plan's streamed blocks, in execution order; d = prefetch depth):
-  1. copies alive that are not s[i..i+d] are released (normally s[i-1]),
-  2. s[i]'s copy is issued if it is not in flight (first step, or after an out-of-order call), the compute
-     stream waits on its event, and the block's tensors are swapped to the GPU copies,
-  3. the copies of s[i+1..i+d] are issued on the side stream (cyclic), logged as (issued, s[i]).
-Entering a resident block releases every copy but the d already issued for the next streamed blocks.
-So at most 1 + d streamed blocks are on the GPU at once: vram_plan's window.
+Fixed places. Each streamed block gets a fixed place in one ring buffer (vram_plan.ring_layout) and its
+tensors' `.data` point there for as long as the streamer is installed; the host copy of a block is one
+pinned buffer with the same layout, so a block is one host-to-device copy. Because the addresses never
+change, a CUDA graph captured over a step replays the copies too: the step then costs max(compute,
+transfer) instead of the eager step's Python time plus whatever transfer it does not hide.
 
-Swapping is `tensor.data = other`: Parameter objects, names and state_dict keys stay as they were (LoRA and
-weight patches keep working); `remove()` puts every tensor's original data back and drops the copies. GPU
-copies get `record_stream(compute stream)`, so the allocator does not reuse their memory before the kernels
-that read them have run.
+A step (s = the streamed blocks that have something off the device, d = prefetch depth):
+  * the UNet's forward pre-hook starts the step: copies of s[0..d] are issued;
+  * entering s[i]: s[i+d]'s copy is issued (any of s[i..i+d] not issued yet too; s[i] itself only when
+    blocks ran out of order, a "demand load"), then the compute stream waits for s[i]'s copy;
+  * the UNet's forward hook ends the step: the compute stream waits for the copy stream (a capture joins).
+A copy first waits for an event recorded on the compute stream when it is issued, so it never overwrites a
+place before the kernels issued so far (the place's previous reader among them) have read it; ring_layout
+keeps a block's place clear of the d blocks before it, which are computing or in flight then.
 
-With device=cpu the same logic runs with real copies (clones) and no streams: the order and the swaps are
-testable without a GPU.
+Swapping is `tensor.data = view`: Parameter objects, names and state_dict keys stay as they were (LoRA and
+weight patches keep working); `remove()` puts every tensor's original data back and frees the ring. The
+unet carries `sd_accel_weights_token` (engine/cuda_graph.py reads it) while installed, a new object per
+install: graphs captured against another ring or other host buffers are never replayed.
+
+With device=cpu the same logic runs with real copies into a CPU ring and no streams: the order, the
+aliasing of places and the swaps are testable without a GPU.
 """
 import torch
 
-from .vram_plan import _UNET_ORDER
+from .cuda_graph import WEIGHTS_TOKEN
+from .vram_plan import _UNET_ORDER, ring_layout
+
+ALIGN = 256          # each tensor's and block's place starts at a multiple of this many bytes
 
 
 def top_level_blocks(unet):
@@ -75,24 +84,30 @@ def _on(t, device):
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
+def _aligned(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 class _Block:
-    __slots__ = ("name", "tensors", "hosts", "pinned", "copies", "event", "swapped", "nbytes")
+    __slots__ = ("name", "tensors", "hosts", "offsets", "nbytes", "host_flat", "place")
 
     def __init__(self, name):
-        self.name, self.tensors, self.hosts, self.pinned = name, [], [], []
-        self.copies, self.event, self.swapped, self.nbytes = None, None, False, 0
+        self.name, self.tensors, self.hosts, self.offsets = name, [], [], []
+        self.nbytes, self.host_flat, self.place = 0, None, 0
 
 
 class BlockStreamer:
     """Streams the tensors of the `streamed` top-level blocks of `unet` to `device` (see the module doc).
 
     streamed: block names (any order; execution order is used). On a CUDA device only the tensors of those
-    blocks that are not already on the device move (the host decides placement); on CPU all of them are
-    copied, so the logic can be tested. pinned_cache: a dict reused across installs so host tensors are
-    pinned once (keyed by storage pointer, shape, dtype and version). `prefetch_log`: [(issued, computing)].
+    blocks that are not already on the device move (the host decides placement), unless `every_tensor`
+    (tests); on CPU all of them are copied, so the logic can be tested. pinned_cache: a dict reused across installs so a block's host
+    buffer is built (and pinned) once, keyed by its tensors' storage pointers, shapes, dtypes and versions.
+    `prefetch_log`: [(issued block, block computing then | None at the step's start)].
     """
 
-    def __init__(self, unet, streamed, prefetch_depth=1, device="cuda", pin=None, pinned_cache=None):
+    def __init__(self, unet, streamed, prefetch_depth=1, device="cuda", pin=None, pinned_cache=None,
+                 every_tensor=False):
         if prefetch_depth < 0:
             raise ValueError("prefetch_depth must be >= 0, got %r" % (prefetch_depth,))
         self.unet, self.device, self.depth = unet, torch.device(device), int(prefetch_depth)
@@ -105,42 +120,46 @@ class BlockStreamer:
             raise ValueError("not top-level UNet blocks: %s" % ", ".join(sorted(unknown)))
         self.streamed = [n for n in names if n in set(streamed)]
         self.cuda = self.device.type == "cuda"
+        self.every_tensor = bool(every_tensor) or not self.cuda
         self.pin = (self.cuda and torch.cuda.is_available()) if pin is None else bool(pin)
         self.pinned_cache = pinned_cache if pinned_cache is not None else {}
         self.prefetch_log, self.installed = [], False
         self.stats = {"copies": 0, "bytes_copied": 0, "demand_loads": 0, "steps": 0}
-        self._handles, self._state, self._current, self._active = [], {}, None, []
-        self._copy_stream = None
+        self._handles, self._state, self._active = [], {}, []
+        self._copy_stream, self.ring = None, None
+        self._issued, self._current = {}, None
 
     # -- install / remove -------------------------------------------------------------------------------
     def install(self):
         if self.installed:
             return self
-        new_cache = {}
         for name, mod in self.blocks:
             if name not in self.streamed:
                 continue
             b = _Block(name)
             for _, t in _owned(mod):
-                if self.cuda and _on(t, self.device):
+                if not self.every_tensor and _on(t, self.device):
                     continue
-                host = t.data
                 b.tensors.append(t)
-                b.hosts.append(host)
-                b.pinned.append(self._pinned(host, new_cache))
-                b.nbytes += _nbytes(host)
+                b.hosts.append(t.data)
+                b.offsets.append(b.nbytes)
+                b.nbytes += _aligned(_nbytes(t))
             self._state[name] = b
-        self.pinned_cache.clear()
-        self.pinned_cache.update(new_cache)
-        self._pos = {n: i for i, n in enumerate(self.streamed)}
         self._active = [n for n in self.streamed if self._state[n].tensors]
         self._apos = {n: i for i, n in enumerate(self._active)}
-        order = [n for n, _ in self.blocks]
-        # for a block outside the active set: the active index of the next active streamed block after it
-        self._next_active = {}
-        for p, n in enumerate(order):
-            later = [m for m in order[p + 1:] if m in self._apos]
-            self._next_active[n] = self._apos[later[0]] if later else 0
+        places, ring = ring_layout([self._state[n].nbytes for n in self._active], self.depth)
+        new_cache = {}
+        for n, place in zip(self._active, places):
+            b = self._state[n]
+            b.place = place
+            b.host_flat = self._host_buffer(b, new_cache)
+        self.pinned_cache.clear()
+        self.pinned_cache.update(new_cache)
+        self.ring = torch.empty(ring, dtype=torch.uint8, device=self.device)
+        for n in self._active:
+            b = self._state[n]
+            for t, host, off in zip(b.tensors, b.hosts, b.offsets):
+                t.data = _view(self.ring, b.place + off, host)
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         for name, mod in self.blocks:
@@ -148,18 +167,27 @@ class BlockStreamer:
             for m in mod.modules():
                 if any(v is not None for v in m._parameters.values()) or any(v is not None for v in m._buffers.values()):
                     self._handles.append(m.register_forward_pre_hook(hook))
-        self.installed, self._current = True, None
+        self._handles.append(self.unet.register_forward_pre_hook(lambda m, a: self._step_start()))
+        self._handles.append(self.unet.register_forward_hook(lambda m, a, o: self._step_end()))
+        setattr(self.unet, WEIGHTS_TOKEN, object())
+        self.installed, self._current, self._issued = True, None, {}
         return self
 
     def remove(self):
-        """Puts every streamed tensor's original data back and drops hooks and GPU copies. Idempotent."""
+        """Puts every streamed tensor's original data back, drops the hooks and frees the ring. Idempotent."""
         for h in self._handles:
             h.remove()
         self._handles = []
         for b in self._state.values():
-            self._release(b)
-        self._state, self._current, self._active, self.installed = {}, None, [], False
-        self._copy_stream = None
+            for t, host in zip(b.tensors, b.hosts):
+                t.data = host
+        if self.installed and self._copy_stream is not None:
+            # the ring is freed below: nothing may still be copying into it
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+        if hasattr(self.unet, WEIGHTS_TOKEN):
+            delattr(self.unet, WEIGHTS_TOKEN)
+        self._state, self._current, self._active, self._issued, self.installed = {}, None, [], {}, False
+        self._copy_stream, self.ring = None, None
         return self
 
     def __enter__(self):
@@ -172,32 +200,31 @@ class BlockStreamer:
     @property
     def streamed_bytes(self):
         """Bytes copied to the device per step (blocks with nothing off the device are skipped)."""
-        return sum(b.nbytes for b in self._state.values())
+        return sum(self._state[n].nbytes for n in self._active)
 
-    def window_bytes(self):
-        """Largest sum of 1 + depth cyclically consecutive active streamed blocks: their peak on the device."""
-        sizes = [self._state[n].nbytes for n in self._active]
-        if not sizes:
-            return 0
-        k = min(len(sizes), 1 + self.depth)
-        return max(sum(sizes[(i + j) % len(sizes)] for j in range(k)) for i in range(len(sizes)))
+    @property
+    def ring_bytes(self):
+        """Bytes of the GPU ring the streamed blocks take turns in (0 when not installed)."""
+        return 0 if self.ring is None else self.ring.numel()
 
     def live_blocks(self):
-        """Names of the streamed blocks whose copies are on the device now (in flight or swapped in)."""
-        return [n for n in self._active if self._state[n].copies is not None]
+        """Names of the streamed blocks whose copies were issued in this step and not overwritten since."""
+        return [n for n in self._active if n in self._issued]
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _pinned(self, host, new_cache):
-        if not self.pin or host.device.type != "cpu":
-            return host
-        if host.is_pinned():
-            return host
-        key = (host.data_ptr(), tuple(host.shape), tuple(host.stride()), host.dtype, host._version)
-        p = self.pinned_cache.get(key)
-        if p is None:
-            p = host.pin_memory()
-        new_cache[key] = p
-        return p
+    def _host_buffer(self, b, new_cache):
+        """The block's tensors in one host buffer with the ring's layout (pinned when streaming to a GPU)."""
+        # inference tensors (ComfyUI loads under inference_mode) have no version counter; a patch that writes
+        # them in place changes the host's own patch state, and the host re-installs per run
+        key = tuple((h.data_ptr(), tuple(h.shape), tuple(h.stride()), h.dtype, 0 if h.is_inference() else h._version)
+                    for h in b.hosts)
+        flat = self.pinned_cache.get(key)
+        if flat is None or flat.numel() != b.nbytes:
+            flat = torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            for host, off in zip(b.hosts, b.offsets):
+                _view(flat, off, host).copy_(host)
+        new_cache[key] = flat
+        return flat
 
     def _make_hook(self, name):
         def pre_hook(module, args):
@@ -205,68 +232,61 @@ class BlockStreamer:
                 self._enter(name)
         return pre_hook
 
+    def _step_start(self):
+        self.stats["steps"] += 1
+        self._current, self._issued = None, {}
+        for n in self._active[:1 + self.depth]:
+            self._issue(n, None)
+
+    def _step_end(self):
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+        self._current, self._issued = None, {}
+
     def _issue(self, name, computing):
         b = self._state[name]
-        if b.copies is not None:
-            return
+        lo, hi = b.place, b.place + b.nbytes
+        for other in list(self._issued):      # a place overwritten: that copy is gone (out-of-order calls)
+            o = self._state[other]
+            if other != name and o.place < hi and lo < o.place + o.nbytes:
+                del self._issued[other]
         self.prefetch_log.append((name, computing))
+        dst = self.ring[lo:hi]
         if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            free = torch.cuda.Event()
+            free.record(compute)                   # the place's previous readers are issued before this
+            self._copy_stream.wait_event(free)
             with torch.cuda.stream(self._copy_stream):
-                b.copies = [torch.empty_like(p, device=self.device).copy_(p, non_blocking=True) for p in b.pinned]
-                b.event = torch.cuda.Event()
-                b.event.record(self._copy_stream)
+                dst.copy_(b.host_flat, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            self._issued[name] = done
         else:
-            b.copies = [p.clone() for p in b.pinned]
+            dst.copy_(b.host_flat)
+            self._issued[name] = True
         self.stats["copies"] += 1
         self.stats["bytes_copied"] += b.nbytes
 
-    def _swap_in(self, b):
-        if b.swapped:
-            return
-        if self.cuda:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(b.event)
-            for c in b.copies:
-                c.record_stream(cur)
-        for t, c in zip(b.tensors, b.copies):
-            t.data = c
-        b.swapped = True
-
-    def _release(self, b):
-        if b.swapped:
-            for t, h in zip(b.tensors, b.hosts):
-                t.data = h
-            b.swapped = False
-        b.copies, b.event = None, None
-
-    def _upcoming(self, i, count):
-        """The `count` active streamed blocks starting at active index i (cyclic, distinct)."""
-        n = len(self._active)
-        return [self._active[(i + k) % n] for k in range(min(count, n))]
-
     def _enter(self, name):
         self._current = name
-        if name == self.blocks[0][0]:
-            self.stats["steps"] += 1
-        if not self._active:
-            return
-        if name in self._apos:
-            i = self._apos[name]
-            keep = self._upcoming(i, 1 + self.depth)
-            for other in self._active:
-                if other not in keep:
-                    self._release(self._state[other])
-            b = self._state[name]
-            if b.copies is None:
-                self.stats["demand_loads"] += 1
-                self._issue(name, name)
-            self._swap_in(b)
-            for nxt in keep[1:]:
-                self._issue(nxt, name)
-        else:
-            # a resident block (or a streamed one with nothing off the device): keep only the copies already
-            # issued for the next streamed blocks
-            keep = self._upcoming(self._next_active[name], self.depth)
-            for other in self._active:
-                if other not in keep:
-                    self._release(self._state[other])
+        i = self._apos.get(name)
+        if i is None:
+            return                                  # a resident block (or nothing of it off the device)
+        for j, n in enumerate(self._active[i:i + 1 + self.depth]):
+            if n not in self._issued:
+                if j == 0 and self.depth:
+                    self.stats["demand_loads"] += 1
+                self._issue(n, name)
+        done = self._issued[name]
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+
+def _view(flat, offset, like):
+    """A tensor of `like`'s shape, dtype and (dense) strides over `flat` (uint8) from byte `offset`: channels_last
+    conv weights stay channels_last; any other layout becomes contiguous."""
+    typed = flat[offset:offset + _nbytes(like)].view(like.dtype)
+    if like.is_contiguous() or like.is_contiguous(memory_format=torch.channels_last):
+        return typed.as_strided(like.shape, like.stride())
+    return typed.view(like.shape)

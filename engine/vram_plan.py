@@ -3,20 +3,23 @@
 Host-agnostic and pure: sizes in, a plan out. No ComfyUI import; `unet_block_sizes` only walks the
 attributes an ldm `UNetModel` has (time_embed, label_emb, input_blocks, middle_block, output_blocks, out).
 
-The model of a denoising step: the top-level blocks run one after another in execution order, and a step
-is followed by the next step (the order is cyclic). A *resident* block lives on the GPU for the whole run.
-A *streamed* block is copied to the GPU before it runs and freed after; with `prefetch_depth = d`, while
-streamed block s[i] computes, the copies of the next d streamed blocks s[i+1..i+d] are in flight. So the
-streamed blocks occupy at most the largest sum of 1 + d cyclically consecutive streamed blocks (the
-"window"), and
+The model of a denoising step: the top-level blocks run one after another in execution order. A *resident*
+block lives on the GPU for the whole run. A *streamed* block's weights are copied into a fixed place of one
+GPU ring buffer before it runs (engine/offload.py): with `prefetch_depth = d`, while streamed block s[i]
+computes, the copies of s[i+1..i+d] are in flight, and s[0..d] are copied at the start of each step. Fixed
+places (the same addresses at every step) are what lets a CUDA graph replay a step, copies included. Each
+block's place follows the one before it, wrapping to the ring's start when it does not fit at the end,
+and never overlaps the d blocks before it (one computing, the others in flight): `ring_layout`. So
 
-    peak = activation_bytes + sum(resident) + window(streamed)
+    peak = activation_bytes + sum(resident) + ring(streamed)
 
-Rule for choosing the resident set: start from everything streamed (the smallest possible peak, see
-`min_budget`) and make blocks resident largest first (the blocks whose streaming would move the most bytes
-per step), keeping a block only when the peak still fits the budget; passes repeat until nothing more fits.
-Streaming moves sum(streamed) bytes per step, so keeping the largest blocks resident is what saves the most
-transfer time for a given budget.
+where the ring is at least the largest sum of 1 + d consecutive streamed blocks (the "window").
+
+Rule for choosing the resident set: start from everything streamed (the floor, see `min_budget`) and make
+blocks resident largest first (the blocks whose streaming would move the most bytes per step), keeping a
+block only when the peak still fits the budget; passes repeat until nothing more fits. Streaming moves
+sum(streamed) bytes per step, so keeping the largest blocks resident is what saves the most transfer time
+for a given budget.
 """
 from dataclasses import dataclass, field
 
@@ -41,7 +44,7 @@ class ResidencyPlan:
     """The result of `plan_residency`. Block lists are in execution order; bytes are ints."""
     resident: list
     streamed: list
-    prefetch: list            # [(streamed block, block during whose compute its copy starts)], execution order
+    prefetch: list            # [(streamed block, block during whose compute its copy starts | None: step start)]
     peak_bytes: int
     min_budget_bytes: int
     budget_bytes: int         # 0: no cap
@@ -66,25 +69,117 @@ class ResidencyPlan:
 
 
 def _window(sizes, depth):
-    """Largest sum of 1 + depth cyclically consecutive entries (all of them when there are fewer)."""
-    n = len(sizes)
-    if n == 0:
-        return 0
+    """Largest sum of 1 + depth consecutive entries (all of them when there are fewer); not cyclic: each step
+    starts its copies afresh."""
     k = 1 + depth
-    if k >= n:
+    if len(sizes) <= k:
         return sum(sizes)
-    return max(sum(sizes[(i + j) % n] for j in range(k)) for i in range(n))
+    return max(sum(sizes[i:i + k]) for i in range(len(sizes) - k + 1))
+
+
+def _clear(start, size, sizes, offsets, live):
+    return all(not (size and sizes[j] and start < offsets[j] + sizes[j] and offsets[j] < start + size) for j in live)
+
+
+def _place_after(sizes, depth, ring):
+    """Offsets of `sizes` placed one after another in a ring of `ring` bytes (a block that does not fit at the
+    end starts at 0), or None when a block would overlap one of the `depth` blocks before it."""
+    offsets = []
+    for i, size in enumerate(sizes):
+        start = offsets[-1] + sizes[i - 1] if i else 0
+        if start + size > ring:
+            start = 0
+        if size > ring or not _clear(start, size, sizes, offsets, range(max(0, i - depth), i)):
+            return None
+        offsets.append(start)
+    return offsets
+
+
+def _place_lowest(sizes, depth):
+    """Offsets of `sizes`, each at the lowest address clear of the `depth` blocks before it (the lowest such
+    address is 0 or the end of one of them)."""
+    offsets = []
+    for i, size in enumerate(sizes):
+        live = range(max(0, i - depth), i)
+        starts = sorted({0} | {offsets[j] + sizes[j] for j in live})
+        offsets.append(next(st for st in starts if _clear(st, size, sizes, offsets, live)))
+    return offsets
+
+
+def _place_search(sizes, depth, ring, budget=20000):
+    """Offsets of `sizes` in `ring` bytes, each clear of the `depth` blocks before it, found by a depth-first
+    search over the addresses that can matter (0, the ring's end, and either side of each live block), or
+    None (none found within `budget` search nodes)."""
+    failed, offsets, left = set(), [], [budget]
+
+    def go(i):
+        if i == len(sizes):
+            return True
+        live = range(max(0, i - depth), i)
+        state = (i, tuple(offsets[j] for j in live))
+        if state in failed or left[0] <= 0:
+            return False
+        left[0] -= 1
+        size = sizes[i]
+        starts = {0, ring - size} | {offsets[j] + sizes[j] for j in live} | {offsets[j] - size for j in live}
+        for st in sorted(x for x in starts if 0 <= x <= ring - size):
+            if _clear(st, size, sizes, offsets, live):
+                offsets.append(st)
+                if go(i + 1):
+                    return True
+                offsets.pop()
+        failed.add(state)
+        return False
+    return list(offsets) if go(0) else None
+
+
+def ring_layout(sizes, depth):
+    """(offsets, ring bytes) for streamed blocks of `sizes` (execution order) with prefetch `depth`: every
+    block clear of the `depth` blocks before it (one computing, the others in flight when its copy starts).
+    Starts from the better of two quick layouts (each block at the lowest clear address; blocks one after
+    another in a ring that wraps, tried at the window plus each block size), then searches for the smallest
+    ring down to the window (the largest sum of 1 + depth consecutive sizes, below which nothing fits)."""
+    sizes = [int(s) for s in sizes]
+    if not sizes:
+        return [], 0
+    lowest = _place_lowest(sizes, depth)
+    best = (lowest, max(o + s for o, s in zip(lowest, sizes)))
+    window = _window(sizes, depth)
+    for ring in [window + s for s in sorted(set(sizes))]:
+        if ring >= best[1]:
+            break
+        offsets = _place_after(sizes, depth, ring)
+        if offsets is not None:
+            best = (offsets, ring)
+            break
+    if best[1] > window:
+        offsets = _place_search(sizes, depth, window)
+        if offsets is not None:
+            return offsets, window
+    lo, hi = window, best[1]                 # lo does not fit: the smallest ring found, to 1/64 of the window
+    while hi - lo > max(1, window // 64):
+        mid = (lo + hi) // 2
+        offsets = _place_search(sizes, depth, mid)
+        if offsets is None:
+            lo = mid
+        else:
+            best, hi = (offsets, mid), mid
+    return best
+
+
+def ring_bytes(sizes, depth):
+    """Bytes of the GPU ring that streams `sizes` (see `ring_layout`)."""
+    return ring_layout(sizes, depth)[1]
 
 
 def _peak(order, resident, sizes, activation_bytes, depth):
     streamed = [sizes[b] for b in order if b not in resident]
-    return activation_bytes + sum(sizes[b] for b in resident) + _window(streamed, depth)
+    return activation_bytes + sum(sizes[b] for b in resident) + ring_bytes(streamed, depth)
 
 
 def min_budget(block_sizes, activation_bytes, prefetch_depth=1):
-    """The smallest budget any plan fits in: everything streamed. Making a block resident never lowers the
-    peak (it adds its bytes, and removes at most those bytes from any window), so this is the minimum. It is
-    at most activation_bytes + largest block x (1 + prefetch_depth)."""
+    """The planner's floor: everything streamed (activations plus the ring). Below it `plan_residency` raises
+    BudgetTooSmall."""
     order = [n for n, _ in block_sizes]
     return _peak(order, set(), dict(block_sizes), int(activation_bytes), int(prefetch_depth))
 
@@ -124,13 +219,9 @@ def plan_residency(block_sizes, budget_bytes, activation_bytes, prefetch_depth=1
                     resident.add(b)
                     changed = True
     streamed = [b for b in names if b not in resident]
-    # while streamed[i] computes, streamed[i+1..i+depth] are in flight: streamed[j]'s copy starts with
-    # streamed[j-depth]'s compute (cyclic: the first ones during the previous step's last streamed blocks;
-    # on the very first step they are loaded before it starts)
-    prefetch = []
-    m = len(streamed)
-    for j, b in enumerate(streamed):
-        prefetch.append((b, streamed[(j - depth) % m] if depth else b))
+    # streamed[0..depth] are copied when the step starts (None); streamed[j], j > depth, while streamed[j-depth]
+    # computes (the copy that follows the block before it, into the place the block before that freed)
+    prefetch = [(b, streamed[j - depth] if j > depth else None) for j, b in enumerate(streamed)]
     return ResidencyPlan(
         resident=[b for b in names if b in resident], streamed=streamed, prefetch=prefetch,
         peak_bytes=_peak(names, resident, sizes, act, depth), min_budget_bytes=floor, budget_bytes=budget,

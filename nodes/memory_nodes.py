@@ -7,11 +7,13 @@ What is wired now, and how (the VAE decode under a budget is the separate VAE De
   budget of the card, and restored afterwards. Needs a ComfyUI with keyed sampler wrappers and
   EXTRA_RESERVED_VRAM (0.3.x); on older ComfyUI the node says the budget is not enforced.
 - offload=medvram: before sampling every other model is unloaded from the GPU, after sampling the model.
-- offload=lowvram: ComfyUI partially loads the UNet under the budget minus the planner's streaming window;
+- offload=lowvram: ComfyUI partially loads the UNet under the budget minus the planner's streaming ring;
   once it has (a SAMPLER_SAMPLE wrapper, inside the run), what it left on the CPU is streamed block by block
-  (engine/offload.py, prefetch on a side stream) instead of being copied layer by layer at every use. Its
-  cast path (`comfy_cast_weights`) then finds the weight already on the GPU and does not copy. Removed after
-  the run, on error too. CUDA only; elsewhere the run is offload=none and the notes say so.
+  into fixed places of a GPU ring (engine/offload.py, one copy per block, prefetch on a side stream) instead
+  of being copied layer by layer at every use. Its cast path (`comfy_cast_weights`) then finds the weight
+  already on the GPU and does not copy. Fixed places let the Accelerated KSampler's CUDA graphs capture the
+  copies with the step. Removed after the run, on error too. CUDA only; elsewhere the run is offload=none
+  and the notes say so.
 - out of memory during a run: memory is freed and the run retried once with more offload (lowvram where it
   can run, and half the budget); a second one is an error naming the budget and what to change.
 - release_cache=after_run: the allocator's cached blocks are released after sampling (soft_empty_cache).
@@ -155,7 +157,7 @@ class PoolSettings:
         self.last_report, self.last_notes = None, []
         self.active = None            # during a run: {"offload", "budget", "notes"} of the current attempt
         self.pinned_cache = {}        # pinned host copies of streamed weights, kept across runs
-        self.cpu_streaming = False    # tests: stream (copy) every block on a CPU device too
+        self.stream_every_block = False   # tests: stream every block, on a CPU device or where ComfyUI loaded it
         self.last_streamer = None
 
 
@@ -172,14 +174,14 @@ def streaming_unavailable(mm, patcher, device, settings=None):
     why = budget_supported(mm, patcher)
     if why:
         return why
-    if device.type != "cuda" and not (settings is not None and settings.cpu_streaming):
+    if device.type != "cuda" and not (settings is not None and settings.stream_every_block):
         return "the model runs on %s, streaming needs a CUDA device" % device.type
     return None
 
 
 def loader_budget(plan, budget, comfy_reserve=None):
     """The budget ComfyUI's loader is shown with lowvram streaming: the budget less the planner's streaming
-    window at that budget (the streamed blocks in flight) and its activation estimate, plus the inference
+    ring at that budget (where the streamed blocks take turns) and its activation estimate, plus the inference
     reserve the loader subtracts itself (`comfy_reserve`), so it loads the planner's resident bytes."""
     if plan is None or not budget:
         return budget
@@ -302,7 +304,7 @@ def _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shap
     estimate for this run's shape, CFG batch) + everything allocated now + the streamed blocks in flight <=
     budget, by letting ComfyUI unload more (its own partially_unload, smallest modules first)."""
     depth = settings.plan.prefetch_depth if settings.plan is not None else PREFETCH_DEPTH
-    if device.type != "cuda":           # tests (cpu_streaming): every block, copied
+    if device.type != "cuda" or settings.stream_every_block:     # tests: every block, copied
         return [n for n, _ in block_offload.top_level_blocks(unet)], depth
     act = settings.plan.activation_bytes if settings.plan is not None else 0
     if noise_shape is not None:
@@ -313,7 +315,7 @@ def _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shap
     for _ in range(4):
         off = block_offload.off_device_bytes(unet, device)
         on = block_offload.on_device_bytes(unet, device)
-        est = act + torch.cuda.memory_allocated(device) + vram_plan._window([b for b in off.values() if b], depth)
+        est = act + torch.cuda.memory_allocated(device) + vram_plan.ring_bytes([b for b in off.values() if b], depth)
         if not budget or est <= budget or not hasattr(patcher, "partially_unload"):
             break
         if not patcher.partially_unload(patcher.offload_device, est - budget):
@@ -333,16 +335,18 @@ def stream_scope(settings, patcher, budget, notes, noise_shape=None):
         yield None
         return
     streamer = block_offload.BlockStreamer(unet, streamed, prefetch_depth=depth, device=device,
-                                           pinned_cache=settings.pinned_cache)
+                                           pinned_cache=settings.pinned_cache,
+                                           every_tensor=settings.stream_every_block)
     streamer.install()
-    settings.last_streamer, per_step = streamer, streamer.streamed_bytes
+    settings.last_streamer, per_step, ring = streamer, streamer.streamed_bytes, streamer.ring_bytes
     try:
         yield streamer
     finally:
         streamer.remove()
-        notes.append("lowvram: %d of %d blocks streamed (%.2f GiB per step, prefetch depth %d, %d block copies, "
-                     "%d loaded on demand)" % (len(streamed), len(streamer.blocks), per_step / GIB, depth,
-                                               streamer.stats["copies"], streamer.stats["demand_loads"]))
+        notes.append("lowvram: %d of %d blocks streamed (%.2f GiB per step through a %.2f GiB ring, prefetch depth "
+                     "%d; outside graph replays: %d block copies, %d loaded on demand)"
+                     % (len(streamed), len(streamer.blocks), per_step / GIB, ring / GIB, depth,
+                        streamer.stats["copies"], streamer.stats["demand_loads"]))
 
 
 def _outer_sample_wrapper(settings):

@@ -243,13 +243,13 @@ def test_lowvram_run_on_cpu_falls_back_with_the_same_result(model, mm):
 
 
 def test_lowvram_streams_every_block_inside_a_real_sampling_run(model, mm):
-    """cpu_streaming: the streamer runs inside ComfyUI's sampler (SAMPLER_SAMPLE wrapper) with real copies."""
+    """stream_every_block: the streamer runs inside ComfyUI's sampler (SAMPLER_SAMPLE wrapper) with real copies."""
     if not hasattr(model, "add_wrapper_with_key"):
         pytest.skip("no keyed sampler wrappers on this ComfyUI")
     ref = _sample(model)
     clone = _node().apply(model, budget_gib=8.0, offload="lowvram")["result"][0]
     settings = _pool(clone)
-    settings.cpu_streaming = True
+    settings.stream_every_block = True
     before = _unet_state(clone)
     out = _sample(clone)
     assert torch.equal(out, ref)
@@ -259,10 +259,10 @@ def test_lowvram_streams_every_block_inside_a_real_sampling_run(model, mm):
     assert not streamer.installed and streamer.stats["steps"] >= 2
     assert ("lowvram: %d of %d blocks streamed" % (n, n)) in " ".join(settings.last_notes)
     names = [b for b, _ in streamer.blocks]
-    # first forward: the first block on demand, then each block prefetches the next (the last one the next
-    # forward's first); the second forward: exactly the cyclic pairs
-    assert streamer.prefetch_log[0] == (names[0], names[0])
-    assert set(streamer.prefetch_log[n + 1:2 * n + 1]) == {(names[j], names[j - 1]) for j in range(n)}
+    # every forward: the first two blocks' copies when it starts, then each block's while the one before the
+    # block before it computes (prefetch depth 1)
+    step = [(names[0], None), (names[1], None)] + [(names[j], names[j - 1]) for j in range(2, n)]
+    assert streamer.prefetch_log[:n] == step and streamer.prefetch_log[n:2 * n] == step
     assert settings.active is None
 
 

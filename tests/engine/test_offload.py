@@ -1,6 +1,7 @@
 """engine/offload.py (BlockStreamer) on ComfyUI's real openaimodel UNetModel, on CPU: the same output as
 without streaming, install/remove leaves the module exactly as it was (Parameter objects, names, data,
-hooks), the prefetch order is vram_plan's, and no more than 1 + prefetch_depth streamed blocks are held."""
+hooks), the prefetch order and the ring are vram_plan's, and places shared by several blocks never hand a
+block another's weights."""
 import os
 import sys
 
@@ -10,8 +11,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
+from sd_accel.engine.cuda_graph import WEIGHTS_TOKEN  # noqa: E402
 from sd_accel.engine.offload import BlockStreamer, off_device_bytes, top_level_blocks  # noqa: E402
-from sd_accel.engine.vram_plan import min_budget, plan_residency, unet_block_sizes  # noqa: E402
+from sd_accel.engine.vram_plan import min_budget, plan_residency, ring_layout, unet_block_sizes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -55,84 +57,83 @@ def test_block_names_are_the_planners(unet):
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_streaming_every_block_gives_the_same_output(unet, depth):
+    """Depth 0 makes the ring as large as the largest block, so the blocks overwrite each other: a block read
+    before its copy landed, or a copy landing on a block still to be read, changes the output."""
     ref = _run(unet)
     before = _snapshot(unet)
     with BlockStreamer(unet, _names(unet), prefetch_depth=depth, device="cpu") as s:
         out1 = _run(unet)
         out2 = _run(unet, seed=1)
         stats = dict(s.stats)
+        ring, largest = s.ring_bytes, max(s._state[n].nbytes for n in _names(unet))
     assert torch.equal(out1, ref)
     assert torch.equal(out2, _run(unet, seed=1))
     n = len(_names(unet))
-    assert stats["copies"] == 2 * n + depth and stats["steps"] == 2   # + the next step's first `depth`
-    assert stats["demand_loads"] == (1 if depth else 2 * n)    # depth 0: every block loads when it starts
+    assert stats["copies"] == 2 * n and stats["steps"] == 2 and stats["demand_loads"] == 0
+    assert (ring == largest) == (depth == 0)
     _assert_same(before, _snapshot(unet))
 
 
 def test_install_remove_round_trip_keeps_parameters_and_state_dict(unet):
     before = _snapshot(unet)
     s = BlockStreamer(unet, _names(unet)[::2], prefetch_depth=1, device="cpu").install()
+    token = getattr(unet, WEIGHTS_TOKEN)
     s.install()                       # idempotent
+    assert getattr(unet, WEIGHTS_TOKEN) is token
     _run(unet)
-    # after a step the prefetched copies of the next step's first blocks are held: remove drops them
-    assert s.live_blocks()
     s.remove()
     s.remove()                        # idempotent
     _assert_same(before, _snapshot(unet))
-    assert s.live_blocks() == [] and not s.installed
+    assert not hasattr(unet, WEIGHTS_TOKEN) and s.ring_bytes == 0 and not s.installed
+    s.install()                       # a new install: a new token (graphs of the old ring never replay)
+    assert getattr(unet, WEIGHTS_TOKEN) is not token
+    s.remove()
 
 
-def test_tensors_are_swapped_while_their_block_runs_and_restored_after(unet):
+def test_streamed_tensors_live_in_the_ring_while_installed(unet):
     names = _names(unet)
     blocks = dict(top_level_blocks(unet))
-    target = "middle_block"
-    p = next(blocks[target].parameters())
+    p = next(blocks["middle_block"].parameters())
     host = p.data_ptr()
-    seen = []
     s = BlockStreamer(unet, names, prefetch_depth=1, device="cpu").install()
-    h = blocks[target].register_forward_hook(lambda m, a, o: seen.append(p.data_ptr() != host))
     try:
-        with torch.inference_mode():
-            x, t, ctx = _inputs()
-            unet(x, t, context=ctx, transformer_options={})
+        lo = s.ring.data_ptr()
+        assert lo <= p.data_ptr() < lo + s.ring_bytes
+        assert all((q.data_ptr() - lo) % 256 == 0 for q in unet.parameters())   # every place aligned
     finally:
-        h.remove()
         s.remove()
-    # ComfyUI runs middle_block layer by layer, so the hook above never fires; probe its last layer instead
-    assert seen == [] and p.data_ptr() == host
-    last = list(blocks[target].children())[-1]
-    q = next(last.parameters())
-    qhost = q.data_ptr()
-    s.install()
-    h = last.register_forward_hook(lambda m, a, o: seen.append(q.data_ptr() != qhost))
-    try:
-        _run(unet)
-    finally:
-        h.remove()
-        s.remove()
-    assert seen == [True] and q.data_ptr() == qhost
+    assert p.data_ptr() == host
 
 
-def test_no_more_than_one_plus_depth_streamed_blocks_are_held(unet):
+def test_channels_last_weights_keep_their_strides():
+    conv = torch.nn.Conv2d(8, 16, 3)
+    conv.weight.data = conv.weight.data.to(memory_format=torch.channels_last)
+    unet = torch.nn.Module()
+    unet.input_blocks = torch.nn.ModuleList([conv])
+    stride = conv.weight.stride()
+    with BlockStreamer(unet, ["input_blocks.0"], device="cpu"):
+        assert conv.weight.stride() == stride
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_ring_is_the_planners_and_places_never_collide(unet, depth):
     sizes = unet_block_sizes(unet)
-    for depth in (0, 1, 2):
-        plan = plan_residency(sizes, min_budget(sizes, 0, depth), 0, depth)
-        s = BlockStreamer(unet, plan.streamed, prefetch_depth=depth, device="cpu")
-        held = []
-
-        def probe(m, a):
-            held.append(len(s.live_blocks()))
-        s.install()
-        hs = [m.register_forward_pre_hook(probe) for m in unet.modules() if m._parameters]
-        try:
-            _run(unet)
-            _run(unet)
-        finally:
-            for h in hs:
-                h.remove()
-            s.remove()
-        assert held and max(held) <= 1 + depth, depth
-        assert s.window_bytes() == 0     # removed: nothing planned any more
+    full = sum(b for _, b in sizes)
+    plan = plan_residency(sizes, (min_budget(sizes, 0, depth) + full) // 2, 0, depth)
+    s = BlockStreamer(unet, plan.streamed, prefetch_depth=depth, device="cpu").install()
+    try:
+        act = s._active
+        nbytes = [s._state[n].nbytes for n in act]
+        places = [s._state[n].place for n in act]
+        assert (places, s.ring_bytes) == ring_layout(nbytes, depth)
+        # the ring of padded sizes is the planner's ring of parameter bytes, plus the padding
+        assert 0 <= s.ring_bytes - (plan.peak_bytes - plan.resident_bytes) < 256 * 200
+        for i in range(len(act)):
+            for j in range(max(0, i - depth), i):
+                assert places[i] >= places[j] + nbytes[j] or places[j] >= places[i] + nbytes[i], (i, j)
+    finally:
+        s.remove()
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -143,19 +144,39 @@ def test_prefetch_order_is_the_plans(unet, depth):
     plan = plan_residency(sizes, (floor + full) // 2, 0, depth)   # some resident, some streamed
     assert plan.resident and len(plan.streamed) > depth + 1
     s = BlockStreamer(unet, plan.streamed, prefetch_depth=depth, device="cpu").install()
+    held = []
+    probes = [m.register_forward_pre_hook(lambda m, a: held.append(len(s.live_blocks())))
+              for m in unet.modules() if m._parameters]
     try:
         _run(unet)
         first = list(s.prefetch_log)
         _run(unet)
         second = s.prefetch_log[len(first):]
-        assert s.window_bytes() == plan.peak_bytes - plan.activation_bytes - plan.resident_bytes
     finally:
+        for h in probes:
+            h.remove()
         s.remove()
-    # step 1: the first streamed block is loaded on demand, then each issues the next `depth`
-    assert first[0] == (plan.streamed[0], plan.streamed[0])
-    # steady state: exactly the planner's (block, started during) pairs, once each, in execution order
-    assert sorted(second, key=lambda p: plan.streamed.index(p[1])) == second
-    assert set(second) == set(map(tuple, plan.prefetch)) and len(second) == len(plan.streamed)
+    # every step: the planner's (block, issued during) pairs, once each, in execution order
+    assert first == second == [tuple(p) for p in plan.prefetch]
+    assert held and max(held) <= 1 + depth + depth   # one computing, d in flight, d kept before overwrite
+
+
+def test_blocks_out_of_order_are_loaded_on_demand(unet):
+    """A block called outside the step (as a ControlNet-style extension or a cache node might) still reads its
+    own weights: its copy is issued when it is entered, and a prefetched copy it overwrote is issued again."""
+    names = _names(unet)
+    blocks = dict(top_level_blocks(unet))
+    x, t, ctx = _inputs()
+    last = blocks["out"]
+    with torch.inference_mode():
+        h = torch.randn(2, last[0].num_channels, 8, 8)
+        ref = last(h)
+        with BlockStreamer(unet, names, prefetch_depth=0, device="cpu") as s:
+            _run(unet)
+            blocks["input_blocks.0"][0](x)  # loads input_blocks.0 over the shared place
+            out = last(h)                   # out was loaded at the end of the step: overwritten, loaded again
+            assert s.stats["demand_loads"] == 0 and s.prefetch_log[-1] == ("out", "out")
+    assert torch.equal(out, ref)
 
 
 def test_comfy_cast_weights_path_streams_too():
@@ -182,7 +203,7 @@ def test_error_mid_step_then_remove_restores(unet):
             _run(unet)
     finally:
         h.remove()
-    assert s.live_blocks()            # the step stopped with copies swapped in
+    assert s.live_blocks()            # the step stopped with copies issued
     out = _run(unet)                  # the next step still right
     s.remove()
     _assert_same(before, _snapshot(unet))

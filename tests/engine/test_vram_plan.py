@@ -1,5 +1,5 @@
 """engine/vram_plan.py: which blocks stay resident for a budget, the prefetch order, the minimum budget and
-its error message, and unet_block_sizes on ComfyUI's real UNetModel."""
+its error message, the ring layout, and unet_block_sizes on ComfyUI's real UNetModel."""
 import os
 import sys
 
@@ -8,7 +8,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
-from sd_accel.engine.vram_plan import BudgetTooSmall, min_budget, plan_residency, unet_block_sizes  # noqa: E402
+from sd_accel.engine.vram_plan import (BudgetTooSmall, min_budget, plan_residency, ring_layout,  # noqa: E402
+                                      unet_block_sizes)
 
 MB = 2 ** 20
 # execution order; sizes in MiB
@@ -28,52 +29,70 @@ def test_budget_that_fits_everything_keeps_everything_resident():
     assert p.streamed == [] and p.peak_bytes == ACT + 105 * MB
 
 
+def test_ring_layout_places_each_block_clear_of_the_ones_before_it():
+    # depth 1: the window (largest adjacent pair) is b+c = 60; placing each block right after the one before
+    # would need 70 (c wraps onto b), the search finds 60 (b at 20..60, c at 0..20, d at 20..50)
+    places, ring = ring_layout([10, 40, 20, 30, 5], 1)
+    assert ring == 60 and places[1:4] == [20, 0, 20]
+    assert ring_layout([10, 40, 20, 30, 5], 0)[1] == 40          # one block at a time: the largest
+    assert ring_layout([10, 40, 20, 30, 5], 2)[1] == 90          # b+c+d
+    assert ring_layout([], 1) == ([], 0)
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes = [rng.choice([0, 1, 5, 10, 40, 100]) for _ in range(rng.randint(1, 12))]
+        d = rng.randint(0, 3)
+        places, ring = ring_layout(sizes, d)
+        window = max(sum(sizes[i:i + d + 1]) for i in range(len(sizes)))
+        assert window <= ring <= window + max(sizes)
+        for i, (p, n) in enumerate(zip(places, sizes)):
+            assert 0 <= p and p + n <= ring
+            for j in range(max(0, i - d), i):
+                assert not (n and sizes[j] and p < places[j] + sizes[j] and places[j] < p + n), (sizes, d, i, j)
+
+
 @pytest.mark.parametrize("label, budget_mb, resident, streamed", [
-    # full streaming, depth 1: largest pair of cyclically adjacent blocks = b+c = 60 -> minimum 160
-    ("minimum: nothing resident", 160, [], ["a", "b", "c", "d", "e"]),
-    # b (largest) resident: 40 + window over a,c,d,e (c+d = 50) = 90 -> 190
+    # the floor, everything streamed: activations 100 + ring 60 (the window b+c) = 160
+    ("floor: nothing resident", 160, [], ["a", "b", "c", "d", "e"]),
+    # b (largest) resident: 40 + ring over a,c,d,e (c+d = 50) = 90 -> 190
     ("largest resident first", 190, ["b"], ["a", "c", "d", "e"]),
-    # b, d resident: 70 + window over a,c,e (a+c = 30) = 100 -> 200
+    # b, d resident: 70 + ring over a,c,e (a+c = 30) = 100 -> 200
     ("two largest", 200, ["b", "d"], ["a", "c", "e"]),
-    # b, d, c resident: 90 + window(a, e) = 15 -> 205: at two streamed blocks the window is both of them,
-    # so making them resident too costs nothing more and everything stays resident (205)
-    ("window covers the rest", 205, ["a", "b", "c", "d", "e"], []),
+    # b, d, c resident: 90 + ring(a, e) = 15 -> 205: with two streamed blocks the ring holds both, so making
+    # them resident too costs nothing more and everything stays resident (205)
+    ("ring covers the rest", 205, ["a", "b", "c", "d", "e"], []),
 ])
 def test_budget_decides_the_resident_set(label, budget_mb, resident, streamed):
     p = plan_residency(SIZES, budget_mb * MB, ACT)
     assert (p.resident, p.streamed) == (resident, streamed), label
     assert p.peak_bytes <= budget_mb * MB
     assert p.resident_bytes + p.streamed_bytes == 105 * MB
+    assert p.min_budget_bytes == 160 * MB
 
 
 def test_resident_blocks_are_the_largest_that_fit():
     p = plan_residency(SIZES, 195 * MB, ACT)
-    # b first; d, c, a would each need 200; the smaller e still fits (45 + window c+d 50 = 195)
-    assert p.resident == ["b", "e"]
-    assert p.peak_bytes == 195 * MB and p.min_budget_bytes == 160 * MB
+    # b first; d, c, a would each need 200; the smaller e still fits (45 + ring c+d 50 = 195)
+    assert p.resident == ["b", "e"] and p.peak_bytes == 195 * MB
 
 
-def test_prefetch_order_depth_1_and_2():
+def test_prefetch_order_depth_0_1_and_2():
     p = plan_residency(SIZES, 160 * MB, ACT, prefetch_depth=1)
-    # each streamed block is copied while the streamed block before it computes (cyclic across steps)
-    assert p.prefetch == [("a", "e"), ("b", "a"), ("c", "b"), ("d", "c"), ("e", "d")]
+    # the step starts with the first two streamed blocks' copies; each later one is copied while the block
+    # before the one before it computes (into the place that block freed)
+    assert p.prefetch == [("a", None), ("b", None), ("c", "b"), ("d", "c"), ("e", "d")]
     p2 = plan_residency(SIZES, 190 * MB, ACT, prefetch_depth=1)
-    assert p2.prefetch == [("a", "e"), ("c", "a"), ("d", "c"), ("e", "d")]   # b is resident: skipped
-    p3 = plan_residency(SIZES, 300 * MB, ACT // 4, prefetch_depth=2)
-    assert p3.streamed == []
+    assert p2.prefetch == [("a", None), ("c", None), ("d", "c"), ("e", "d")]   # b is resident: skipped
     p4 = plan_residency(SIZES, min_budget(SIZES, ACT, 2), ACT, prefetch_depth=2)
-    assert p4.prefetch == [("a", "d"), ("b", "e"), ("c", "a"), ("d", "b"), ("e", "c")]
+    assert p4.prefetch == [("a", None), ("b", None), ("c", None), ("d", "b"), ("e", "c")]
     assert p4.peak_bytes == ACT + 90 * MB    # b+c+d in flight
-
-
-def test_depth_0_streams_one_block_at_a_time():
-    p = plan_residency(SIZES, ACT + 40 * MB, ACT, prefetch_depth=0)
-    assert p.resident == [] and p.prefetch[1] == ("b", "b") and p.peak_bytes == ACT + 40 * MB
+    p0 = plan_residency(SIZES, ACT + 40 * MB, ACT, prefetch_depth=0)
+    assert p0.resident == [] and p0.prefetch[:2] == [("a", None), ("b", "b")] and p0.peak_bytes == ACT + 40 * MB
 
 
 def test_min_budget_is_bounded_by_largest_block_times_depth():
     for d in (0, 1, 2, 3):
-        assert min_budget(SIZES, ACT, d) <= ACT + 40 * MB * (1 + d)
+        assert ACT + 40 * MB <= min_budget(SIZES, ACT, d) <= ACT + 40 * MB * (2 + d)
 
 
 def test_budget_too_small_says_minimum_and_given():
@@ -96,7 +115,7 @@ def test_plan_is_json_able():
     import json
     p = plan_residency(SIZES, 190 * MB, ACT)
     d = json.loads(json.dumps(p.to_dict()))
-    assert d["resident"] == ["b"] and d["prefetch"][0] == ["a", "e"]
+    assert d["resident"] == ["b"] and d["prefetch"][0] == ["a", None]
     assert "1 blocks resident" in p.summary() and "4 streamed" in p.summary()
 
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Host-to-device copy bandwidth on the GPU machine: the ceiling of lowvram block streaming (issue 4).
+
+Copies 1.5 GiB (about what SD1.5 @1 GiB streams per step) from pinned and from pageable host memory, as one
+tensor and as per-tensor copies with SD1.5 UNet-like sizes (a few large weights, many small biases and
+norms), on a side stream, and prints GB/s. No ComfyUI; nothing is recorded in results.jsonl (it compares
+no stock path), the numbers go to the run's log.
+
+  python3 bench/bench_h2d.py [--gib 1.5]
+"""
+import argparse
+import time
+
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--gib", type=float, default=1.5)
+OPT = ap.parse_args()
+dev = torch.device("cuda")
+total = int(OPT.gib * 2 ** 30) // 2      # fp16 elements
+
+
+def unet_like_sizes(n_elems):
+    """Sizes in fp16 elements: per 'layer' one 1280x1280x3x3-ish conv, two linears, and 6 small vectors."""
+    layer = [1280 * 1280 * 9 // 4, 640 * 640, 640 * 2560, 640, 640, 640, 1280, 1280, 2560]
+    out, acc = [], 0
+    while acc < n_elems:
+        for s in layer:
+            out.append(s)
+            acc += s
+    return out
+
+
+def timed(fn, reps=5):
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+stream = torch.cuda.Stream()
+rows = []
+for pinned in (True, False):
+    big = torch.empty(total, dtype=torch.float16, pin_memory=pinned)
+    dst = torch.empty(total, dtype=torch.float16, device=dev)
+    sizes = unet_like_sizes(total)
+    parts = [torch.empty(s, dtype=torch.float16, pin_memory=pinned) for s in sizes]
+    nbytes = sum(p.numel() for p in parts) * 2
+
+    def one():
+        with torch.cuda.stream(stream):
+            dst.copy_(big, non_blocking=True)
+
+    def many():
+        with torch.cuda.stream(stream):
+            [torch.empty_like(p, device=dev).copy_(p, non_blocking=True) for p in parts]
+
+    t1, tm = timed(one), timed(many)
+    rows.append(("pinned" if pinned else "pageable", total * 2 / t1 / 1e9, len(parts), nbytes / tm / 1e9))
+    del big, dst, parts
+
+print("\nH2D copy bandwidth, %s, %.2f GiB" % (torch.cuda.get_device_name(), OPT.gib))
+print("| host memory | one tensor GB/s | tensors | per-tensor copies GB/s |")
+print("|---|---:|---:|---:|")
+for r in rows:
+    print("| %s | %.1f | %d | %.1f |" % r)

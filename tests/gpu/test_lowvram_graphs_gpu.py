@@ -1,0 +1,38 @@
+"""GPU only: lowvram block streaming (VRAM Pool) under the Accelerated KSampler's CUDA graphs. The streamed
+blocks' copies into the GPU ring are captured with the step and replayed; a replay that copied the wrong
+block, or read a place before its copy landed, gives another image. Every block is streamed (the pool's
+test switch `stream_every_block`: the small model would otherwise fit whole), the image is compared with
+stock's, and a second prompt replays without recapturing."""
+import torch
+
+from test_graphs_gpu import _rel, _sample, comfy_env  # noqa: F401  (the shared module fixture)
+
+
+def _pool(env):
+    import comfy.patcher_extension as pe
+    from sd_accel.nodes.memory_nodes import WRAPPER_KEY, SDAccelVRAMPool
+    clone = SDAccelVRAMPool().apply(env.model, budget_gib=0.0, offload="lowvram")["result"][0]
+    settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
+    settings.stream_every_block = True
+    return clone, settings
+
+
+def test_streamed_blocks_replay_in_graphs_and_match_stock(comfy_env):  # noqa: F811
+    ref, _ = _sample(comfy_env, comfy_env.model, ours=False)
+    clone, settings = _pool(comfy_env)
+    eager, _ = _sample(comfy_env, clone, ours=False)          # the streaming alone, ComfyUI's KSampler
+    assert _rel(eager, ref) < 1e-3, _rel(eager, ref)
+    notes = " ".join(settings.last_notes)
+    n = len(settings.last_streamer.blocks)
+    assert ("lowvram: %d of %d blocks streamed" % (n, n)) in notes, notes
+    for prompt in range(2):
+        out, report = _sample(comfy_env, clone)
+        assert _rel(out, ref) < 2e-2, (prompt, _rel(out, ref), report)
+        graphs = report["graphs"]
+        assert graphs["replays"] >= 4, report        # 6 steps: warm-up, capture, replays
+        notes = " ".join(settings.last_notes)
+        assert ("%d of %d blocks streamed" % (n, n)) in notes, notes
+    # the unet is left as it was: weights back on the GPU where ComfyUI put them, no token
+    unet = clone.model.diffusion_model
+    assert all(p.is_cuda for p in unet.parameters())
+    assert not hasattr(unet, "sd_accel_weights_token")
