@@ -1,6 +1,8 @@
-"""The ResBlock stand-in (conv bias + timestep embedding folded into the GroupNorm) on ComfyUI's real
-ResBlocks, CPU, Triton interpreter: same output as the host's _forward in NCHW and channels_last, names and
-Parameters shared, planned only for plain ResBlocks, and the whole patched UNet still gives stock's output."""
+"""The ResBlock stand-in (conv bias + timestep embedding folded into the GroupNorm; the last conv's bias
+and the skip conv's folded into the residual add) on ComfyUI's real ResBlocks, CPU, Triton interpreter:
+same output as the host's _forward in NCHW and channels_last, with a conv or identity skip, in fp32,
+fp16 and bf16; names and Parameters shared; planned only for plain ResBlocks; a training-mode Dropout
+runs the host's steps; and the whole patched UNet still gives stock's output."""
 import os
 import sys
 
@@ -30,25 +32,81 @@ def test_every_plain_resblock_is_planned_and_the_tree_is_left_alone(unet):
     assert dict(unet.named_modules()) == before
 
 
+def _block_inputs(rb, channels_last, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rb.in_layers[0].num_channels, 6, 5, generator=g)
+    emb = torch.randn(2, rb.emb_layers[-1].in_features, generator=g)
+    return (x.contiguous(memory_format=torch.channels_last) if channels_last else x), emb
+
+
+@pytest.mark.parametrize("skip", ["conv", "identity"])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_stand_in_matches_the_host_resblock(unet, channels_last):
-    name, rb = next((n, m) for n, m in _resblocks(unet) if m.skip_connection.__class__.__name__ != "Identity")
+def test_stand_in_matches_the_host_resblock(unet, channels_last, skip):
+    name, rb = next((n, m) for n, m in _resblocks(unet)
+                    if (type(m.skip_connection).__name__ != "Identity") == (skip == "conv"))
     new = fm_clone(rb)
     assert isinstance(new, type(rb)) and all(a is b for a, b in zip(new.parameters(), rb.parameters()))
     assert [n for n, _ in new.named_parameters()] == [n for n, _ in rb.named_parameters()]
-    g = torch.Generator().manual_seed(0)
-    c = rb.in_layers[0].num_channels
-    x = torch.randn(2, c, 6, 5, generator=g)
-    emb = torch.randn(2, rb.emb_layers[-1].in_features, generator=g)
+    x, emb = _block_inputs(rb, channels_last)
     if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
+        for conv in (rb.in_layers[-1], rb.out_layers[-1], rb.skip_connection):
+            if isinstance(conv, torch.nn.Conv2d):   # as the channels_last option stores them
+                conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
     k0 = kernel_report.snapshot()
-    with torch.no_grad():
-        ref = rb(x, emb)
-        out = new(x, emb)
+    try:
+        with torch.no_grad():
+            ref = rb(x, emb)
+            out = new(x, emb)
+    finally:
+        for conv in (rb.in_layers[-1], rb.out_layers[-1], rb.skip_connection):
+            if isinstance(conv, torch.nn.Conv2d):
+                conv.weight.data = conv.weight.data.contiguous()
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     ran = kernel_report.summarize(k0, kernel_report.snapshot())
     assert ran["resblock_add_norm"]["fused"] == 1, ran
+    assert ran["resblock_bias_residual"]["fused"] == 1, ran
+    if channels_last:
+        assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
+def test_stand_in_matches_the_host_resblock_in_half_precision(unet, dtype, tol):
+    """fp16/bf16 weights and activations, channels_last: the folded adds round once instead of twice."""
+    import copy
+    name, rb = next((n, m) for n, m in _resblocks(unet) if type(m.skip_connection).__name__ != "Identity")
+    rb = copy.deepcopy(rb).to(dtype)
+    new = fm_clone(rb)
+    x, emb = _block_inputs(rb, True, seed=3)
+    with torch.no_grad():
+        x, emb = x.to(dtype), emb.to(dtype)
+        ref = copy.deepcopy(rb).float()(x.float(), emb.float())
+        out = new(x, emb)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=tol * 4, rtol=tol)
+
+
+def test_training_mode_dropout_runs_the_host_steps(unet):
+    """A Dropout in training mode (p > 0) between the norm and the last conv is not the identity: the
+    stand-in then runs the host's own steps for the block's end (here with p = 1: h is zeroed)."""
+    import copy
+    name, rb = next((n, m) for n, m in _resblocks(unet) if type(m.skip_connection).__name__ != "Identity")
+    rb = copy.deepcopy(rb)
+    rb.out_layers[2] = torch.nn.Dropout(p=1.0)
+    rb.out_layers[2].train()
+    new = fm_clone(rb)
+    x, emb = _block_inputs(rb, False, seed=5)
+    k0 = kernel_report.snapshot()
+    with torch.no_grad():
+        out = new(x, emb)
+        expect = rb.skip_connection(x) + rb.out_layers[3].bias.view(1, -1, 1, 1)   # conv(0) = its bias
+    torch.testing.assert_close(out, expect)
+    ran = kernel_report.summarize(k0, kernel_report.snapshot())
+    assert "resblock_bias_residual" not in ran, ran
+    rb.out_layers[2].eval()                       # eval mode: the identity again, folded
+    k0 = kernel_report.snapshot()
+    with torch.no_grad():
+        torch.testing.assert_close(new(x, emb), rb(x, emb), atol=1e-4, rtol=1e-4)
+    assert kernel_report.summarize(k0, kernel_report.snapshot())["resblock_bias_residual"]["fused"] == 1
 
 
 def fm_clone(rb):
@@ -56,7 +114,8 @@ def fm_clone(rb):
     return fm.clone_as(fused_resblock.FusedResBlock, rb)
 
 
-def test_whole_unet_with_comfy_ops_matches_stock(unet):
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_whole_unet_with_comfy_ops_matches_stock(unet, channels_last):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 4, 8, 8, generator=g)
     t = torch.tensor([500.0, 20.0])
@@ -65,14 +124,23 @@ def test_whole_unet_with_comfy_ops_matches_stock(unet):
         ref = unet(x, t, context=ctx)
         plan = patching.plan_patches(unet, patching.COMFY_OPS)
         assert plan.counts["resblock_add_norm"] >= 4
+        if channels_last:
+            patching.convert_conv_weights(unet)
+            x = x.contiguous(memory_format=torch.channels_last)
         backup = patching.apply_patches(unet, plan.patches)
+        k0 = kernel_report.snapshot()
         try:
             out = unet(x, t, context=ctx)
         finally:
             patching.restore(unet, backup)
-        again = unet(x, t, context=ctx)
+            if channels_last:
+                patching.convert_conv_weights(unet, torch.contiguous_format)
+        ran = kernel_report.summarize(k0, kernel_report.snapshot())
+        again = unet(x.contiguous(), t, context=ctx)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(again, ref)
+    assert ran["resblock_bias_residual"] == {"fused": plan.counts["resblock_add_norm"], "fallback": 0,
+                                             "reasons": []}, ran
 
 
 def test_scale_shift_and_up_down_blocks_are_not_planned(unet):
