@@ -151,6 +151,7 @@ class WeightsFingerprint:
 
 
 _NO_EPOCH = object()
+_FAILED_CAPTURES = []     # exceptions of failed captures, with their frames (see StepGraphs._capture)
 
 
 class _Entry:
@@ -264,6 +265,12 @@ class StepGraphs:
         except Exception as e:  # an op that cannot be captured: remember and run eagerly
             log.warning("[SD Accel] CUDA graph capture failed for %s (%s: %s); running eagerly",
                         self.name, type(e).__name__, str(e).splitlines()[0][:200])
+            log.log(DIAG_LEVEL, "[SD Accel] where the capture failed", exc_info=True)
+            # The tensors the failed capture allocated are still referenced by the traceback's frames. Under
+            # cudaMallocAsync, freeing an allocation of an invalidated capture aborts the process ("invalid
+            # argument" in free_impl, seen on the H200): keep them (a few, never replayed) instead.
+            _FAILED_CAPTURES.append(e)
+            del _FAILED_CAPTURES[:-4]
             self.clear()
             self.broken.add(key)
             return None

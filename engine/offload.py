@@ -25,7 +25,8 @@ keeps a block's place clear of the d blocks before it, which are computing or in
 Swapping is `tensor.data = view`: Parameter objects, names and state_dict keys stay as they were (LoRA and
 weight patches keep working); `remove()` puts every tensor's original data back and frees the ring. The
 unet carries `sd_accel_weights_token` (engine/cuda_graph.py reads it) while installed, a new object per
-install: graphs captured against another ring or other host buffers are never replayed.
+install: graphs captured against another ring or other host buffers are never replayed. Through it, a
+host that converts conv weights to channels_last in place reaches `relayout` for the streamed ones.
 
 With device=cpu the same logic runs with real copies into a CPU ring and no streams: the order, the
 aliasing of places and the swaps are testable without a GPU.
@@ -127,7 +128,7 @@ class BlockStreamer:
         self.stats = {"copies": 0, "bytes_copied": 0, "demand_loads": 0, "steps": 0}
         self._handles, self._state, self._active = [], {}, []
         self._copy_stream, self.ring = None, None
-        self._issued, self._current = {}, None
+        self._issued, self._current, self._open, self._where = {}, None, False, {}
 
     # -- install / remove -------------------------------------------------------------------------------
     def install(self):
@@ -156,10 +157,12 @@ class BlockStreamer:
         self.pinned_cache.clear()
         self.pinned_cache.update(new_cache)
         self.ring = torch.empty(ring, dtype=torch.uint8, device=self.device)
+        self._where = {}
         for n in self._active:
             b = self._state[n]
-            for t, host, off in zip(b.tensors, b.hosts, b.offsets):
+            for i, (t, host, off) in enumerate(zip(b.tensors, b.hosts, b.offsets)):
                 t.data = _view(self.ring, b.place + off, host)
+                self._where[id(t)] = (b, i)
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         for name, mod in self.blocks:
@@ -169,7 +172,7 @@ class BlockStreamer:
                     self._handles.append(m.register_forward_pre_hook(hook))
         self._handles.append(self.unet.register_forward_pre_hook(lambda m, a: self._step_start()))
         self._handles.append(self.unet.register_forward_hook(lambda m, a, o: self._step_end()))
-        setattr(self.unet, WEIGHTS_TOKEN, object())
+        setattr(self.unet, WEIGHTS_TOKEN, _Installed(self))
         self.installed, self._current, self._issued = True, None, {}
         return self
 
@@ -183,10 +186,14 @@ class BlockStreamer:
                 t.data = host
         if self.installed and self._copy_stream is not None:
             # the ring is freed below: nothing may still be copying into it
-            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            try:
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            except RuntimeError:   # the copy stream was left in a failed capture: it copies nothing any more
+                pass
         if hasattr(self.unet, WEIGHTS_TOKEN):
             delattr(self.unet, WEIGHTS_TOKEN)
         self._state, self._current, self._active, self._issued, self.installed = {}, None, [], {}, False
+        self._open, self._where = False, {}
         self._copy_stream, self.ring = None, None
         return self
 
@@ -206,6 +213,24 @@ class BlockStreamer:
     def ring_bytes(self):
         """Bytes of the GPU ring the streamed blocks take turns in (0 when not installed)."""
         return 0 if self.ring is None else self.ring.numel()
+
+    def relayout(self, t, memory_format):
+        """Stores streamed tensor `t` in `memory_format` (values unchanged), where a host converts layouts in
+        place (engine/patching.convert_conv_weights): its host copy is converted (and stays so after
+        remove(), so later runs start from it), its bytes in the block's host buffer rewritten, and `t` viewed
+        over its place in the ring with the new strides. Called between steps, not inside one. False when
+        `t` is not streamed here."""
+        loc = self._where.get(id(t)) if self.installed else None
+        if loc is None:
+            return False
+        b, i = loc
+        host = b.hosts[i]
+        if not host.is_contiguous(memory_format=memory_format):
+            host = b.hosts[i] = host.contiguous(memory_format=memory_format)
+        _view(b.host_flat, b.offsets[i], host).copy_(host)
+        t.data = _view(self.ring, b.place + b.offsets[i], host)
+        self._issued = {}                  # a copy issued before holds the old layout
+        return True
 
     def live_blocks(self):
         """Names of the streamed blocks whose copies were issued in this step and not overwritten since."""
@@ -234,6 +259,11 @@ class BlockStreamer:
 
     def _step_start(self):
         self.stats["steps"] += 1
+        if self._open and self.cuda:
+            # the last step never ended (an error, or a graph capture that failed and left the copy stream in
+            # its invalidated capture): continue on a fresh copy stream
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        self._open = True
         self._current, self._issued = None, {}
         for n in self._active[:1 + self.depth]:
             self._issue(n, None)
@@ -241,7 +271,7 @@ class BlockStreamer:
     def _step_end(self):
         if self._copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-        self._current, self._issued = None, {}
+        self._open, self._current, self._issued = False, None, {}
 
     def _issue(self, name, computing):
         b = self._state[name]
@@ -281,6 +311,14 @@ class BlockStreamer:
         done = self._issued[name]
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(done)
+
+
+class _Installed:
+    """What the unet carries as WEIGHTS_TOKEN while a streamer is installed: a new object per install."""
+    __slots__ = ("streamer",)
+
+    def __init__(self, streamer):
+        self.streamer = streamer
 
 
 def _view(flat, offset, like):

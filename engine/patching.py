@@ -116,11 +116,17 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
     """Stores every 4-D conv weight of `root` in `memory_format`, in place (values unchanged, the
     Parameter objects kept): with channels_last activations cuDNN then needs no NCHW<->NHWC transform
     around each convolution. Stock ComfyUI's --force-channels-last does the same to the whole model.
-    Returns how many weights changed."""
+    Returns how many weights changed. Weights a block streamer (engine/offload.py) holds in its GPU ring are
+    converted through it: their host copies change layout, and the ring view follows."""
+    from .cuda_graph import WEIGHTS_TOKEN
+    streamer = getattr(getattr(root, WEIGHTS_TOKEN, None), "streamer", None)
     n = 0
     for m in root.modules():
         if isinstance(m, nn.Conv2d) and m.weight is not None and m.weight.dim() == 4:
             w = m.weight
+            if streamer is not None and streamer.relayout(w, memory_format):
+                n += 1
+                continue
             if not w.is_contiguous(memory_format=memory_format):
                 with torch.no_grad():
                     w.data = w.data.contiguous(memory_format=memory_format)

@@ -191,7 +191,10 @@ def loader_budget(plan, budget, comfy_reserve=None):
     except vram_plan.BudgetTooSmall:
         window = plan.min_budget_bytes - plan.activation_bytes
     reserve = plan.activation_bytes if comfy_reserve is None else comfy_reserve
-    return min(budget, max(budget - window - plan.activation_bytes + reserve, 0))
+    # not capped at the budget: ComfyUI keeps its own reserve (0.8 GiB) free of weights, more than an SD1.5
+    # step needs besides the ring; shown only the budget it would load a fraction of what fits. What it
+    # loads is checked against the budget once it has (_fit_and_streamed: it unloads more if over)
+    return max(budget - window - plan.activation_bytes + reserve, 0)
 
 
 def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, report, stage, notes):
@@ -325,6 +328,26 @@ def _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shap
 
 
 @contextlib.contextmanager
+def _sampling_tables_on(device, base_model):
+    """ComfyUI's partial loading leaves the model's `model_sampling` (sigma tables, a few KiB) on the CPU, so
+    every step copies its timestep there and back, which a CUDA graph cannot capture (device run 19). For
+    the streamed run they live on the GPU; put back after."""
+    moved = []
+    ms = getattr(base_model, "model_sampling", None)
+    if ms is not None:
+        for m in ms.modules():
+            for name, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    moved.append((m, name, b))
+                    m._buffers[name] = b.to(device)
+    try:
+        yield len(moved)
+    finally:
+        for m, name, b in moved:
+            m._buffers[name] = b
+
+
+@contextlib.contextmanager
 def stream_scope(settings, patcher, budget, notes, noise_shape=None):
     """Inside one sampling run, after ComfyUI loaded the model: stream what it left off the GPU."""
     device = torch.device(patcher.load_device)
@@ -340,7 +363,8 @@ def stream_scope(settings, patcher, budget, notes, noise_shape=None):
     streamer.install()
     settings.last_streamer, per_step, ring = streamer, streamer.streamed_bytes, streamer.ring_bytes
     try:
-        yield streamer
+        with _sampling_tables_on(device, patcher.model):
+            yield streamer
     finally:
         streamer.remove()
         notes.append("lowvram: %d of %d blocks streamed (%.2f GiB per step through a %.2f GiB ring, prefetch depth "

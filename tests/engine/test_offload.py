@@ -222,3 +222,26 @@ def test_off_device_bytes_counts_what_the_host_left_behind(unet):
     assert set(on_cpu.values()) == {0}
     meta = off_device_bytes(unet, "meta")     # every tensor is "elsewhere" from a meta device's view
     assert meta == dict(unet_block_sizes(unet))
+
+
+def test_channels_last_conversion_of_streamed_conv_weights_goes_through_the_ring():
+    """The Accelerated KSampler converts conv weights to channels_last in place on its first GPU step, which
+    may come after the streamer installed: a plain `.data =` there would give the weight a copy of whatever
+    its ring place held then (device run 18: a wrong image). Through the streamer the host copy and the
+    ring view change layout together and the output stays the same."""
+    from sd_accel.engine import patching
+    unet = comfy_inproc.tiny_unet(seed=6)
+    ref = _run(unet)
+    values = {n: p.detach().clone() for n, p in unet.named_parameters()}
+    convs = [m for m in unet.modules() if isinstance(m, torch.nn.Conv2d)]
+    with BlockStreamer(unet, _names(unet), prefetch_depth=1, device="cpu") as s:
+        _run(unet)                                    # the ring holds the last block's weights now
+        assert patching.convert_conv_weights(unet) == len(convs)
+        assert all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)
+        lo = s.ring.data_ptr()
+        assert all(lo <= m.weight.data_ptr() < lo + s.ring_bytes for m in convs)
+        out = _run(unet)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # after remove: the host copies keep the new layout (later runs start from it), values unchanged
+    assert all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)
+    assert all(torch.equal(p, values[n]) for n, p in unet.named_parameters())
