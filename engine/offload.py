@@ -53,7 +53,7 @@ def top_level_blocks(unet):
     return out
 
 
-def _owned(module):
+def owned_tensors(module):
     """(owner, tensor) for every parameter and buffer under `module`, each tensor once."""
     seen, out = set(), []
     for m in module.modules():
@@ -72,13 +72,13 @@ def _nbytes(t):
 def off_device_bytes(unet, device):
     """{block name: bytes of its tensors not on `device`} for the top-level blocks, execution order."""
     device = torch.device(device)
-    return {name: sum(_nbytes(t) for _, t in _owned(mod) if not _on(t, device)) for name, mod in top_level_blocks(unet)}
+    return {name: sum(_nbytes(t) for _, t in owned_tensors(mod) if not _on(t, device)) for name, mod in top_level_blocks(unet)}
 
 
 def on_device_bytes(module, device):
     """Bytes of the parameters and buffers under `module` that are on `device`."""
     device = torch.device(device)
-    return sum(_nbytes(t) for _, t in _owned(module) if _on(t, device))
+    return sum(_nbytes(t) for _, t in owned_tensors(module) if _on(t, device))
 
 
 def _on(t, device):
@@ -138,7 +138,7 @@ class BlockStreamer:
             if name not in self.streamed:
                 continue
             b = _Block(name)
-            for _, t in _owned(mod):
+            for _, t in owned_tensors(mod):
                 if not self.every_tensor and _on(t, self.device):
                     continue
                 b.tensors.append(t)

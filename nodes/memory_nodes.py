@@ -32,6 +32,7 @@ log = logging.getLogger("sd_accel")
 GIB = 2 ** 30
 WRAPPER_KEY = "sd_accel_vram_pool"
 PREFETCH_DEPTH = 1
+PROMOTE_MARGIN = 0.05    # of the budget, kept free of promoted blocks: ComfyUI's activation estimate is rough
 OFFLOAD = ("none", "medvram", "lowvram")
 RELEASE = ("never", "after_run")
 
@@ -302,13 +303,27 @@ def _gib(n):
     return "%.2f GiB" % (n / GIB) if n else "none (no cap)"
 
 
+def promote_blocks(sizes, room, depth):
+    """Of the streamed blocks [(name, bytes)] (execution order), those moved to the GPU for the run: ComfyUI's
+    loader keeps its own reserve free of weights, sized for any model, so the budget often has room left.
+    The planner's rule on what is left: largest first, while they plus the ring of the rest fit `room`."""
+    if not sizes or room <= 0:
+        return []
+    try:
+        return vram_plan.plan_residency(sizes, room, 0, depth).resident
+    except vram_plan.BudgetTooSmall:     # not even the ring of all of them fits: nothing to promote
+        return []
+
+
 def _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shape=None):
-    """Block names to stream. Under a budget, ComfyUI's placement is first made to fit: activations (ComfyUI's
-    estimate for this run's shape, CFG batch) + everything allocated now + the streamed blocks in flight <=
-    budget, by letting ComfyUI unload more (its own partially_unload, smallest modules first)."""
+    """(blocks to stream, prefetch depth, blocks to move to the GPU for the run). Under a budget, ComfyUI's
+    placement is first made to fit: activations (ComfyUI's estimate for this run's shape, CFG batch) +
+    everything allocated now + the ring of the streamed blocks <= budget, by letting ComfyUI unload more (its
+    own partially_unload, smallest modules first); then what room is left (less PROMOTE_MARGIN) takes the
+    largest streamed blocks (promote_blocks)."""
     depth = settings.plan.prefetch_depth if settings.plan is not None else PREFETCH_DEPTH
     if device.type != "cuda" or settings.stream_every_block:     # tests: every block, copied
-        return [n for n, _ in block_offload.top_level_blocks(unet)], depth
+        return [n for n, _ in block_offload.top_level_blocks(unet)], depth, []
     act = settings.plan.activation_bytes if settings.plan is not None else 0
     if noise_shape is not None:
         try:
@@ -323,8 +338,16 @@ def _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shap
             break
         if not patcher.partially_unload(patcher.offload_device, est - budget):
             break
-    notes.append("lowvram: estimated peak %.2f GiB (%.2f GiB weights resident)" % (est / GIB, on / GIB))
-    return [n for n, b in off.items() if b], depth
+    streamed = [n for n, b in off.items() if b]
+    room = int(budget * (1 - PROMOTE_MARGIN)) - act - torch.cuda.memory_allocated(device) if budget else 0
+    promoted = promote_blocks([(n, off[n]) for n in streamed], room, depth)
+    streamed = [n for n in streamed if n not in promoted]
+    est = act + torch.cuda.memory_allocated(device) + sum(off[n] for n in promoted) + vram_plan.ring_bytes(
+        [off[n] for n in streamed], depth)
+    notes.append("lowvram: estimated peak %.2f GiB (%.2f GiB weights resident%s)" % (
+        est / GIB, on / GIB, ", %d more blocks (%.2f GiB) moved to the GPU for the run" % (
+            len(promoted), sum(off[n] for n in promoted) / GIB) if promoted else ""))
+    return streamed, depth, promoted
 
 
 @contextlib.contextmanager
@@ -348,14 +371,43 @@ def _sampling_tables_on(device, base_model):
 
 
 @contextlib.contextmanager
+def _blocks_on(device, unet, names):
+    """The off-device tensors of UNet blocks `names` copied to `device` for the scope, put back after. A copy
+    the run converted to channels_last (the Accelerated KSampler's first step) leaves its host tensor
+    converted too, so later runs, which do not convert again, keep the layout."""
+    moved = []
+    blocks = dict(block_offload.top_level_blocks(unet))
+    for name in names:
+        for _, t in block_offload.owned_tensors(blocks[name]):
+            if t.device != device:
+                host = t.data
+                t.data = host.to(device, non_blocking=host.is_pinned())
+                moved.append((t, host))
+    try:
+        yield len(moved)
+    finally:
+        for t, host in moved:
+            _put_back(t, host)
+
+
+def _put_back(t, host):
+    """t.data = host, converting host to channels_last first when the run converted t's copy."""
+    if (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+            and not host.is_contiguous(memory_format=torch.channels_last)):
+        host = host.contiguous(memory_format=torch.channels_last)
+    t.data = host
+
+
+@contextlib.contextmanager
 def stream_scope(settings, patcher, budget, notes, noise_shape=None):
     """Inside one sampling run, after ComfyUI loaded the model: stream what it left off the GPU."""
     device = torch.device(patcher.load_device)
     unet = patcher.model.diffusion_model
-    streamed, depth = _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shape)
+    streamed, depth, promoted = _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shape)
     if not streamed:
-        notes.append("lowvram: the whole UNet fit in the budget, nothing streamed")
-        yield None
+        with _blocks_on(device, unet, promoted):
+            notes.append("lowvram: the whole UNet fit in the budget, nothing streamed")
+            yield None
         return
     streamer = block_offload.BlockStreamer(unet, streamed, prefetch_depth=depth, device=device,
                                            pinned_cache=settings.pinned_cache,
@@ -363,7 +415,7 @@ def stream_scope(settings, patcher, budget, notes, noise_shape=None):
     streamer.install()
     settings.last_streamer, per_step, ring = streamer, streamer.streamed_bytes, streamer.ring_bytes
     try:
-        with _sampling_tables_on(device, patcher.model):
+        with _sampling_tables_on(device, patcher.model), _blocks_on(device, unet, promoted):
             yield streamer
     finally:
         streamer.remove()

@@ -363,3 +363,33 @@ def test_loader_budget_leaves_room_for_the_streamed_blocks():
     assert loader_budget(plan, 0, reserve) == 0
     # above the budget when ComfyUI's reserve is larger than what the step needs besides the weights it loads
     assert loader_budget(plan, 8 * GIB, reserve) == 8 * GIB - GIB // 4 + reserve
+
+
+def test_promote_blocks_fills_the_room_largest_first():
+    from sd_accel.engine.vram_plan import ring_bytes
+    from sd_accel.nodes.memory_nodes import promote_blocks
+    MB = 2 ** 20
+    sizes = [("a", 10 * MB), ("b", 40 * MB), ("c", 20 * MB), ("d", 30 * MB), ("e", 5 * MB)]
+    assert promote_blocks(sizes, 0, 1) == [] and promote_blocks(sizes, -5, 1) == [] and promote_blocks([], 9, 1) == []
+    assert promote_blocks(sizes, 50 * MB, 1) == []          # the ring of all (60) does not fit: nothing moves
+    for room in (60, 90, 100, 105, 200):
+        chosen = promote_blocks(sizes, room * MB, 1)
+        rest = [b for n, b in sizes if n not in chosen]
+        assert sum(b for n, b in sizes if n in chosen) + ring_bytes(rest, 1) <= room * MB, room
+    assert promote_blocks(sizes, 90 * MB, 1) == ["b"]       # b + ring(a, c, d, e) = 40 + 50
+    assert promote_blocks(sizes, 105 * MB, 1) == ["a", "b", "c", "d", "e"]
+
+
+def test_a_promoted_block_put_back_keeps_the_runs_channels_last_layout():
+    """(_blocks_on moves tensors between devices, which needs a GPU; its put-back step is tested here.)"""
+    from sd_accel.nodes.memory_nodes import _put_back
+    w = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
+    host = w.data
+    w.data = host.clone().contiguous(memory_format=torch.channels_last)    # the run's converted GPU copy
+    _put_back(w, host)
+    assert w.is_contiguous(memory_format=torch.channels_last) and torch.equal(w, host)
+    b = torch.nn.Parameter(torch.randn(8))
+    bhost = b.data
+    b.data = bhost.clone()
+    _put_back(b, bhost)
+    assert b.data_ptr() == bhost.data_ptr()
