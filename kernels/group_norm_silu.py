@@ -1,20 +1,33 @@
 """GroupNorm (+ optional SiLU) fused, forward only: the `norm -> SiLU` pair at the head of every SD ResBlock.
 
-Why a split design: SD uses 32 groups, so batch 2 gives only 64 groups, and one program per group would
-leave most of an H200's 132 SMs idle. Instead three small launches, each with many programs:
+Two paths, at most two launches per call (statistics in fp32 either way):
 
-  1. `_gn_stats_kernel`    grid (spatial tiles / CHUNK_ITERS, channel tiles, N): per-channel partial
-                           mean and M2 (sum of squared deviations) over a spatial chunk, in fp32,
-                           from sums shifted by a data sample (no E[x^2] - E[x]^2 cancellation).
-  2. `_gn_finalize_kernel` grid (N * G,): merges a group's partials (Chan et al.) and writes
-                           per-(n, c) `mean`, `scale` = rstd * weight, `shift` = bias.
-  3. `_gn_apply_kernel`    grid (spatial tiles, channel tiles, N): y = (x - mean) * scale + shift,
-                           SiLU, store.
+* one program per (sample, group), `_gn_group_kernel`, grid (N * G,), one launch: when a whole group
+  fits in one register tile (`_ONE_TILE_MAX` lanes; at SD1.5 512²: the 8² level, 16² up to 1920
+  channels, 32² at 320), the program loads it once, takes the mean and the variance from the registers
+  (two-pass, exact), normalizes and stores. Few programs (N * G), but each is a single round trip to
+  memory, and these tensors are small.
+* split, two launches with many programs each, for bigger groups (a batch of 2 has only 64 groups, and
+  one program per group would stream a large group alone while most SMs idle):
+  1. `_gn_stats_kernel` grid (spatial chunks, channel tiles, N): per-channel mean and M2 (sum of
+     squared deviations) over a spatial chunk from sums shifted by a data sample (no E[x^2] - E[x]^2
+     cancellation), merged (Chan et al.) into one partial per (chunk, group) of the tile;
+  2. `_gn_apply_kernel` grid (spatial tile runs, channel tiles, N): merges its groups' partials into
+     mean and rstd itself (what a third, "finalize" launch did before), then y = (x - mean) * scale +
+     shift, SiLU, store, over a run of spatial tiles.
+  Channel tiles never straddle a group: a tile holds K whole groups (BLOCK_C >= K * CG) or one of the
+  J parts of a group too wide for a tile, so every partial belongs to one group.
 
 x is addressed as (N, C, HW) through strides, so NCHW (stride_c = HW, stride_s = 1) and channels_last
 (stride_c = 1, stride_s = C) share the kernels; only the tile shape changes so that the tile's long
-side runs along the contiguous axis. Output keeps x's strides (`empty_like`). No host sync, and all
-allocations depend on shapes only, so the op can be captured in a CUDA graph.
+side runs along the contiguous axis. Output keeps x's strides (`empty_like`). `add` ([N, C], a
+ResBlock's conv bias + timestep embedding) shifts the per-channel means before they are merged, and the
+normalization subtracts mean - add: it costs no pass over x. No host sync, and all allocations depend
+on shapes only, so the op can be captured in a CUDA graph.
+
+The thresholds and tile sizes below were chosen without a GPU run of this two-path version (the earlier
+three-launch version measured 6.4 + 3.3 + 2.5 us per call on average on an H200, SD1.5 512² CFG batch 2);
+bench/bench_group_norm_silu.py prints which path each shape takes and its time.
 """
 import torch
 import torch.nn.functional as F
@@ -22,9 +35,14 @@ import torch.nn.functional as F
 from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record, triton_runnable
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_CHUNKS = 64        # spatial chunks per batch item: bounds what one finalize program merges
 _MAX_GROUP_CHANNELS = 4096
-_SMS = 132              # H200; only used to shrink tiles for small tensors (more, smaller programs)
+_ONE_TILE_MAX = 16384   # lanes (powers of two of CG and HW) one program loads at once: 16 warps, 32 lanes a
+                        # thread (sm_90 ptxas: 117 registers, no spill; 32768 lanes on 32 warps spill)
+_MAX_CHUNKS = 64        # spatial chunks per batch item in the split path's statistics
+_MERGE_MAX = 512        # partials (chunks x group parts x group slots) one apply program merges
+_MERGE_BLOCK = 512      # of which it loads at most this many per step
+_MAX_TILE_GROUPS = 16   # whole groups per channel tile
+_SMS = 132              # H200; only used to size grids for small tensors (more, smaller programs)
 _TILE = 2048            # elements per program tile (measured on H200: 2048 beats 4096 and 8192 on channels_last)
 
 _tt = get_triton()
@@ -32,20 +50,68 @@ if _tt is not None:
     triton, tl = _tt
 
     @triton.jit
+    def _gn_group_kernel(
+        X, Y,                           # input / output, identical strides, read as (N, C, HW)
+        W, B,                           # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
+        ADD,                            # fp32 [N, C] added to x before the norm (ignored unless HAS_ADD)
+        C, HW, G, CG,                   # channels, spatial positions, groups, channels per group
+        stride_n, stride_c, stride_s,   # element strides of x (NCHW: C*HW, HW, 1; channels_last: HW*C, 1, C)
+        eps,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr, APPLY_SILU: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_CG: tl.constexpr,   # >= HW and >= CG: the whole group in one tile
+    ):
+        pid = tl.program_id(0)
+        n = pid // G
+        g = pid % G
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_cg = tl.arange(0, BLOCK_CG)
+        cmask = offs_cg < CG
+        c = g * CG + offs_cg
+        mask = (offs_s < HW)[:, None] & cmask[None, :]
+        offs = n * stride_n + offs_s[:, None] * stride_s + c[None, :] * stride_c
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            x += tl.load(ADD + n * C + c, mask=cmask, other=0.0)[None, :]
+        count = CG * HW * 1.0
+        mean = tl.sum(tl.sum(tl.where(mask, x, 0.0), axis=1), axis=0) / count
+        d = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, axis=1), axis=0) / count + eps)
+        scale = tl.zeros([BLOCK_CG], dtype=tl.float32) + rstd
+        if HAS_W:
+            scale = scale * tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
+        y = d * scale[None, :]
+        if HAS_B:
+            y += tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if APPLY_SILU:
+            y = y * tl.sigmoid(y)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _tile_channels(pid_t, G, CG, K, J, BLOCK_C: tl.constexpr):
+        # Channel tile pid_t: K whole groups from g0 (J == 1), or part j of group g0 (K == 1, J parts).
+        g0 = (pid_t // J) * K
+        c_start = g0 * CG + (pid_t % J) * BLOCK_C
+        c_end = tl.minimum(c_start + BLOCK_C, tl.minimum(g0 + K, G) * CG)
+        offs_c = c_start + tl.arange(0, BLOCK_C)
+        return g0, offs_c, offs_c < c_end, (offs_c - g0 * CG) // CG   # ..., each channel's group slot
+
+    @triton.jit
     def _gn_stats_kernel(
         X,                              # input, read as (N, C, HW) through the three strides
-        WS,                             # fp32 workspace; this kernel writes its first 2 * N * NSC * C:
-                                        #   PMEAN, PM2 [N, NSC, C]: per (batch, chunk, channel) mean and M2
-        N, C, HW,                       # batch, channels, spatial positions (H * W, or L)
-        stride_n, stride_c, stride_s,   # element strides of x (NCHW: C*HW, HW, 1; channels_last: HW*C, 1, C)
+        WS,                             # fp32 workspace: writes PMEAN, PM2 [N, NSC, C_TILES, KB]: per
+                                        #   (batch, chunk, channel tile, group slot) mean and M2
+        ADD,                            # fp32 [N, C] added to x before the norm (ignored unless HAS_ADD)
+        N, C, HW, G, CG,                # batch, channels, spatial positions, groups, channels per group
+        stride_n, stride_c, stride_s,   # as in _gn_group_kernel
         NSC, CHUNK_ITERS,               # spatial chunks per batch item; BLOCK_S tiles in each chunk
-        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+        C_TILES, K, J,                  # channel tiles; whole groups per tile; tiles per group (K == 1)
+        HAS_ADD: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, KB: tl.constexpr,   # KB: K's next power of two
     ):
         pid_sc = tl.program_id(0)
-        pid_c = tl.program_id(1)
+        pid_t = tl.program_id(1)
         n = tl.program_id(2)
-        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
+        g0, offs_c, cmask, slot = _tile_channels(pid_t, G, CG, K, J, BLOCK_C)
         ptrs = X + n * stride_n + offs_c[None, :] * stride_c
         s_start = pid_sc * CHUNK_ITERS * BLOCK_S
         # Shifted sums: accumulate d = x - pivot and d^2, pivot = the chunk's first value per channel.
@@ -67,101 +133,98 @@ if _tt is not None:
             acc_q += d * d
         cnt = tl.minimum(HW - s_start, CHUNK_ITERS * BLOCK_S).to(tl.float32)
         sum_d = tl.sum(acc_s, axis=0)
-        mean_d = sum_d / cnt
-        m2 = tl.maximum(tl.sum(acc_q, axis=0) - sum_d * mean_d, 0.0)
-        out = (n * NSC + pid_sc) * C + offs_c
-        tl.store(WS + out, pivot + mean_d, mask=cmask)
-        tl.store(WS + N * NSC * C + out, m2, mask=cmask)
-
-    @triton.jit
-    def _gn_finalize_kernel(
-        WS,                         # fp32 workspace: reads PMEAN, PM2 [N, NSC, C] (from _gn_stats_kernel),
-                                    #   then writes MEAN, SCALE, SHIFT [N, C]: y = (x - mean) * scale + shift
-        W, B,                       # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
-        ADD,                        # fp32 [N, C] added to x before the norm (ignored unless HAS_ADD)
-        N, C, HW, G, CG,            # batch, channels, spatial size, groups, channels per group
-        NSC, CHUNK_S,               # chunks per batch item, spatial positions per chunk (last may be short)
-        eps,
-        HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr,
-        BLOCK_SC: tl.constexpr, BLOCK_CG: tl.constexpr,
-    ):
-        # GroupNorm(x + add) with add constant per (n, c): each channel's chunk means shift by add[n, c],
-        # its M2 does not; and (x + add - mean) = (x - (mean - add)), so the apply kernel is unchanged
-        # when MEAN holds mean - add. The add costs nothing on the big tensor.
-        pid = tl.program_id(0)
-        n = pid // G
-        g = pid % G
-        PMEAN = WS
-        PM2 = WS + N * NSC * C
-        MEAN = WS + 2 * N * NSC * C
-        offs_cg = tl.arange(0, BLOCK_CG)
-        cmask = offs_cg < CG
-        c = g * CG + offs_cg
-        base = n * NSC * C + c
-        count = CG * HW * 1.0
-        shift_c = tl.zeros([BLOCK_CG], dtype=tl.float32)
-        if HAS_ADD:
-            shift_c = tl.load(ADD + n * C + c, mask=cmask, other=0.0)
-        # pass 1: group mean = chunk means weighted by chunk sizes, summed relative to the first one
-        pivot = tl.load(PMEAN + n * NSC * C + g * CG)
-        if HAS_ADD:
-            pivot += tl.load(ADD + n * C + g * CG)
-        acc = tl.zeros([BLOCK_SC, BLOCK_CG], dtype=tl.float32)
-        for sc0 in range(0, NSC, BLOCK_SC):
-            sc = sc0 + tl.arange(0, BLOCK_SC)
-            m = (sc < NSC)[:, None] & cmask[None, :]
-            w_sc = tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S).to(tl.float32)
-            pm = tl.load(PMEAN + base[None, :] + sc[:, None] * C, mask=m, other=0.0) + shift_c[None, :]
-            acc += tl.where(m, pm - pivot, 0.0) * w_sc[:, None]
-        mean = pivot + tl.sum(tl.sum(acc, axis=1), axis=0) / count
-        # pass 2: group M2 = sum of chunk M2s + chunk sizes * (chunk mean - group mean)^2
-        acc = tl.zeros([BLOCK_SC, BLOCK_CG], dtype=tl.float32)
-        for sc0 in range(0, NSC, BLOCK_SC):
-            sc = sc0 + tl.arange(0, BLOCK_SC)
-            m = (sc < NSC)[:, None] & cmask[None, :]
-            w_sc = tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S).to(tl.float32)
-            pm = tl.load(PMEAN + base[None, :] + sc[:, None] * C, mask=m, other=0.0) + shift_c[None, :]
-            pm2 = tl.load(PM2 + base[None, :] + sc[:, None] * C, mask=m, other=0.0)
-            d = pm - mean
-            acc += tl.where(m, pm2 + w_sc[:, None] * d * d, 0.0)
-        var = tl.sum(tl.sum(acc, axis=1), axis=0) / count
-        rstd = 1.0 / tl.sqrt(var + eps)
-        scale = tl.zeros([BLOCK_CG], dtype=tl.float32) + rstd
-        if HAS_W:
-            scale = scale * tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
-        shift = tl.zeros([BLOCK_CG], dtype=tl.float32)
-        if HAS_B:
-            shift = tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(MEAN + n * C + c, mean - shift_c, mask=cmask)
-        tl.store(MEAN + N * C + n * C + c, scale, mask=cmask)
-        tl.store(MEAN + 2 * N * C + n * C + c, shift, mask=cmask)
+        mean_c = pivot + sum_d / cnt
+        m2_c = tl.maximum(tl.sum(acc_q, axis=0) - sum_d * (sum_d / cnt), 0.0)
+        if HAS_ADD:   # GroupNorm(x + add), add constant per (n, c): the channel's mean shifts, M2 does not
+            mean_c += tl.load(ADD + n * C + offs_c, mask=cmask, other=0.0)
+        # per-channel (mean, M2) -> one per group slot of the tile (Chan et al.: equal counts per channel)
+        onehot = ((slot[:, None] == tl.arange(0, KB)[None, :]) & cmask[:, None]).to(tl.float32)
+        chans = tl.sum(onehot, axis=0)
+        s_mean = tl.sum(onehot * mean_c[:, None], axis=0) / tl.maximum(chans, 1.0)
+        dev = tl.where(cmask, mean_c - tl.sum(onehot * s_mean[None, :], axis=1), 0.0)
+        s_m2 = tl.sum(onehot * (m2_c + cnt * dev * dev)[:, None], axis=0)
+        out = ((n * NSC + pid_sc) * C_TILES + pid_t) * KB + tl.arange(0, KB)
+        tl.store(WS + out, s_mean)
+        tl.store(WS + N * NSC * C_TILES * KB + out, s_m2)
 
     @triton.jit
     def _gn_apply_kernel(
         X, Y,                           # input / output with identical strides
-        MEAN,                           # fp32 MEAN, SCALE, SHIFT [N, C] back to back (finalize kernel)
-        N, C, HW,
-        stride_n, stride_c, stride_s,   # as in _gn_stats_kernel
-        APPLY_SILU: tl.constexpr,
-        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+        WS,                             # fp32 PMEAN, PM2 [N, NSC, C_TILES, KB] (from _gn_stats_kernel)
+        W, B,                           # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
+        ADD,                            # fp32 [N, C] (ignored unless HAS_ADD)
+        N, C, HW, G, CG,
+        stride_n, stride_c, stride_s,   # as in _gn_group_kernel
+        NSC, CHUNK_S,                   # chunks per batch item, spatial positions per chunk (last may be short)
+        C_TILES, K, J,                  # as in _gn_stats_kernel
+        APPLY_ITERS,                    # spatial tiles per program (amortize the merge below)
+        eps,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr, APPLY_SILU: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, KB: tl.constexpr,
+        BLOCK_P: tl.constexpr,          # partials (chunk x group part) merged per step
     ):
         pid_s = tl.program_id(0)
-        pid_c = tl.program_id(1)
+        pid_t = tl.program_id(1)
         n = tl.program_id(2)
-        offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = offs_c < C
-        mask = (offs_s < HW)[:, None] & cmask[None, :]
-        offs = n * stride_n + offs_s[:, None] * stride_s + offs_c[None, :] * stride_c
-        x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        mu = tl.load(MEAN + n * C + offs_c, mask=cmask, other=0.0)
-        a = tl.load(MEAN + N * C + n * C + offs_c, mask=cmask, other=0.0)
-        b = tl.load(MEAN + 2 * N * C + n * C + offs_c, mask=cmask, other=0.0)
-        # (x - mean) * a rather than x * a - mean * a: no cancellation when |mean| >> std
-        y = (x - mu[None, :]) * a[None, :] + b[None, :]
-        if APPLY_SILU:
-            y = y * tl.sigmoid(y)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        g0, offs_c, cmask, slot = _tile_channels(pid_t, G, CG, K, J, BLOCK_C)
+        PMEAN = WS
+        PM2 = WS + N * NSC * C_TILES * KB
+        # Merge the partials of this tile's groups: partial p = (chunk p // J, group part p % J), each
+        # of cnt_s(chunk) * channels(part) elements; a group has CG * HW in all.
+        kk = tl.arange(0, KB)
+        kmask = (kk < K) & (g0 + kk < G)
+        P = NSC * J
+        t0 = (pid_t // J) * J
+        count = CG * HW * 1.0
+        row0 = (n * NSC * C_TILES + t0) * KB
+        pivot = tl.load(PMEAN + row0 + kk)
+        acc = tl.zeros([BLOCK_P, KB], dtype=tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            sc = p // J
+            jj = p % J
+            w_p = (tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S)
+                   * tl.minimum(BLOCK_C, CG - jj * BLOCK_C)).to(tl.float32)
+            m = (p < P)[:, None] & kmask[None, :]
+            addr = ((n * NSC + sc) * C_TILES + t0 + jj) * KB
+            pm = tl.load(PMEAN + addr[:, None] + kk[None, :], mask=m, other=0.0)
+            acc += tl.where(m, pm - pivot[None, :], 0.0) * w_p[:, None]
+        mean = pivot + tl.sum(acc, axis=0) / count
+        acc = tl.zeros([BLOCK_P, KB], dtype=tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            sc = p // J
+            jj = p % J
+            w_p = (tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S)
+                   * tl.minimum(BLOCK_C, CG - jj * BLOCK_C)).to(tl.float32)
+            m = (p < P)[:, None] & kmask[None, :]
+            addr = ((n * NSC + sc) * C_TILES + t0 + jj) * KB
+            pm = tl.load(PMEAN + addr[:, None] + kk[None, :], mask=m, other=0.0)
+            pm2 = tl.load(PM2 + addr[:, None] + kk[None, :], mask=m, other=0.0)
+            dm = pm - mean[None, :]
+            acc += tl.where(m, pm2 + w_p[:, None] * dm * dm, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / count + eps)
+        # per group slot -> per channel of the tile
+        onehot = ((slot[:, None] == kk[None, :]) & cmask[:, None]).to(tl.float32)
+        mu = tl.sum(onehot * mean[None, :], axis=1)
+        scale = tl.sum(onehot * rstd[None, :], axis=1)
+        if HAS_ADD:   # (x + add - mean) = (x - (mean - add))
+            mu -= tl.load(ADD + n * C + offs_c, mask=cmask, other=0.0)
+        if HAS_W:
+            scale = scale * tl.load(W + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        shift = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if HAS_B:
+            shift = tl.load(B + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        for it in range(0, APPLY_ITERS):
+            offs_s = (pid_s * APPLY_ITERS + it) * BLOCK_S + tl.arange(0, BLOCK_S)
+            mask = (offs_s < HW)[:, None] & cmask[None, :]
+            offs = n * stride_n + offs_s[:, None] * stride_s + offs_c[None, :] * stride_c
+            x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            # (x - mean) * a rather than x * a - mean * a: no cancellation when |mean| >> std
+            y = (x - mu[None, :]) * scale[None, :] + shift[None, :]
+            if APPLY_SILU:
+                y = y * tl.sigmoid(y)
+            tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 def _is_channels_last(x):
@@ -169,55 +232,75 @@ def _is_channels_last(x):
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
-def _config(N, C, HW, channels_last):
-    """Tile shape (BLOCK_S spatial x BLOCK_C channels), long along the contiguous axis, and chunking."""
-    # _TILE elements per program for big tensors; smaller tiles for small ones so the grid still
-    # covers the SMs a few times over (these shapes are latency bound anyway).
+def one_program_per_group(C, HW, num_groups):
+    """True when `_gn_group_kernel` (one launch, one program per (sample, group)) takes these sizes."""
+    return next_pow2(HW) * next_pow2(C // num_groups) <= _ONE_TILE_MAX
+
+
+def _split_config(N, C, HW, G, channels_last):
+    """The split path's tiling: (block_s, block_c, K, KB, J, c_tiles, s_tiles, chunk_iters, nsc, apply_iters,
+    block_p). Channel tiles hold K whole groups, or (K == 1) one of J parts of a group."""
+    CG = C // G
     tile = max(1024, min(_TILE, next_pow2(N * C * HW // (4 * _SMS))))
     if channels_last:
-        # rows of C contiguous channels: 64-128 channels per tile = 128-512 B runs per row
-        block_c = 128 if C % 128 == 0 else 64 if C % 64 == 0 else max(2, min(128, next_pow2(C)))
-        block_s = max(2, min(tile // block_c, next_pow2(HW)))
+        # rows of up to 128 contiguous channels (256 B in fp16)
+        target_c, block_s = 128, None
     else:
         block_s = max(2, min(next_pow2(HW), 1024, tile))
-        block_c = max(2, min(tile // block_s, next_pow2(C)))
+        target_c = max(2, tile // block_s)
+    if CG <= target_c:
+        K = min(max(1, target_c // CG), _MAX_TILE_GROUPS, G)
+        J, block_c = 1, max(2, next_pow2(K * CG))
+    else:
+        K, J, block_c = 1, cdiv(CG, target_c), target_c
+    KB = max(2, next_pow2(K))
+    c_tiles = cdiv(G, K) * J
+    if block_s is None:
+        block_s = max(2, min(max(1, tile // block_c), next_pow2(HW)))
     s_tiles = cdiv(HW, block_s)
-    chunk_iters = cdiv(s_tiles, _MAX_CHUNKS)
+    chunk_iters = cdiv(s_tiles, max(1, min(_MAX_CHUNKS, _MERGE_MAX // (J * KB))))
     nsc = cdiv(s_tiles, chunk_iters)
-    return block_s, block_c, s_tiles, chunk_iters, nsc
+    block_p = max(2, min(next_pow2(nsc * J), max(2, _MERGE_BLOCK // KB)))
+    # a few tiles per apply program so that its merge (about 3 * nsc * J * KB loads) stays a small
+    # share of its work, while the grid still covers the SMs twice
+    want = cdiv(4 * 3 * nsc * J * KB, block_s * block_c)
+    room = max(1, (s_tiles * c_tiles * N) // (2 * _SMS))
+    apply_iters = max(1, min(want, room, s_tiles))
+    return block_s, block_c, K, KB, J, c_tiles, s_tiles, chunk_iters, nsc, apply_iters, block_p
 
 
 def _launch(x, num_groups, weight, bias, eps, activation, add=None):
     N, C = x.shape[0], x.shape[1]
     HW = x.numel() // (N * C)
+    G, CG = num_groups, C // num_groups
     cl = _is_channels_last(x)
     strides = (HW * C, 1, C) if cl else (C * HW, HW, 1)
-    block_s, block_c, s_tiles, chunk_iters, nsc = _config(N, C, HW, cl)
-    c_tiles = cdiv(C, block_c)
-    warps = num_warps_for(block_s * block_c)
-
-    # one fp32 workspace (fewer host-side allocations per call): PMEAN, PM2 [N, nsc, C], then
-    # MEAN, SCALE, SHIFT [N, C]; each kernel derives the parts' offsets from N, nsc and C
-    ws = torch.empty(N * C * (2 * nsc + 3), device=x.device, dtype=torch.float32)
     y = torch.empty_like(x)  # preserve_format: same strides as x, so channels_last stays channels_last
-
+    affine = (weight if weight is not None else y, bias if bias is not None else y,
+              add if add is not None else y)
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, HAS_ADD=add is not None,
+                 APPLY_SILU=activation == "silu")
+    if one_program_per_group(C, HW, G):
+        group_norm_silu.last_plan = "one program per group"
+        block_s, block_cg = max(2, next_pow2(HW)), max(2, next_pow2(CG))
+        launch(_gn_group_kernel, (N * G,),
+            x, y, *affine, C, HW, G, CG, *strides, float(eps),
+            **flags, BLOCK_S=block_s, BLOCK_CG=block_cg,
+            num_warps=min(16, max(4, block_s * block_cg // 1024)))
+        return y
+    group_norm_silu.last_plan = "split"
+    block_s, block_c, K, KB, J, c_tiles, s_tiles, chunk_iters, nsc, apply_iters, block_p = _split_config(
+        N, C, HW, G, cl)
+    warps = num_warps_for(block_s * block_c)
+    # one fp32 workspace: PMEAN, PM2 [N, nsc, c_tiles, KB]
+    ws = torch.empty(2 * N * nsc * c_tiles * KB, device=x.device, dtype=torch.float32)
     launch(_gn_stats_kernel, (nsc, c_tiles, N),
-        x, ws, N, C, HW, *strides, nsc, chunk_iters,
-        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
-
-    cg = C // num_groups
-    block_cg = max(2, next_pow2(cg))
-    block_sc = max(2, min(next_pow2(nsc), 4096 // block_cg))
-    launch(_gn_finalize_kernel, (N * num_groups,),
-        ws, weight if weight is not None else ws, bias if bias is not None else ws,
-        add if add is not None else ws,
-        N, C, HW, num_groups, cg, nsc, chunk_iters * block_s, float(eps),
-        HAS_W=weight is not None, HAS_B=bias is not None, HAS_ADD=add is not None,
-        BLOCK_SC=block_sc, BLOCK_CG=block_cg, num_warps=4)
-
-    launch(_gn_apply_kernel, (s_tiles, c_tiles, N),
-        x, y, ws[2 * N * nsc * C:], N, C, HW, *strides,
-        APPLY_SILU=activation == "silu", BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
+        x, ws, affine[2], N, C, HW, G, CG, *strides, nsc, chunk_iters, c_tiles, K, J,
+        HAS_ADD=add is not None, BLOCK_S=block_s, BLOCK_C=block_c, KB=KB, num_warps=warps)
+    launch(_gn_apply_kernel, (cdiv(s_tiles, apply_iters), c_tiles, N),
+        x, y, ws, *affine, N, C, HW, G, CG, *strides, nsc, chunk_iters * block_s, c_tiles, K, J,
+        apply_iters, float(eps),
+        **flags, BLOCK_S=block_s, BLOCK_C=block_c, KB=KB, BLOCK_P=block_p, num_warps=warps)
     return y
 
 
@@ -269,8 +352,8 @@ def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation=
     `add`: optional [N, C] (or [C]) term added to x per sample and channel before the norm (a ResBlock's
     conv bias plus its timestep embedding): folded into the statistics, so it costs no pass over x.
     Runs the fused Triton kernels when `eligible`, else the reference; `group_norm_silu.last_path`
-    ("triton" / "reference"), `.last_reason` and `.calls` say which ran. Output has x's dtype and
-    memory format.
+    ("triton" / "reference"), `.last_reason` and `.calls` say which ran, `.last_plan` ("one program per
+    group": one launch; "split": two) which Triton path. Output has x's dtype and memory format.
     """
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
@@ -292,6 +375,9 @@ def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation=
     if _is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):
         y = y.contiguous(memory_format=torch.channels_last)
     return y
+
+
+group_norm_silu.last_plan = None
 
 
 def group_norm_silu_reference(x, num_groups, weight=None, bias=None, eps=1e-5, activation="silu", add=None):

@@ -1,8 +1,11 @@
-"""group_norm_silu against torch's GroupNorm + SiLU computed in fp32 from the same (upcast) inputs."""
+"""group_norm_silu against torch's GroupNorm + SiLU computed in fp32 from the same (upcast) inputs, through
+both Triton paths: one program per (sample, group) where a group fits one tile, and the split
+statistics + apply launches (forced on every shape by the `plan` fixture's "split")."""
 import pytest
 import torch
 
 from sd_accel.kernels import _triton
+from sd_accel.kernels import group_norm_silu as gn
 from sd_accel.kernels.group_norm_silu import eligible, group_norm_silu, group_norm_silu_reference
 
 CL = torch.channels_last
@@ -38,13 +41,26 @@ def _inputs(shape, dtype, device, channels_last=False, w_dtype=None, seed=0):
     return x, w, b
 
 
+@pytest.fixture(params=["auto", "split"])
+def plan(request, monkeypatch):
+    """"auto": the path the sizes pick (one program per group for most test shapes); "split": the
+    statistics + apply launches, whatever the size."""
+    if request.param == "split":
+        monkeypatch.setattr(gn, "_ONE_TILE_MAX", 0)
+        if request.node.callspec.params.get("dtype") == torch.bfloat16:
+            pytest.skip("bf16 differs from fp16 only in the loads' and stores' casts, covered by 'auto'")
+    return request.param
+
+
 def _fp32_reference(x, w, b, eps=1e-5, activation="silu"):
     up = lambda t: None if t is None else t.float()
     return group_norm_silu_reference(x.float(), 32, up(w), up(b), eps, activation)
 
 
-def _check(y, x, ref, atol, rtol):
+def _check(y, x, ref, atol, rtol, plan=None):
     assert group_norm_silu.last_path == "triton", group_norm_silu.last_reason
+    if plan == "split":
+        assert group_norm_silu.last_plan == "split"
     assert y.dtype == x.dtype and y.shape == x.shape
     if x.dim() == 4 and not x.is_contiguous():
         assert y.is_contiguous(memory_format=CL)
@@ -61,10 +77,10 @@ LAYOUTS = [pytest.param(p.values[0], False, id=p.id + "-nchw") for p in SHAPES] 
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
 @pytest.mark.parametrize("shape, channels_last", LAYOUTS)
-def test_group_norm_silu(shape, channels_last, dtype, atol, rtol, device, poison_empty):
+def test_group_norm_silu(shape, channels_last, dtype, atol, rtol, device, poison_empty, plan):
     x, w, b = _inputs(shape, dtype, device, channels_last)
     y = group_norm_silu(x, 32, w, b, 1e-5)
-    _check(y, x, _fp32_reference(x, w, b), atol, rtol)
+    _check(y, x, _fp32_reference(x, w, b), atol, rtol, plan)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +108,7 @@ def test_affine_and_activation(x_dtype, w_dtype, affine, activation, channels_la
     pytest.param((1, 64, 45, 45), True, id="multi-chunk-cl"), pytest.param((2, 160, 7), False, id="ncl")])
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
 def test_add_per_sample_and_channel_is_folded_into_the_norm(shape, channels_last, dtype, atol, rtol, device,
-                                                             poison_empty):
+                                                             poison_empty, plan):
     """GroupNorm(x + add) for a ResBlock's conv bias + timestep embedding: the add varies across the
     channels of a group (so it moves the group's variance, not just its mean) and across samples."""
     x, w, b = _inputs(shape, dtype, device, channels_last, seed=3)
@@ -100,10 +116,10 @@ def test_add_per_sample_and_channel_is_folded_into_the_norm(shape, channels_last
     add = (torch.randn(shape[:2], generator=g) * 3).to(device)
     y = group_norm_silu(x, 32, w, b, 1e-5, add=add)
     ref = group_norm_silu_reference(x.float(), 32, w.float(), b.float(), 1e-5, "silu", add.float())
-    _check(y, x, ref, atol, rtol)
+    _check(y, x, ref, atol, rtol, plan)
     y1 = group_norm_silu(x, 32, w, b, 1e-5, add=add[0])          # a [C] add, the same for every sample
     _check(y1, x, group_norm_silu_reference(x.float(), 32, w.float(), b.float(), 1e-5, "silu",
-                                            add[0].float()), atol, rtol)
+                                            add[0].float()), atol, rtol, plan)
 
 
 def test_an_add_of_the_wrong_shape_falls_back_with_a_reason(device):
@@ -114,7 +130,7 @@ def test_an_add_of_the_wrong_shape_falls_back_with_a_reason(device):
     torch.testing.assert_close(y, torch.nn.functional.silu(torch.nn.functional.group_norm(x + add, 32, w, b)))
 
 
-def test_large_mean_small_std(device):
+def test_large_mean_small_std(device, plan):
     # mean 1000, std 0.01: E[x^2] - E[x]^2 in fp32 would lose the variance entirely here; torch's own
     # fp32 GroupNorm is off by ~6e-3 against fp64 on this input
     g = torch.Generator().manual_seed(2)
@@ -125,12 +141,59 @@ def test_large_mean_small_std(device):
     torch.testing.assert_close(y.cpu(), ref, atol=1e-2, rtol=1e-2)
 
 
-def test_groups_other_than_32(device):
-    x, w, b = _inputs((2, 48, 5, 5), torch.float32, device, seed=3)
-    for groups in (1, 3, 48):
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "cl"])
+def test_groups_other_than_32(device, plan, channels_last):
+    for C, groups in ((48, 1), (48, 3), (48, 48), (160, 1), (96, 2)):   # 160 / 1: a group wider than a tile
+        x, w, b = _inputs((2, C, 5, 5), torch.float32, device, channels_last, seed=3)
         y = group_norm_silu(x, groups, w, b)
         assert group_norm_silu.last_path == "triton"
         torch.testing.assert_close(y, group_norm_silu_reference(x, groups, w, b), atol=2e-5, rtol=2e-5)
+
+
+# ---- which path, and the split path's corners ----
+
+@pytest.mark.parametrize("shape, one_program", [
+    ((2, 1280, 8, 8), True), ((2, 2560, 8, 8), True), ((2, 1280, 16, 16), True), ((2, 1920, 16, 16), True),
+    ((2, 320, 32, 32), True), ((8, 640, 16, 16), True),
+    ((2, 2560, 16, 16), False), ((2, 640, 32, 32), False), ((2, 960, 32, 32), False), ((2, 320, 64, 64), False),
+    ((8, 320, 64, 64), False)])
+def test_which_path_sd15_512_shapes_take(shape, one_program):
+    """SD1.5 512²'s 8² and 16² levels (but 16² at 2560 channels) and 32² at 320 channels are one launch;
+    the rest the split path (two launches). The batch does not matter."""
+    N, C, H, W = shape
+    assert gn.one_program_per_group(C, H * W, 32) is one_program
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "cl"])
+def test_both_sides_of_the_one_program_threshold(device, monkeypatch, channels_last):
+    """A lowered threshold, so that both sides run in the interpreter: 10 channels per group (16 lanes)
+    x 8x8 (64) fits 1024 lanes, x 8x16 does not."""
+    monkeypatch.setattr(gn, "_ONE_TILE_MAX", 1024)
+    for shape, expect in (((2, 320, 8, 8), "one program per group"), ((2, 320, 8, 16), "split")):
+        x, w, b = _inputs(shape, torch.float16, device, channels_last, seed=6)
+        y = group_norm_silu(x, 32, w, b)
+        assert group_norm_silu.last_plan == expect
+        _check(y, x, _fp32_reference(x, w, b), 2e-3, 2e-3)
+
+
+@pytest.mark.parametrize("shape, channels_last", [
+    pytest.param((1, 320, 17, 17), False, id="nchw-groups-in-parts"),   # 10 channels, tiles of 2: J = 5
+    pytest.param((2, 320, 19, 23), True, id="cl-odd"), pytest.param((1, 64, 45, 45), True, id="cl-multi-chunk")])
+def test_split_path_merging_in_several_steps_and_tile_runs(shape, channels_last, device, monkeypatch, poison_empty):
+    """The apply kernel merges the partials a few at a time (small _MERGE_BLOCK) and runs over several
+    spatial tiles per program (_SMS = 1 leaves it room), with a short last run; with an add."""
+    monkeypatch.setattr(gn, "_ONE_TILE_MAX", 0)
+    monkeypatch.setattr(gn, "_MERGE_BLOCK", 4)
+    monkeypatch.setattr(gn, "_SMS", 1)
+    block_s, block_c, K, KB, J, c_tiles, s_tiles, chunk_iters, nsc, apply_iters, block_p = gn._split_config(
+        shape[0], shape[1], shape[2] * shape[3], 32, channels_last)
+    assert nsc * J > block_p                        # the merge takes several steps
+    assert (J > 1) if not channels_last else (apply_iters > 1 and s_tiles % apply_iters), (J, s_tiles, apply_iters)
+    x, w, b = _inputs(shape, torch.float32, device, channels_last, seed=7)
+    add = torch.randn(shape[:2], generator=torch.Generator().manual_seed(8)).to(device) * 2
+    y = group_norm_silu(x, 32, w, b, add=add)
+    ref = group_norm_silu_reference(x, 32, w, b, 1e-5, "silu", add)
+    _check(y, x, ref, 2e-5, 2e-5, "split")
 
 
 # ---- fallbacks: never mistaken for the kernel, same result (or error) as the reference ----
