@@ -31,7 +31,7 @@ ENV = cb.boot(OPT, ("checkpoints",))
 torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
 CUDA, DEV = ENV.cuda, ENV.dev
 say, psnr = cb.say, cb.psnr
-from sd_accel.engine import patching  # noqa: E402
+from sd_accel.engine import layout_modules, patching  # noqa: E402
 
 GEOM = {"sd15_512_b1": ("sd15", 512, 1), "sd15_512_b4": ("sd15", 512, 4), "sd15_768_b1": ("sd15", 768, 1),
         "sdxl_1024_b1": ("sdxl", 1024, 1)}
@@ -57,9 +57,11 @@ def measure(model, clip, vae, size, batch, sampler):
 
 
 def unet_rel_err(model, size, batch, profile_tag=None):
-    """One UNet forward, stock vs SD Accel's fused modules + channels_last, same input (CFG batch).
-    With `profile_tag`: also a table of where the patched forward's GPU time goes, per aten op and
-    input shape (eager: a replayed graph shows kernels only, without the op that launched them)."""
+    """One UNet forward, stock vs SD Accel's patches (those Accelerated KSampler applies: fused modules,
+    ResBlock and SpatialTransformer stand-ins) + channels_last, same input (CFG batch).
+    With `profile_tag`: also two tables of where the patched forward's GPU time goes, per aten op and
+    input shape, then per op name alone (eager: a replayed graph shows kernels only, without the op that
+    launched them)."""
     bm = model.model
     dm = bm.diffusion_model
     dt = bm.get_dtype()
@@ -75,16 +77,20 @@ def unet_rel_err(model, size, batch, profile_tag=None):
     with torch.inference_mode():
         mm.load_models_gpu([model])
         ref = dm(x, t, context=ctx, **kw).float()
-        plan = patching.plan_patches(dm)
-        backup = patching.apply_patches(dm, plan.patches)
+        # the host's patch set (hosts/comfyui.py): the channels_last SpatialTransformer stand-ins first,
+        # then the fused modules and ResBlock stand-ins (COMFY_OPS) set through them
+        backups = []
         try:
             if CUDA:
+                backups.append(patching.apply_patches(dm, layout_modules.plan_layout_patches(dm)))
                 x = x.contiguous(memory_format=torch.channels_last)
+            backups.append(patching.apply_patches(dm, patching.plan_patches(dm, patching.COMFY_OPS).patches))
             out = dm(x, t, context=ctx, **kw).float()
             if profile_tag and CUDA:
                 _profile_ops(lambda: dm(x, t, context=ctx, **kw), profile_tag)
         finally:
-            patching.restore(dm, backup)
+            for backup in reversed(backups):
+                patching.restore(dm, backup)
     return float((out - ref).norm() / ref.norm())
 
 
@@ -99,9 +105,15 @@ def _profile_ops(fn, tag):
     avg = prof.key_averages(group_by_input_shape=True)
     key = "device_time_total" if hasattr(next(iter(avg)), "device_time_total") else "cuda_time_total"
     table = avg.table(sort_by=key, row_limit=45, max_name_column_width=40, max_shapes_column_width=70)
+    # the same events grouped by op name alone: which aten ops (add_, cat, copy_, ...) launch the
+    # generic elementwise kernels, summed over every shape they ran on
+    by_op = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
     with open(os.path.join(OPT.out, "profile_ops_%s.txt" % tag), "w") as f:
+        f.write("== per op and input shape, top 45 by GPU time ==\n")
         f.write(table)
-    say("PROFILE-OPS", tag, "written")
+        f.write("\n\n== per op name (all shapes together), top 40 by GPU time ==\n")
+        f.write(by_op)
+    say("PROFILE-OPS", tag, "written", "\n" + by_op[:4000])
 
 
 def profile_ours(model, clip, vae, size, batch, tag):
