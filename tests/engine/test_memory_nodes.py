@@ -393,3 +393,29 @@ def test_a_promoted_block_put_back_keeps_the_runs_channels_last_layout():
     b.data = bhost.clone()
     _put_back(b, bhost)
     assert b.data_ptr() == bhost.data_ptr()
+
+
+def test_lowvram_streaming_under_the_accelerated_patches_gives_the_stock_image(model, mm):
+    """VRAM Pool lowvram and SD Accel's patches on one model, as a workflow chains them (pool -> Accelerated
+    KSampler): the streamer hooks the patched modules (fused stand-ins, same Parameter objects) and the image
+    is stock's. On CPU the kernels fall back and no graph runs; tests/gpu covers graphs + ring on a GPU."""
+    if not hasattr(model, "add_wrapper_with_key"):
+        pytest.skip("no keyed sampler wrappers on this ComfyUI")
+    from sd_accel.hosts import comfyui as host
+    opts = host.AccelOptions(True, True, True, "auto")
+    ref = _sample(model)
+    plain = _sample(host.accelerate(model, opts)[0])     # the same patches without the pool
+    clone = _node().apply(model, budget_gib=8.0, offload="lowvram")["result"][0]
+    settings = _pool(clone)
+    settings.stream_every_block = True
+    patched, info = host.accelerate(clone, opts)
+    out = _sample(patched)
+    assert torch.equal(out, plain)                       # streaming changes no bit of the patched path
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)   # the patches' own fp32 reordering
+    streamer = settings.last_streamer
+    n = len(streamer.blocks)
+    assert ("lowvram: %d of %d blocks streamed" % (n, n)) in " ".join(settings.last_notes)
+    assert streamer.stats["copies"] >= 2 * n and not streamer.installed
+    # the streamer saw the stand-ins: every module it hooked is one the patched forward ran
+    stand_ins = [m for m in patched.model.diffusion_model.modules() if getattr(m, "sdaccel_kind", None)]
+    assert stand_ins, "the accelerated clone carries no fused stand-ins"
