@@ -151,7 +151,7 @@ class WeightsFingerprint:
 
 
 _NO_EPOCH = object()
-_FAILED_CAPTURES = []     # exceptions of failed captures, with their frames (see StepGraphs._capture)
+_FAILED_CAPTURES = []     # what failed captures allocated, kept alive (see StepGraphs._capture)
 
 
 class _Entry:
@@ -266,11 +266,11 @@ class StepGraphs:
             log.warning("[SD Accel] CUDA graph capture failed for %s (%s: %s); running eagerly",
                         self.name, type(e).__name__, str(e).splitlines()[0][:200])
             log.log(DIAG_LEVEL, "[SD Accel] where the capture failed", exc_info=True)
-            # The tensors the failed capture allocated are still referenced by the traceback's frames. Under
-            # cudaMallocAsync, freeing an allocation of an invalidated capture aborts the process ("invalid
-            # argument" in free_impl, seen on the H200): keep them (a few, never replayed) instead.
-            _FAILED_CAPTURES.append(e)
-            del _FAILED_CAPTURES[:-4]
+            # The tensors the failed capture allocated are still referenced by the traceback's frames, the graph
+            # and its pool. Under cudaMallocAsync, freeing an allocation of an invalidated capture aborted the
+            # process ("invalid argument" in free_impl, device run 19): all of it is kept instead (one entry
+            # per key that failed, and a failed key is never captured again)
+            _FAILED_CAPTURES.append((e, graph, self.pool, entry.static_in))
             self.clear()
             self.broken.add(key)
             return None
