@@ -377,13 +377,12 @@ def _blocks_on(device, unet, names):
     converted too, so later runs, which do not convert again, keep the layout."""
     moved = []
     blocks = dict(block_offload.top_level_blocks(unet))
-    for name in names:
-        for _, t in block_offload.owned_tensors(blocks[name]):
-            if t.device != device:
-                host = t.data
-                t.data = host.to(device, non_blocking=host.is_pinned())
-                moved.append((t, host))
     try:
+        for name in names:
+            for _, t in block_offload.owned_tensors(blocks[name]):
+                if t.device != device:
+                    moved.append((t, t.data))       # first: an out-of-memory below still puts it back
+                    t.data = t.data.to(device, non_blocking=t.data.is_pinned())
         yield len(moved)
     finally:
         for t, host in moved:
