@@ -72,6 +72,45 @@ def triton_runnable(t):
     return False, f"{t.device.type} tensor"
 
 
+def is_channels_last(t):
+    """4-D and stored channels_last but not also NCHW-contiguous (a tensor can be both when C == 1 or
+    H * W == 1; NCHW addressing is then right for it too)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def activation_ineligible(x, dtypes):
+    """Why the per-channel kernels (group_norm_silu, bias_residual_add) cannot take activation `x` of shape
+    [N, C, ...] (3-D or 4-D, NCHW-contiguous or channels_last), or None when they can."""
+    ok, why = triton_runnable(x)
+    if not ok:
+        return why
+    if x.dtype not in dtypes:
+        return f"dtype {x.dtype}"
+    if x.dim() not in (3, 4):
+        return f"{x.dim()}-D input"
+    if not (x.is_contiguous() or is_channels_last(x)):
+        return "layout neither contiguous nor channels_last"
+    if x.numel() == 0:
+        return "empty input"
+    if x.numel() >= 2**31:
+        return "too large for int32 offsets"
+    if x.shape[0] > 65535:
+        return "batch > 65535 (grid limit)"
+    return None
+
+
+def per_channel_ineligible(x, **params):
+    """Why a per-channel parameter (weight, bias: None or a contiguous float [C] tensor on x's device) does
+    not fit activation `x`, or None."""
+    C = x.shape[1]
+    for name, p in params.items():
+        if p is None:
+            continue
+        if p.device != x.device or not p.is_floating_point() or p.shape != (C,) or p.stride() != (1,):
+            return f"{name} not a contiguous float [C] tensor on x's device"
+    return None
+
+
 def num_warps_for(tile_elems):
     """Warps for a memory-bound tile: about 16-32 elements per thread keeps enough loads in flight."""
     if tile_elems <= 2048:

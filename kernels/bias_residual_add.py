@@ -15,7 +15,8 @@ itself (`out=x`: x is a temporary its caller owns).
 """
 import torch
 
-from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record, triton_runnable
+from ._triton import (NotWarmedUp, activation_ineligible, cdiv, get_triton, init_record, is_channels_last, launch,
+                      next_pow2, num_warps_for, per_channel_ineligible, record)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 2048     # output elements per program (three loads per element: x, residual, and the biases)
@@ -53,10 +54,6 @@ if _tt is not None:
             r += tl.load(RB + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + offs_x, (r + x).to(Y.dtype.element_ty), mask=mask)
 
-
-def _is_channels_last(t):
-    # A tensor can be both (C == 1 or H * W == 1); NCHW addressing is then right for it too.
-    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
 def _ncs_strides(t):
@@ -101,7 +98,7 @@ def _config(C, S, channels_last):
 def _launch(x, residual, bias, residual_bias, out):
     N, C = x.shape[0], x.shape[1]
     S = x.numel() // (N * C)
-    cl = _is_channels_last(x)
+    cl = is_channels_last(x)
     sx = (S * C, 1, C) if cl else (C * S, S, 1)
     block_s, block_c = _config(C, S, cl)
     y = torch.empty_like(x) if out is None else out   # preserve_format: x's strides
@@ -115,33 +112,18 @@ def _launch(x, residual, bias, residual_bias, out):
 
 def eligible(x, residual, bias=None, residual_bias=None, out=None):
     """(True, "") when the Triton kernel handles these arguments, else (False, why)."""
-    ok, why = triton_runnable(x)
-    if not ok:
+    why = activation_ineligible(x, _DTYPES)
+    if why:
         return False, why
-    if x.dtype not in _DTYPES:
-        return False, f"dtype {x.dtype}"
-    if x.dim() not in (3, 4):
-        return False, f"{x.dim()}-D input"
-    if not (x.is_contiguous() or _is_channels_last(x)):
-        return False, "x neither contiguous nor channels_last"
-    if x.numel() == 0:
-        return False, "empty input"
-    if x.numel() >= 2**31:
-        return False, "too large for int32 offsets"
-    if x.shape[0] > 65535:
-        return False, "batch > 65535 (grid limit)"
     if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
         return False, "residual not of x's shape (no broadcasting)"
     if residual.dtype != x.dtype or residual.device != x.device:
         return False, "residual of another dtype or device"
     if _ncs_strides(residual) is None or min(residual.stride()) < 0 or _max_offset(residual) >= 2**31:
         return False, "residual layout not addressable as (N, C, H*W)"
-    C = x.shape[1]
-    for name, p in (("bias", bias), ("residual_bias", residual_bias)):
-        if p is None:
-            continue
-        if p.device != x.device or not p.is_floating_point() or p.shape != (C,) or p.stride() != (1,):
-            return False, f"{name} not a contiguous float [C] tensor on x's device"
+    why = per_channel_ineligible(x, bias=bias, residual_bias=residual_bias)
+    if why:
+        return False, why
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
                             or out.stride() != x.stride()):
         return False, "out not of x's shape, dtype and strides"
@@ -173,7 +155,7 @@ def bias_residual_add(x, residual, bias=None, residual_bias=None, out=None):
     y = bias_residual_add_reference(x, residual, bias, residual_bias)
     if out is not None:
         return out.copy_(y)
-    if _is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):
+    if is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):
         y = y.contiguous(memory_format=torch.channels_last)
     elif x.is_contiguous() and not y.is_contiguous():
         y = y.contiguous()

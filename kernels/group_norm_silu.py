@@ -32,7 +32,8 @@ bench/bench_group_norm_silu.py prints which path each shape takes and its time.
 import torch
 import torch.nn.functional as F
 
-from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record, triton_runnable
+from ._triton import (NotWarmedUp, activation_ineligible, cdiv, get_triton, init_record, is_channels_last, launch,
+                      next_pow2, num_warps_for, per_channel_ineligible, record)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_GROUP_CHANNELS = 4096
@@ -227,10 +228,6 @@ if _tt is not None:
             tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _is_channels_last(x):
-    # A tensor can be both (C == 1 or H * W == 1); NCHW addressing is then right for it too.
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-
 
 def one_program_per_group(C, HW, num_groups):
     """True when `_gn_group_kernel` (one launch, one program per (sample, group)) takes these sizes."""
@@ -273,7 +270,7 @@ def _launch(x, num_groups, weight, bias, eps, activation, add=None):
     N, C = x.shape[0], x.shape[1]
     HW = x.numel() // (N * C)
     G, CG = num_groups, C // num_groups
-    cl = _is_channels_last(x)
+    cl = is_channels_last(x)
     strides = (HW * C, 1, C) if cl else (C * HW, HW, 1)
     y = torch.empty_like(x)  # preserve_format: same strides as x, so channels_last stays channels_last
     affine = (weight if weight is not None else y, bias if bias is not None else y,
@@ -306,31 +303,17 @@ def _launch(x, num_groups, weight, bias, eps, activation, add=None):
 
 def eligible(x, num_groups, weight=None, bias=None):
     """(True, "") when the Triton kernels handle these arguments, else (False, why)."""
-    ok, why = triton_runnable(x)
-    if not ok:
+    why = activation_ineligible(x, _DTYPES)
+    if why:
         return False, why
-    if x.dtype not in _DTYPES:
-        return False, f"dtype {x.dtype}"
-    if x.dim() not in (3, 4):
-        return False, f"{x.dim()}-D input"
-    if not (x.is_contiguous() or _is_channels_last(x)):
-        return False, "layout neither contiguous nor channels_last"
-    if x.numel() == 0:
-        return False, "empty input"
-    if x.numel() >= 2**31:
-        return False, "too large for int32 offsets"
-    if x.shape[0] > 65535:
-        return False, "batch > 65535 (grid limit)"
     C = x.shape[1]
     if num_groups <= 0 or C % num_groups:
         return False, f"C={C} not divisible by num_groups={num_groups}"
     if C // num_groups > _MAX_GROUP_CHANNELS:
         return False, f"{C // num_groups} channels per group"
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        if p.device != x.device or not p.is_floating_point() or p.shape != (C,) or p.stride() != (1,):
-            return False, f"{name} not a contiguous float [C] tensor on x's device"
+    why = per_channel_ineligible(x, weight=weight, bias=bias)
+    if why:
+        return False, why
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return False, "autograd needed (kernel is forward only)"
     return True, ""
@@ -372,7 +355,7 @@ def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation=
             why = "graph capture before any eager call of this shape"
     record(group_norm_silu, "reference", why)
     y = group_norm_silu_reference(x, num_groups, weight, bias, eps, activation, add)
-    if _is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):
+    if is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):
         y = y.contiguous(memory_format=torch.channels_last)
     return y
 
