@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU machine's checks and benchmarks in one command, parts chosen by name, so a session's few device
+# calls each run several of them (a call is limited to 10 minutes; rough times on the H200 are given).
+#
+#   bash bench/gpu_battery.sh tests unet vram        # $OUT must be set (the device tool sets it)
+#
+# Parts: tests (tests/gpu, ~70 s), unet (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min),
+# cn (bench_controlnet.py, cn1 cn2 SDXL cn1, ~3 min), vram (bench_vram.py stock+ours, ~2 min), lowvram_baseline
+# (bench_vram.py with ComfyUI's own partial loading too, ~5 min), soak (bench_soak.py, ~3 min), a1111
+# (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min).
+# Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
+# to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
+# Python lacks them, the wheels in .whl/ (carry it too).
+set -u
+: "${OUT:?set OUT to a folder for the results}"
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 SDACCEL_STRICT=1
+COMFY=vendor/ComfyUI
+
+part() {   # part NAME TIMEOUT COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  mkdir -p "$OUT/$name"
+  echo "== $name ($limit s max): $*"
+  timeout "$limit" "$@" --out "$OUT/$name" > "$OUT/$name/log.txt" 2>&1
+  echo "== $name exit $?"
+  grep -v "^\[W\|This is technically allowed" "$OUT/$name/log.txt" | tail -8 | cut -c1-400
+}
+
+for p in "$@"; do
+  case "$p" in
+    tests)
+      mkdir -p "$OUT/tests"
+      timeout 200 python3 -m pytest tests/gpu -q -rA > "$OUT/tests/log.txt" 2>&1
+      grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/tests/log.txt" | tail -12 | cut -c1-300 ;;
+    unet) part unet 330 python3 bench/bench_unet.py --comfy-dir $COMFY --compile sd15_512_b4 ;;
+    cn) part cn 300 python3 bench/bench_controlnet.py --comfy-dir $COMFY ;;
+    vram) part vram 240 python3 bench/bench_vram.py --comfy-dir $COMFY --variants stock,ours ;;
+    lowvram_baseline) part lowvram_baseline 420 python3 bench/bench_vram.py --comfy-dir $COMFY ;;
+    soak) part soak 300 python3 bench/bench_soak.py --comfy-dir $COMFY ;;
+    a1111) part a1111 150 python3 bench/bench_a1111_ldm.py ;;
+    h2d)
+      mkdir -p "$OUT/h2d"
+      timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
+      grep -v "^\[W\|This is technically allowed" "$OUT/h2d/log.txt" | tail -16 ;;
+    kernels)
+      mkdir -p "$OUT/kernels"
+      for b in group_norm_silu layer_norm geglu bias_residual_add; do
+        timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
+        tail -12 "$OUT/kernels/$b.txt"
+      done ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels)"; exit 2 ;;
+  esac
+done
