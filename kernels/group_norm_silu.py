@@ -97,6 +97,20 @@ if _tt is not None:
         return g0, offs_c, offs_c < c_end, (offs_c - g0 * CG) // CG   # ..., each channel's group slot
 
     @triton.jit
+    def _partials(p0, P, J, HW, CHUNK_S, CG, n, NSC, C_TILES, t0, kmask,
+                  BLOCK_C: tl.constexpr, KB: tl.constexpr, BLOCK_P: tl.constexpr):
+        # Partials p0..p0+BLOCK_P of a tile's groups: partial p = (chunk p // J, group part p % J). Returns
+        # each one's element count, the [BLOCK_P, KB] mask and its row in the (mean, M2) workspaces.
+        p = p0 + tl.arange(0, BLOCK_P)
+        sc = p // J
+        jj = p % J
+        w_p = (tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S)
+               * tl.minimum(BLOCK_C, CG - jj * BLOCK_C)).to(tl.float32)
+        m = (p < P)[:, None] & kmask[None, :]
+        addr = ((n * NSC + sc) * C_TILES + t0 + jj) * KB
+        return w_p, m, addr
+
+    @triton.jit
     def _gn_stats_kernel(
         X,                              # input, read as (N, C, HW) through the three strides
         WS,                             # fp32 workspace: writes PMEAN, PM2 [N, NSC, C_TILES, KB]: per
@@ -170,8 +184,7 @@ if _tt is not None:
         g0, offs_c, cmask, slot = _tile_channels(pid_t, G, CG, K, J, BLOCK_C)
         PMEAN = WS
         PM2 = WS + N * NSC * C_TILES * KB
-        # Merge the partials of this tile's groups: partial p = (chunk p // J, group part p % J), each
-        # of cnt_s(chunk) * channels(part) elements; a group has CG * HW in all.
+        # Merge the partials of this tile's groups (_partials); a group has CG * HW elements in all.
         kk = tl.arange(0, KB)
         kmask = (kk < K) & (g0 + kk < G)
         P = NSC * J
@@ -181,25 +194,13 @@ if _tt is not None:
         pivot = tl.load(PMEAN + row0 + kk)
         acc = tl.zeros([BLOCK_P, KB], dtype=tl.float32)
         for p0 in range(0, P, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            sc = p // J
-            jj = p % J
-            w_p = (tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S)
-                   * tl.minimum(BLOCK_C, CG - jj * BLOCK_C)).to(tl.float32)
-            m = (p < P)[:, None] & kmask[None, :]
-            addr = ((n * NSC + sc) * C_TILES + t0 + jj) * KB
+            w_p, m, addr = _partials(p0, P, J, HW, CHUNK_S, CG, n, NSC, C_TILES, t0, kmask, BLOCK_C, KB, BLOCK_P)
             pm = tl.load(PMEAN + addr[:, None] + kk[None, :], mask=m, other=0.0)
             acc += tl.where(m, pm - pivot[None, :], 0.0) * w_p[:, None]
         mean = pivot + tl.sum(acc, axis=0) / count
         acc = tl.zeros([BLOCK_P, KB], dtype=tl.float32)
         for p0 in range(0, P, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            sc = p // J
-            jj = p % J
-            w_p = (tl.minimum(tl.maximum(HW - sc * CHUNK_S, 0), CHUNK_S)
-                   * tl.minimum(BLOCK_C, CG - jj * BLOCK_C)).to(tl.float32)
-            m = (p < P)[:, None] & kmask[None, :]
-            addr = ((n * NSC + sc) * C_TILES + t0 + jj) * KB
+            w_p, m, addr = _partials(p0, P, J, HW, CHUNK_S, CG, n, NSC, C_TILES, t0, kmask, BLOCK_C, KB, BLOCK_P)
             pm = tl.load(PMEAN + addr[:, None] + kk[None, :], mask=m, other=0.0)
             pm2 = tl.load(PM2 + addr[:, None] + kk[None, :], mask=m, other=0.0)
             dm = pm - mean[None, :]
