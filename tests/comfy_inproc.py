@@ -43,6 +43,15 @@ def tiny_unet(seed=0, operations=None, std=None):
     return unet.eval()
 
 
+def unet_inputs(unet, seed=1):
+    """(x, timesteps, context) for a CFG batch of 2 through a tiny UNet, the context width its cross-attention's."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 8, 8, generator=g)
+    t = torch.tensor([500.0, 20.0])
+    ctx = torch.randn(2, 7, unet.input_blocks[1][1].transformer_blocks[0].attn2.to_k.in_features, generator=g)
+    return x, t, ctx
+
+
 def tiny_model_patcher(folder, seed=5):
     """A real ComfyUI ModelPatcher: a tiny random SD1.5 checkpoint written to `folder` and loaded by
     ComfyUI's own load_checkpoint_guess_config (UNet only)."""

@@ -116,10 +116,7 @@ def fm_clone(rb):
 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_whole_unet_with_comfy_ops_matches_stock(unet, channels_last):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 8, 8, generator=g)
-    t = torch.tensor([500.0, 20.0])
-    ctx = torch.randn(2, 7, unet.input_blocks[1][1].transformer_blocks[0].attn2.to_k.in_features, generator=g)
+    x, t, ctx = comfy_inproc.unet_inputs(unet)
     with torch.no_grad():
         ref = unet(x, t, context=ctx)
         plan = patching.plan_patches(unet, patching.COMFY_OPS)

@@ -140,10 +140,7 @@ def test_whole_unet_with_layout_stand_ins_and_comfy_ops_matches_stock(unet):
     """channels_last weights and input, the host's order: layout stand-ins first, then the fused modules
     (set through them). (NCHW: test_fused_resblock's whole-UNet test.)"""
     from sd_accel.engine import patching
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 8, 8, generator=g)
-    t = torch.tensor([500.0, 20.0])
-    ctx = torch.randn(2, 7, unet.input_blocks[1][1].transformer_blocks[0].attn2.to_k.in_features, generator=g)
+    x, t, ctx = comfy_inproc.unet_inputs(unet)
     with torch.no_grad():
         ref = unet(x, t, context=ctx)
         layout = layout_modules.plan_layout_patches(unet)
