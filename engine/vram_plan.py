@@ -95,17 +95,6 @@ def _place_after(sizes, depth, ring):
     return offsets
 
 
-def _place_lowest(sizes, depth):
-    """Offsets of `sizes`, each at the lowest address clear of the `depth` blocks before it (the lowest such
-    address is 0 or the end of one of them)."""
-    offsets = []
-    for i, size in enumerate(sizes):
-        live = range(max(0, i - depth), i)
-        starts = sorted({0} | {offsets[j] + sizes[j] for j in live})
-        offsets.append(next(st for st in starts if _clear(st, size, sizes, offsets, live)))
-    return offsets
-
-
 def _place_search(sizes, depth, ring, budget=20000):
     """Offsets of `sizes` in `ring` bytes, each clear of the `depth` blocks before it, found by a depth-first
     search over the addresses that can matter (0, the ring's end, and either side of each live block), or
@@ -136,18 +125,15 @@ def _place_search(sizes, depth, ring, budget=20000):
 def ring_layout(sizes, depth):
     """(offsets, ring bytes) for streamed blocks of `sizes` (execution order) with prefetch `depth`: every
     block clear of the `depth` blocks before it (one computing, the others in flight when its copy starts).
-    Starts from the better of two quick layouts (each block at the lowest clear address; blocks one after
-    another in a ring that wraps, tried at the window plus each block size), then searches for the smallest
-    ring down to the window (the largest sum of 1 + depth consecutive sizes, below which nothing fits)."""
+    Starts from blocks placed one after another in a ring that wraps (the smallest of the window plus each
+    block size that works, else the sum of all sizes, which always does: nothing wraps), then searches for
+    the smallest ring down to the window (the largest sum of 1 + depth consecutive sizes, below which
+    nothing fits)."""
     sizes = [int(s) for s in sizes]
     if not sizes:
         return [], 0
-    lowest = _place_lowest(sizes, depth)
-    best = (lowest, max(o + s for o, s in zip(lowest, sizes)))
     window = _window(sizes, depth)
-    for ring in [window + s for s in sorted(set(sizes))]:
-        if ring >= best[1]:
-            break
+    for ring in [window + s for s in sorted(set(sizes))] + [sum(sizes)]:
         offsets = _place_after(sizes, depth, ring)
         if offsets is not None:
             best = (offsets, ring)
