@@ -6,7 +6,10 @@
   * every tensor leaf is copied into a static buffer before each replay (x, sigma, conds, ControlNet
     residuals), so the replay sees this step's values;
   * the first call with a new key runs eagerly (warm-up: Triton JIT, cuDNN/cuBLAS set-up), the second
-    captures, later ones replay.
+    captures, later ones replay. A key warmed up once keeps that for as long as this object lives: after
+    the weights changed (a LoRA, ComfyUI reloading a partially loaded model for the next prompt) its first
+    call captures at once. What a warm-up prepares belongs to the shapes, not to the weights. Should such
+    a capture fail anyway, that call runs eagerly as a warm-up and the next one captures again.
 Never a stale graph: the weights fingerprint (identity, storage pointer and version counter of every
 parameter and buffer) is checked on every call; when it changes (a LoRA patched or re-weighted, the
 model moved or offloaded, another model loaded into the same object) all graphs are dropped.
@@ -168,6 +171,7 @@ class StepGraphs:
         self.last_fp = None
         self.entries = OrderedDict()
         self.warm = set()
+        self.warmed_before = OrderedDict()   # keys warmed up before (bounded), kept when the graphs are dropped
         self.broken = set()       # keys whose capture failed: always eager
         self.pool = None
         self.stats = {"captures": 0, "replays": 0, "eager": 0, "invalidations": 0}
@@ -189,6 +193,11 @@ class StepGraphs:
         p = next(self.fp.module.parameters(), None)
         if p is None or not p.is_cuda:
             self.clear("model unloaded")
+
+    def _remember_warmed(self, key):
+        self.warmed_before[key] = True
+        while len(self.warmed_before) > 4 * self.max_graphs:
+            self.warmed_before.popitem(last=False)
 
     def _eager(self, fn, args, kwargs, reason):
         self.stats["eager"] += 1
@@ -224,14 +233,16 @@ class StepGraphs:
         if entry is None:
             if key in self.broken:
                 return self._eager(fn, args, kwargs, "this call cannot be captured")
-            if key not in self.warm:
+            rewarm = key in self.warmed_before and key not in self.warm
+            if key not in self.warm and not rewarm:
                 if self.entries or self.warm:
                     other = next(iter(self.entries)) if self.entries else next(iter(self.warm))
                     log.log(DIAG_LEVEL, "[SD Accel] new graph key for %s: %s", self.name, _key_diff(key, other))
                 self.warm.add(key)
+                self._remember_warmed(key)
                 with cudnn_autotuned(CUDNN_AUTOTUNE):
                     return self._eager(fn, args, kwargs, "warm-up call for a new shape")
-            entry = self._capture(fn, args, kwargs, tensors, key, device)
+            entry = self._capture(fn, args, kwargs, tensors, key, device, retry_after_warmup=rewarm)
             if entry is None:
                 return self._eager(fn, args, kwargs, "capture failed")
             fresh = True   # its kernels were counted while capturing
@@ -246,7 +257,9 @@ class StepGraphs:
             kernel_report.replayed(entry.kernel_calls)
         return _map_tensors(entry.static_out, lambda t: t.clone())
 
-    def _capture(self, fn, args, kwargs, tensors, key, device):
+    def _capture(self, fn, args, kwargs, tensors, key, device, retry_after_warmup=False):
+        """`retry_after_warmup`: the key skipped its warm-up (it was warmed before the weights changed); if
+        the capture fails, this call's eager run is its warm-up and the next call tries again."""
         if len(self.entries) >= self.max_graphs:
             self.clear("more than %d shapes in use" % self.max_graphs)
             self.warm.add(key)
@@ -272,7 +285,10 @@ class StepGraphs:
             # per key that failed, and a failed key is never captured again)
             _FAILED_CAPTURES.append((e, graph, self.pool, entry.static_in))
             self.clear()
-            self.broken.add(key)
+            if retry_after_warmup:
+                self.warm.add(key)
+            else:
+                self.broken.add(key)
             return None
         entry.graph = graph
         entry.static_out = out

@@ -158,6 +158,7 @@ class PoolSettings:
         self.last_report, self.last_notes = None, []
         self.active = None            # during a run: {"offload", "budget", "notes"} of the current attempt
         self.pinned_cache = {}        # pinned host copies of streamed weights, kept across runs
+        self.promoted_cache = {}      # the same for the blocks moved to the GPU for the run (promoted)
         self.stream_every_block = False   # tests: stream every block, on a CPU device or where ComfyUI loaded it
         self.last_streamer = None
 
@@ -371,40 +372,13 @@ def _sampling_tables_on(device, base_model):
 
 
 @contextlib.contextmanager
-def _blocks_on(device, unet, names):
-    """The off-device tensors of UNet blocks `names` copied to `device` for the scope, put back after. A copy
-    the run converted to channels_last (the Accelerated KSampler's first step) leaves its host tensor
-    converted too, so later runs, which do not convert again, keep the layout."""
-    moved = []
-    blocks = dict(block_offload.top_level_blocks(unet))
-    try:
-        for name in names:
-            for _, t in block_offload.owned_tensors(blocks[name]):
-                if t.device != device:
-                    moved.append((t, t.data))       # first: an out-of-memory below still puts it back
-                    t.data = t.data.to(device, non_blocking=t.data.is_pinned())
-        yield len(moved)
-    finally:
-        for t, host in moved:
-            _put_back(t, host)
-
-
-def _put_back(t, host):
-    """t.data = host, converting host to channels_last first when the run converted t's copy."""
-    if (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
-            and not host.is_contiguous(memory_format=torch.channels_last)):
-        host = host.contiguous(memory_format=torch.channels_last)
-    t.data = host
-
-
-@contextlib.contextmanager
 def stream_scope(settings, patcher, budget, notes, noise_shape=None):
     """Inside one sampling run, after ComfyUI loaded the model: stream what it left off the GPU."""
     device = torch.device(patcher.load_device)
     unet = patcher.model.diffusion_model
     streamed, depth, promoted = _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shape)
     if not streamed:
-        with _blocks_on(device, unet, promoted):
+        with block_offload.resident_blocks(device, unet, promoted, settings.promoted_cache):
             notes.append("lowvram: the whole UNet fit in the budget, nothing streamed")
             yield None
         return
@@ -414,7 +388,8 @@ def stream_scope(settings, patcher, budget, notes, noise_shape=None):
     streamer.install()
     settings.last_streamer, per_step, ring = streamer, streamer.streamed_bytes, streamer.ring_bytes
     try:
-        with _sampling_tables_on(device, patcher.model), _blocks_on(device, unet, promoted):
+        with _sampling_tables_on(device, patcher.model), \
+                block_offload.resident_blocks(device, unet, promoted, settings.promoted_cache):
             yield streamer
     finally:
         streamer.remove()

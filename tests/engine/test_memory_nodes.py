@@ -381,8 +381,8 @@ def test_promote_blocks_fills_the_room_largest_first():
 
 
 def test_a_promoted_block_put_back_keeps_the_runs_channels_last_layout():
-    """(_blocks_on moves tensors between devices, which needs a GPU; its put-back step is tested here.)"""
-    from sd_accel.nodes.memory_nodes import _put_back
+    """(resident_blocks moves tensors between devices, which needs a GPU; its put-back step is tested here.)"""
+    from sd_accel.engine.offload import put_back as _put_back
     w = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
     host = w.data
     w.data = host.clone().contiguous(memory_format=torch.channels_last)    # the run's converted GPU copy

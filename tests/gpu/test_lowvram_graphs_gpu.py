@@ -36,3 +36,31 @@ def test_streamed_blocks_replay_in_graphs_and_match_stock(comfy_env):  # noqa: F
     unet = clone.model.diffusion_model
     assert all(p.is_cuda for p in unet.parameters())
     assert not hasattr(unet, "sd_accel_weights_token")
+
+
+def test_promoted_blocks_come_from_one_pinned_buffer_kept_across_runs():
+    """resident_blocks (the pool's promoted blocks): exact GPU copies for the scope, host data back after, and
+    the second run reuses the first run's pinned buffer instead of copying from pageable memory again."""
+    from sd_accel.engine.offload import resident_blocks
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_blocks = torch.nn.ModuleList([torch.nn.Conv2d(4, 8, 3), torch.nn.Linear(8, 8)])
+            self.out = torch.nn.Linear(8, 2)
+
+    net = Net().half()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    hosts = {k: v.data_ptr() for k, v in net.state_dict().items()}
+    cache, dev = {}, torch.device("cuda", torch.cuda.current_device())
+    flats = []
+    for _ in range(2):
+        with resident_blocks(dev, net, ["input_blocks.0", "input_blocks.1"], cache) as n:
+            assert n == 4
+            assert all(p.is_cuda for p in net.input_blocks.parameters()) and not net.out.weight.is_cuda
+            for k, v in net.state_dict().items():
+                assert torch.equal(v.cpu(), before[k]), k
+            flats.append(sorted(id(f) for f in cache.values()))
+            assert all(f.is_pinned() for f in cache.values()) and len(cache) == 2
+        assert {k: v.data_ptr() for k, v in net.state_dict().items()} == hosts
+    assert flats[0] == flats[1]          # built once, reused
