@@ -12,6 +12,9 @@ sampling, no scale-shift norm, timestep embedding used, no exchanged dims), `in_
 Conv2d, `out_layers` = [GroupNorm, SiLU, Dropout (or Identity), Conv2d], and a host `_forward` whose
 source has the expected steps. The convolution's weights are read through the host's casting (`weights_of`).
 
+The timestep-embedding projections of all the model's ResBlocks are computed together, once per forward, by
+the first ResBlock that runs (engine/emb_projections.py), where their weights are all on the device.
+
 The block's end, `skip_connection(x) + out_layers(h)`, is folded the same way: the last convolution runs
 without its bias (and so does a 1x1 skip convolution), and `kernels.bias_residual_add` adds both biases
 and the residual in one pass, in place into the conv output, in its memory format. Torch would add each
@@ -22,6 +25,7 @@ from torch import nn
 
 from ..kernels.bias_residual_add import bias_residual_add
 from ..kernels.group_norm_silu import group_norm_silu
+from . import emb_projections
 from . import fused_modules as fm
 from . import kernel_report
 
@@ -40,9 +44,12 @@ class FusedResBlock:
         conv = layers[len(layers) - 1]
         w, b = fm.weights_of(conv, h)
         h = conv._conv_forward(h, w, None)           # the bias goes into the norm's add
-        add = self.emb_layers(emb).float()
-        if b is not None:
-            add = add + b.float()
+        shared = getattr(self, "sdaccel_emb_projections", None)
+        add = shared.projection(self, emb) if shared is not None else None   # all ResBlocks' in one GEMM
+        if add is None:
+            add = self.emb_layers(emb).float()
+            if b is not None:
+                add = add + b.float()
         out = self.out_layers
         norm = out[0]
         nw, nb = fm.weights_of(norm, h) if norm.weight is not None else (None, None)
@@ -99,6 +106,9 @@ def eligible(m):
 
 
 def plan_resblocks(root, prefix=""):
-    """{prefix + path: stand-in} for every eligible ResBlock of `root`; never modifies `root`."""
-    return {prefix + name: fm.clone_as(FusedResBlock, mod)
-            for name, mod in root.named_modules() if name and eligible(mod)}
+    """{prefix + path: stand-in} for every eligible ResBlock of `root`; never modifies `root`. The stand-ins
+    share one EmbProjections (all their timestep-embedding projections in one GEMM)."""
+    standins = {prefix + name: fm.clone_as(FusedResBlock, mod)
+                for name, mod in root.named_modules() if name and eligible(mod)}
+    emb_projections.attach(root, list(standins.values()))
+    return standins

@@ -55,6 +55,7 @@ if _tt is not None:
         X, Y,                           # input / output, identical strides, read as (N, C, HW)
         W, B,                           # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
         ADD,                            # fp32 [N, C] added to x before the norm (ignored unless HAS_ADD)
+        ADD_STRIDE,                     # ADD's row stride in elements (its channels are contiguous)
         C, HW, G, CG,                   # channels, spatial positions, groups, channels per group
         stride_n, stride_c, stride_s,   # element strides of x (NCHW: C*HW, HW, 1; channels_last: HW*C, 1, C)
         eps,
@@ -72,7 +73,7 @@ if _tt is not None:
         offs = n * stride_n + offs_s[:, None] * stride_s + c[None, :] * stride_c
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_ADD:
-            x += tl.load(ADD + n * C + c, mask=cmask, other=0.0)[None, :]
+            x += tl.load(ADD + n * ADD_STRIDE + c, mask=cmask, other=0.0)[None, :]
         count = CG * HW * 1.0
         mean = tl.sum(tl.sum(tl.where(mask, x, 0.0), axis=1), axis=0) / count
         d = tl.where(mask, x - mean, 0.0)
@@ -116,6 +117,7 @@ if _tt is not None:
         WS,                             # fp32 workspace: writes PMEAN, PM2 [N, NSC, C_TILES, KB]: per
                                         #   (batch, chunk, channel tile, group slot) mean and M2
         ADD,                            # fp32 [N, C] added to x before the norm (ignored unless HAS_ADD)
+        ADD_STRIDE,                     # ADD's row stride in elements
         N, C, HW, G, CG,                # batch, channels, spatial positions, groups, channels per group
         stride_n, stride_c, stride_s,   # as in _gn_group_kernel
         NSC, CHUNK_ITERS,               # spatial chunks per batch item; BLOCK_S tiles in each chunk
@@ -151,7 +153,7 @@ if _tt is not None:
         mean_c = pivot + sum_d / cnt
         m2_c = tl.maximum(tl.sum(acc_q, axis=0) - sum_d * (sum_d / cnt), 0.0)
         if HAS_ADD:   # GroupNorm(x + add), add constant per (n, c): the channel's mean shifts, M2 does not
-            mean_c += tl.load(ADD + n * C + offs_c, mask=cmask, other=0.0)
+            mean_c += tl.load(ADD + n * ADD_STRIDE + offs_c, mask=cmask, other=0.0)
         # per-channel (mean, M2) -> one per group slot of the tile (Chan et al.: equal counts per channel)
         onehot = ((slot[:, None] == tl.arange(0, KB)[None, :]) & cmask[:, None]).to(tl.float32)
         chans = tl.sum(onehot, axis=0)
@@ -168,6 +170,7 @@ if _tt is not None:
         WS,                             # fp32 PMEAN, PM2 [N, NSC, C_TILES, KB] (from _gn_stats_kernel)
         W, B,                           # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
         ADD,                            # fp32 [N, C] (ignored unless HAS_ADD)
+        ADD_STRIDE,                     # ADD's row stride in elements
         N, C, HW, G, CG,
         stride_n, stride_c, stride_s,   # as in _gn_group_kernel
         NSC, CHUNK_S,                   # chunks per batch item, spatial positions per chunk (last may be short)
@@ -211,7 +214,7 @@ if _tt is not None:
         mu = tl.sum(onehot * mean[None, :], axis=1)
         scale = tl.sum(onehot * rstd[None, :], axis=1)
         if HAS_ADD:   # (x + add - mean) = (x - (mean - add))
-            mu -= tl.load(ADD + n * C + offs_c, mask=cmask, other=0.0)
+            mu -= tl.load(ADD + n * ADD_STRIDE + offs_c, mask=cmask, other=0.0)
         if HAS_W:
             scale = scale * tl.load(W + offs_c, mask=cmask, other=0.0).to(tl.float32)
         shift = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -275,7 +278,7 @@ def _launch(x, num_groups, weight, bias, eps, activation, add=None):
     strides = (HW * C, 1, C) if cl else (C * HW, HW, 1)
     y = torch.empty_like(x)  # preserve_format: same strides as x, so channels_last stays channels_last
     affine = (weight if weight is not None else y, bias if bias is not None else y,
-              add if add is not None else y)
+              add if add is not None else y, add.stride(0) if add is not None else 0)
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, HAS_ADD=add is not None,
                  APPLY_SILU=activation == "silu")
     if one_program_per_group(C, HW, G):
@@ -293,7 +296,7 @@ def _launch(x, num_groups, weight, bias, eps, activation, add=None):
     # one fp32 workspace: PMEAN, PM2 [N, nsc, c_tiles, KB]
     ws = torch.empty(2 * N * nsc * c_tiles * KB, device=x.device, dtype=torch.float32)
     launch(_gn_stats_kernel, (nsc, c_tiles, N),
-        x, ws, affine[2], N, C, HW, G, CG, *strides, nsc, chunk_iters, c_tiles, K, J,
+        x, ws, affine[2], affine[3], N, C, HW, G, CG, *strides, nsc, chunk_iters, c_tiles, K, J,
         HAS_ADD=add is not None, BLOCK_S=block_s, BLOCK_C=block_c, KB=KB, num_warps=warps)
     launch(_gn_apply_kernel, (cdiv(s_tiles, apply_iters), c_tiles, N),
         x, y, ws, *affine, N, C, HW, G, CG, *strides, nsc, chunk_iters * block_s, c_tiles, K, J,
@@ -321,12 +324,15 @@ def eligible(x, num_groups, weight=None, bias=None):
 
 
 def _add_operand(x, add):
-    """`add` as the kernel reads it: fp32, contiguous [N, C]; None if it is not one per (n, c)."""
+    """`add` as the kernel reads it: fp32 [N, C] with contiguous channels and any row stride (a [C] add is
+    read with stride 0; a column slice of a wider [N, *] tensor, as engine/emb_projections.py hands out, is
+    read in place); None if it is not one value per (n, c)."""
     if add.dim() == 1:
         add = add.unsqueeze(0).expand(x.shape[0], -1)
     if add.shape != x.shape[:2] or add.device != x.device or not add.is_floating_point():
         return None
-    return add.to(torch.float32).contiguous()
+    add = add.to(torch.float32)
+    return add if add.stride(1) == 1 else add.contiguous()
 
 
 @init_record

@@ -126,9 +126,14 @@ def test_whole_unet_with_comfy_ops_matches_stock(unet, channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
         backup = patching.apply_patches(unet, plan.patches)
         k0 = kernel_report.snapshot()
+        emb_linear_calls = []
+        hooks = [m.emb_layers[1].register_forward_hook(lambda *a: emb_linear_calls.append(1))
+                 for _, m in _resblocks(unet)]
         try:
             out = unet(x, t, context=ctx)
         finally:
+            for h in hooks:
+                h.remove()
             patching.restore(unet, backup)
             if channels_last:
                 patching.convert_conv_weights(unet, torch.contiguous_format)
@@ -136,6 +141,9 @@ def test_whole_unet_with_comfy_ops_matches_stock(unet, channels_last):
         again = unet(x.contiguous(), t, context=ctx)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(again, ref)
+    # the fused ResBlocks' timestep-embedding projections ran as one GEMM (engine/emb_projections.py): no
+    # block called its own emb_layers Linear
+    assert not emb_linear_calls
     assert ran["resblock_bias_residual"] == {"fused": plan.counts["resblock_add_norm"], "fallback": 0,
                                              "reasons": []}, ran
 
@@ -150,3 +158,28 @@ def test_scale_shift_and_up_down_blocks_are_not_planned(unet):
             assert not fused_resblock.eligible(rb), attr
         finally:
             setattr(rb, attr, old)
+
+
+def test_emb_projections_of_all_blocks_equal_each_blocks_own_and_step_aside_while_streamed(unet):
+    """The shared projection gives each ResBlock what its emb_layers + conv bias give, computed once per emb
+    tensor; while a block streamer's token is on the model (weights arrive block by block), none is made."""
+    from sd_accel.engine import emb_projections
+    from sd_accel.engine.cuda_graph import WEIGHTS_TOKEN
+    standins = list(fused_resblock.plan_resblocks(unet).values())
+    shared = standins[0].sdaccel_emb_projections
+    assert all(s.sdaccel_emb_projections is shared for s in standins) and len(shared.blocks) == len(standins)
+    emb = torch.randn(2, standins[0].emb_layers[1].in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for s in standins:
+            own = s.emb_layers(emb).float() + s.in_layers[-1].bias.float()
+            got = shared.projection(s, emb)
+            torch.testing.assert_close(got, own, atol=1e-5, rtol=1e-5)
+        first = shared.projection(standins[0], emb)
+        assert first.data_ptr() == shared.projection(standins[0], emb).data_ptr()     # once per emb
+        assert shared.projection(standins[0], emb.clone()).data_ptr() != first.data_ptr()
+        setattr(unet, WEIGHTS_TOKEN, object())
+        try:
+            assert shared.projection(standins[0], emb.clone()) is None
+        finally:
+            delattr(unet, WEIGHTS_TOKEN)
+    assert not emb_projections.batchable(torch.nn.Linear(2, 2))
