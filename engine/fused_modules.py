@@ -100,8 +100,12 @@ def _clone_into(cls, orig):
     new.__dict__.update(orig.__dict__)
     # nn.Module keeps params/buffers/children/hooks in dicts: copy them so the replacement can be
     # patched (e.g. ComfyUI's set_attr_param) without touching the original module.
+    # The children dict (`_modules`) stays shared: a stand-in with children (ResBlock, SpatialTransformer,
+    # transformer block) has the original's children, and the host patches a child through the stand-in's
+    # path. With a copy, a stand-in planned while an earlier one was applied would start from the earlier
+    # patched children, and the host, restoring in its order, would leave a fused child on the original.
     for k, v in orig.__dict__.items():
-        if isinstance(v, (dict, set)):
+        if isinstance(v, (dict, set)) and k != "_modules":
             new.__dict__[k] = v.copy()
     return new
 

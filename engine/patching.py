@@ -14,7 +14,10 @@ Targets, matched by structure rather than by class name where possible:
   * LayerNorm over the last dim (transformer blocks' norm1/2/3) -> fused LayerNorm;
   * GEGLU (`ff.net.0`) -> fused GEGLU that keeps its `proj` Linear;
   * with the op "resblock_add_norm" (ComfyUI host): plain ResBlocks -> a stand-in that folds the first
-    conv's bias and the timestep embedding into the following GroupNorm (engine/fused_resblock.py).
+    conv's bias and the timestep embedding into the following GroupNorm (engine/fused_resblock.py);
+  * with the op "transformer_add_norm" (ComfyUI host): BasicTransformerBlocks -> a stand-in whose residual
+    adds run inside norm2 and norm3 (engine/fused_transformer_block.py). Planned first: ComfyUI sets the
+    patches of a block's children (its fused norms) through the block's path, so onto the stand-in.
 """
 from dataclasses import dataclass, field
 
@@ -22,10 +25,10 @@ import torch
 from torch import nn
 
 from . import fused_modules as fm
-from . import fused_resblock
+from . import fused_resblock, fused_transformer_block
 
 ALL_OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
-COMFY_OPS = ALL_OPS + ("resblock_add_norm",)
+COMFY_OPS = ALL_OPS + ("resblock_add_norm", "transformer_add_norm")
 
 
 @dataclass
@@ -48,6 +51,9 @@ def plan_patches(root, ops=ALL_OPS, prefix=""):
     (ComfyUI's object patches are relative to BaseModel: "diffusion_model.")."""
     plan = PatchPlan()
     handled = set()
+    if "transformer_add_norm" in ops:
+        for path, mod in fused_transformer_block.plan_transformer_blocks(root, prefix).items():
+            plan.add(path, mod, "transformer_add_norm")
     for name, mod in root.named_modules():
         if isinstance(mod, nn.Sequential):
             _plan_sequential(plan, handled, root, name, mod, ops, prefix)

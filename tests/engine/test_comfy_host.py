@@ -104,7 +104,9 @@ def test_graph_state_does_not_keep_an_unloaded_checkpoint_alive(tmp_path):
 def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, monkeypatch):
     """On a GPU, channels_last adds SpatialTransformer stand-ins before the fused modules, so ComfyUI sets
     the fused norm through the stand-in and, unpatching in the same order, leaves the original
-    SpatialTransformer with its original norm (CPU here: the GPU check is forced)."""
+    SpatialTransformer with its original norm (CPU here: the GPU check is forced). The stand-in shares its
+    children with the original (fused_modules._clone_into), so a plan made while another clone's patches
+    are applied starts from the original children too, and nothing fused is left after unloading."""
     import comfy.model_management as mm
     from sd_accel.engine import fused_modules as fm
     from sd_accel.engine.layout_modules import ChannelsLastSpatialTransformer
@@ -120,6 +122,11 @@ def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, m
     mm.load_models_gpu([acc])
     live = dm.get_submodule(path)
     assert isinstance(live, ChannelsLastSpatialTransformer) and fm.is_fused(live.norm)
-    assert st.norm is norm, "the host's SpatialTransformer itself is not modified"
+    # the next prompt's model (another clone, e.g. with a LoRA) is planned while this one is applied
+    acc2, _ = host.accelerate(model.clone().clone(), host.AccelOptions(channels_last=True, cuda_graph=False))
+    mm.load_models_gpu([acc2])
+    assert isinstance(dm.get_submodule(path), ChannelsLastSpatialTransformer)
     mm.unload_all_models()
     assert dm.get_submodule(path) is st and st.norm is norm
+    left = [n for n, m in dm.named_modules() if fm.is_fused(m)]
+    assert not left, left

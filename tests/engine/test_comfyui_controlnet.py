@@ -218,6 +218,9 @@ def test_graphed_forward_matches_stock_survives_prompts_and_unpatches(comfy_cn):
     assert cm.forward is gf, "one stand-in per ControlNet and options: its graphs are reused"
     again = _control(stock, x, t, ctx)
     assert not isinstance(cm.forward, GraphedForward)
+    # nothing fused is left on the stock ControlNet (the second plan was made while the first was applied)
+    left = [n for n, m in cm.named_modules() if type(m).__name__.startswith("SDAccel")]
+    assert not left, left
     assert all(torch.equal(a, b) for a, b in zip(again, ref))
 
 

@@ -146,6 +146,9 @@ def test_whole_unet_with_comfy_ops_matches_stock(unet, channels_last):
     assert not emb_linear_calls
     assert ran["resblock_bias_residual"] == {"fused": plan.counts["resblock_add_norm"], "fallback": 0,
                                              "reasons": []}, ran
+    # and every transformer block's two residual adds ran inside norm2 / norm3 (fused_transformer_block.py)
+    assert ran["transformer_add_norm"] == {"fused": 2 * plan.counts["transformer_add_norm"], "fallback": 0,
+                                           "reasons": []}, ran
 
 
 def test_scale_shift_and_up_down_blocks_are_not_planned(unet):

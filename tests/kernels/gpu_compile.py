@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
+from sd_accel.kernels import add_layer_norm as aln  # noqa: E402
 from sd_accel.kernels import bias_residual_add as bra  # noqa: E402
 from sd_accel.kernels import group_norm_silu as gn  # noqa: E402
 
@@ -62,6 +63,10 @@ def calls():
         b, rb = torch.randn(shape[1], dtype=torch.float16), torch.randn(shape[1])
         out.append((f"bias_residual_add {shape} {xcl} {rcl}", lambda x=x, r=r, b=b, rb=rb: bra._launch(x, r, b, rb, x)))
         out.append((f"bias_residual_add {shape} no bias", lambda x=x, r=r: bra._launch(x, r, None, None, None)))
+    for shape in ((2, 4096, 320), (2, 1024, 640), (2, 256, 1280), (2, 4096, 640), (1, 7, 33)):
+        a, r = _x(shape), _x(shape)
+        w, b = torch.randn(shape[-1], dtype=torch.float16), torch.randn(shape[-1], dtype=torch.float16)
+        out.append((f"add_layer_norm {shape}", lambda a=a, r=r, w=w, b=b: aln._launch(a, r, w, b, 1e-5)))
     return out
 
 
@@ -70,7 +75,7 @@ def record_launches():
 
     def recorder(kernel, grid, *args, **meta):
         seen.append((kernel, grid, args, meta))
-    for mod in (gn, bra):
+    for mod in (gn, bra, aln):
         mod.launch = recorder
     for label, fn in calls():
         fn()

@@ -1,0 +1,103 @@
+"""The BasicTransformerBlock stand-in (residual adds inside norm2/norm3) on ComfyUI's real blocks, CPU, Triton
+interpreter: the host block's output for a plain call, the host's own steps when a patch acts inside the
+block, names and Parameters shared, and planned before its children's patches."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import comfy_inproc  # noqa: E402
+
+from sd_accel.engine import fused_modules as fm  # noqa: E402
+from sd_accel.engine import fused_transformer_block as ftb  # noqa: E402
+from sd_accel.engine import kernel_report, patching  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def unet(tmp_path_factory):
+    return comfy_inproc.tiny_model_patcher(tmp_path_factory.mktemp("ckpt")).model.diffusion_model.float()
+
+
+def _blocks(unet):
+    return [(n, m) for n, m in unet.named_modules() if type(m).__name__ == "BasicTransformerBlock"]
+
+
+def _inputs(block, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dim = block.norm1.normalized_shape[0]
+    ctx_dim = block.attn2.to_k.in_features
+    return torch.randn(2, 24, dim, generator=g), torch.randn(2, 7, ctx_dim, generator=g)
+
+
+def test_every_block_is_planned_first_and_shares_its_parameters(unet):
+    blocks = _blocks(unet)
+    plan = patching.plan_patches(unet, patching.COMFY_OPS)
+    paths = list(plan.patches)
+    assert plan.counts["transformer_add_norm"] == len(blocks) >= 2
+    for name, blk in blocks:
+        new = plan.patches[name]
+        assert isinstance(new, type(blk)) and all(a is b for a, b in zip(new.parameters(), blk.parameters()))
+        assert [n for n, _ in new.named_parameters()] == [n for n, _ in blk.named_parameters()]
+        # before its children's patches (the fused norms set through the stand-in)
+        assert paths.index(name) < paths.index(name + ".norm2")
+
+
+def test_plain_call_matches_the_host_block_and_uses_the_fused_add_norm(unet):
+    name, blk = _blocks(unet)[0]
+    new = fm.clone_as(ftb.FusedTransformerBlock, blk)
+    new.sdaccel_attn_takes_options = ftb._host_body(type(blk))[1]
+    x, ctx = _inputs(blk)
+    to = {"block": ("input", 1), "block_index": 0, "patches": {}, "patches_replace": {}}
+    k0 = kernel_report.snapshot()
+    with torch.no_grad():
+        # (ComfyUI 2024's block adds into its input in place: each call gets its own copy)
+        ref = blk(x.clone(), context=ctx, transformer_options=to)
+        out = new(x.clone(), context=ctx, transformer_options=to)
+    ran = kernel_report.summarize(k0, kernel_report.snapshot())
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert ran["transformer_add_norm"]["fused"] == 2, ran
+
+
+def test_a_patch_inside_the_block_runs_the_host_steps(unet):
+    name, blk = _blocks(unet)[0]
+    new = fm.clone_as(ftb.FusedTransformerBlock, blk)
+    x, ctx = _inputs(blk, seed=1)
+    seen = []
+
+    def middle(h, extra):
+        seen.append(1)
+        return h * 0.5
+    for to in ({"patches": {"middle_patch": [middle]}},
+               {"block": ("input", 1), "block_index": 0,
+                "patches_replace": {"attn1": {("input", 1, 0): lambda q, k, v, extra: q}}}):
+        k0 = kernel_report.snapshot()
+        with torch.no_grad():
+            ref = blk(x.clone(), context=ctx, transformer_options=to)
+            out = new(x.clone(), context=ctx, transformer_options=to)
+        assert torch.equal(out, ref)
+        assert "transformer_add_norm" not in kernel_report.summarize(k0, kernel_report.snapshot())
+    assert seen == [1, 1]
+    # a replace patch for another block leaves this one plain
+    assert ftb._plain_call({"block": ("input", 1), "block_index": 0,
+                            "patches_replace": {"attn1": {("output", 7, 0): None}}})
+
+
+def test_blocks_of_other_shapes_are_not_planned(unet):
+    name, blk = _blocks(unet)[0]
+    assert ftb.eligible(blk)
+    for attr, value in (("ff_in", True), ("is_res", False), ("disable_self_attn", True), ("attn2", None)):
+        old = blk.__dict__.get(attr, blk._modules.get(attr))
+        if attr == "attn2":
+            blk._modules["attn2"] = None
+        else:
+            setattr(blk, attr, value)
+        try:
+            assert not ftb.eligible(blk), attr
+        finally:
+            if attr == "attn2":
+                blk._modules["attn2"] = old
+            else:
+                setattr(blk, attr, old)
+    assert not ftb.eligible(torch.nn.Linear(2, 2))
