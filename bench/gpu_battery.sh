@@ -39,7 +39,7 @@ for p in "$@"; do
       grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/tests/log.txt" | tail -12 | cut -c1-300 ;;
     unet) part unet 330 python3 bench/bench_unet.py --comfy-dir $COMFY --compile sd15_512_b4 ;;
     cn) part cn 300 python3 bench/bench_controlnet.py --comfy-dir $COMFY ;;
-    vram) part vram 240 python3 bench/bench_vram.py --comfy-dir $COMFY --variants stock,ours ;;
+    vram) part vram 300 python3 bench/bench_vram.py --comfy-dir $COMFY --variants stock,ours --stock-twice ;;
     lowvram_baseline) part lowvram_baseline 420 python3 bench/bench_vram.py --comfy-dir $COMFY ;;
     soak) part soak 300 python3 bench/bench_soak.py --comfy-dir $COMFY ;;
     a1111) part a1111 150 python3 bench/bench_a1111_ldm.py ;;
