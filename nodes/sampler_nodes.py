@@ -11,9 +11,10 @@ log = logging.getLogger("sd_accel")
 
 ACCEL_INPUTS = {
     "fused_kernels": ("BOOLEAN", {"default": True, "tooltip":
-                      "Swap GroupNorm(+SiLU), LayerNorm and GEGLU for fused Triton kernels. Lossless (fp32 "
-                      "statistics). Falls back to the stock op, with one log line, where a kernel cannot run "
-                      "(CPU, no Triton, GPU older than sm_70, odd shapes)."}),
+                      "Swap GroupNorm(+SiLU), LayerNorm and GEGLU for fused Triton kernels, and fold the "
+                      "ResBlocks' biases, timestep embedding and residual adds and the transformer blocks' "
+                      "residual adds into them. Lossless (fp32 statistics). Falls back to the stock op, with one "
+                      "log line, where a kernel cannot run (CPU, no Triton, GPU older than sm_70, odd shapes)."}),
     "cuda_graph": ("BOOLEAN", {"default": True, "tooltip":
                    "Replay each denoising step from a CUDA graph: removes Python and launch overhead. One "
                    "capture per shape; recaptured when a LoRA, weight patch, resolution or batch changes. "
