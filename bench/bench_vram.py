@@ -59,7 +59,7 @@ def load(kind):
 def pool_model(model, budget, offload):
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
     import comfy.patcher_extension as pe
-    from sd_accel.nodes.memory_nodes import WRAPPER_KEY
+    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
     res = SDAccelVRAMPool().apply(model, budget_gib=budget, offload=offload)
     clone = res["result"][0]
     settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool

@@ -1,5 +1,5 @@
-"""nodes/memory_nodes.py (VRAM Pool) called in-process on a real ComfyUI ModelPatcher (CPU): a budget too
-small stops with the minimum needed, a valid budget gives the plan, ComfyUI's globals come back unchanged,
+"""nodes/memory_nodes.py (VRAM Pool) and hosts/comfyui_memory.py called in-process on a real ComfyUI
+ModelPatcher (CPU): a budget too small stops with the minimum needed, a valid budget gives the plan, ComfyUI's globals come back unchanged,
 and on a ComfyUI with keyed sampler wrappers a real sampling run goes through the pool."""
 import os
 import subprocess
@@ -38,7 +38,7 @@ def _node():
 
 def _sizes(model):
     from sd_accel.engine.vram_plan import unet_block_sizes
-    from sd_accel.nodes.memory_nodes import diffusion_model
+    from sd_accel.hosts.comfyui_memory import diffusion_model
     return unet_block_sizes(diffusion_model(model))
 
 
@@ -63,7 +63,7 @@ def test_module_imports_without_comfyui():
 
 
 def test_budget_too_small_is_a_clear_error_before_sampling(model, mm):
-    from sd_accel.nodes.memory_nodes import activation_estimate
+    from sd_accel.hosts.comfyui_memory import activation_estimate
     from sd_accel.engine.vram_plan import min_budget
     need = min_budget(_sizes(model), activation_estimate(mm, model), 0)   # without prefetch: the true floor
     with pytest.raises(ValueError) as ei:
@@ -76,7 +76,7 @@ def test_budget_too_small_is_a_clear_error_before_sampling(model, mm):
 def test_a_budget_that_fits_one_streamed_block_runs_without_prefetch(model, mm):
     """Between the floor without prefetch and the floor with it, the node plans depth 0 and says so,
     rather than refusing a budget the model can run in (SDXL at 2 GiB on the H200 was refused)."""
-    from sd_accel.nodes.memory_nodes import activation_estimate, plan_for_budget
+    from sd_accel.hosts.comfyui_memory import activation_estimate, plan_for_budget
     from sd_accel.engine.vram_plan import min_budget
     act = activation_estimate(mm, model)
     lo, hi = min_budget(_sizes(model), act, 0), min_budget(_sizes(model), act, 1)
@@ -108,7 +108,7 @@ def test_valid_budget_gives_the_plan_on_a_clone(model, mm):
     assert "%d blocks resident" % n_blocks in line and "offload medvram" in line
     if hasattr(model, "add_wrapper_with_key"):
         import comfy.patcher_extension as pe
-        from sd_accel.nodes.memory_nodes import WRAPPER_KEY
+        from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
         assert ui["enforced"] is True
         assert len(clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)) == 1
         assert not model.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
@@ -117,7 +117,7 @@ def test_valid_budget_gives_the_plan_on_a_clone(model, mm):
 
 
 def test_budget_between_minimum_and_full_streams_some_blocks(model, mm):
-    from sd_accel.nodes.memory_nodes import activation_estimate
+    from sd_accel.hosts.comfyui_memory import activation_estimate
     from sd_accel.engine.vram_plan import min_budget, plan_residency
     sizes, act = _sizes(model), activation_estimate(mm, model)
     budget = (min_budget(sizes, act, 1) + act + sum(s for _, s in sizes)) // 2
@@ -130,7 +130,7 @@ def test_budget_between_minimum_and_full_streams_some_blocks(model, mm):
 
 
 def test_budget_scope_sets_and_restores_extra_reserved_vram():
-    from sd_accel.nodes.memory_nodes import budget_scope
+    from sd_accel.hosts.comfyui_memory import budget_scope
     fake = types.SimpleNamespace(EXTRA_RESERVED_VRAM=400 * 2 ** 20)
     with pytest.raises(RuntimeError):
         with budget_scope(fake, 6 * GIB, 24 * GIB) as reserved:
@@ -144,7 +144,7 @@ def test_budget_scope_sets_and_restores_extra_reserved_vram():
 def test_run_in_pool_restores_globals_on_error_and_records_the_stage(model, mm):
     if not hasattr(mm, "EXTRA_RESERVED_VRAM"):
         pytest.skip("this ComfyUI has no EXTRA_RESERVED_VRAM: the budget is reported as not enforced")
-    from sd_accel.nodes.memory_nodes import PoolSettings, run_in_pool
+    from sd_accel.hosts.comfyui_memory import PoolSettings, run_in_pool
     old = mm.EXTRA_RESERVED_VRAM
     s = PoolSettings(4 * GIB, "none", "after_run", False, None)
     seen = []
@@ -165,7 +165,7 @@ def test_real_sampling_run_goes_through_the_pool(model, mm):
     if not hasattr(model, "add_wrapper_with_key"):
         pytest.skip("no keyed sampler wrappers on this ComfyUI")
     import comfy.sample
-    from sd_accel.nodes.memory_nodes import WRAPPER_KEY
+    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
     import comfy.patcher_extension as pe
     clone = _node().apply(model, budget_gib=8.0, release_cache="after_run")["result"][0]
     settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
@@ -181,7 +181,7 @@ def test_real_sampling_run_goes_through_the_pool(model, mm):
 
 def test_medvram_unloads_others_before_and_the_model_after():
     """Against a stand-in model_management, on a (nominal) CUDA device: the order of the calls."""
-    from sd_accel.nodes.memory_nodes import PoolSettings, run_in_pool
+    from sd_accel.hosts.comfyui_memory import PoolSettings, run_in_pool
     calls = []
     patcher = types.SimpleNamespace(load_device=torch.device("cuda", 0))
     ours, other = types.SimpleNamespace(model=patcher), types.SimpleNamespace(model=object())
@@ -199,7 +199,7 @@ def test_medvram_unloads_others_before_and_the_model_after():
 
 def _pool(clone):
     import comfy.patcher_extension as pe
-    from sd_accel.nodes.memory_nodes import WRAPPER_KEY
+    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
     return clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
 
 
@@ -215,7 +215,7 @@ def _sample(patcher, seed=3):
 
 
 def _unet_state(model):
-    from sd_accel.nodes.memory_nodes import diffusion_model
+    from sd_accel.hosts.comfyui_memory import diffusion_model
     unet = diffusion_model(model)
     return ([(n, id(p), p.data_ptr()) for n, p in unet.named_parameters()],
             sum(len(m._forward_pre_hooks) for m in unet.modules()))
@@ -312,7 +312,7 @@ def test_out_of_memory_twice_is_a_clear_error(model, mm):
 
 def test_retry_goes_to_lowvram_at_half_the_budget_where_streaming_runs():
     """Against a stand-in model_management on a (nominal) CUDA device: what the retry asks for."""
-    from sd_accel.nodes.memory_nodes import PoolSettings, run_in_pool
+    from sd_accel.hosts.comfyui_memory import PoolSettings, run_in_pool
     from sd_accel.engine.vram_plan import plan_residency
     seen = []
     patcher = types.SimpleNamespace(load_device=torch.device("cuda", 0), add_wrapper_with_key=lambda *a: None)
@@ -344,14 +344,14 @@ def test_retry_goes_to_lowvram_at_half_the_budget_where_streaming_runs():
 
 
 def test_activation_estimate_is_comfyuis_capped_at_its_reserve(model, mm):
-    from sd_accel.nodes.memory_nodes import activation_bytes, activation_estimate
+    from sd_accel.hosts.comfyui_memory import activation_bytes, activation_estimate
     est = activation_estimate(mm, model)
     assert 0 < est <= activation_bytes(mm)
     assert est == min(activation_bytes(mm), int(model.model.memory_required([2, 4, 64, 64])))
 
 
 def test_loader_budget_leaves_room_for_the_streamed_blocks():
-    from sd_accel.nodes.memory_nodes import loader_budget
+    from sd_accel.hosts.comfyui_memory import loader_budget
     from sd_accel.engine.vram_plan import plan_residency
     sizes = [("a", GIB // 4), ("b", GIB // 2), ("c", GIB // 4), ("d", GIB)]
     plan = plan_residency(sizes, 0, GIB // 4)
@@ -367,7 +367,7 @@ def test_loader_budget_leaves_room_for_the_streamed_blocks():
 
 def test_promote_blocks_fills_the_room_largest_first():
     from sd_accel.engine.vram_plan import ring_bytes
-    from sd_accel.nodes.memory_nodes import promote_blocks
+    from sd_accel.hosts.comfyui_memory import promote_blocks
     MB = 2 ** 20
     sizes = [("a", 10 * MB), ("b", 40 * MB), ("c", 20 * MB), ("d", 30 * MB), ("e", 5 * MB)]
     assert promote_blocks(sizes, 0, 1) == [] and promote_blocks(sizes, -5, 1) == [] and promote_blocks([], 9, 1) == []

@@ -10,7 +10,8 @@ from test_graphs_gpu import _rel, _sample, comfy_env  # noqa: F401  (the shared 
 
 def _pool(env):
     import comfy.patcher_extension as pe
-    from sd_accel.nodes.memory_nodes import WRAPPER_KEY, SDAccelVRAMPool
+    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
+    from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
     clone = SDAccelVRAMPool().apply(env.model, budget_gib=0.0, offload="lowvram")["result"][0]
     settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
     settings.stream_every_block = True

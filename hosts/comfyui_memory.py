@@ -1,0 +1,459 @@
+"""ComfyUI host, memory side: what the VRAM Pool node (nodes/memory_nodes.py) sets up for the sampling runs of
+one model, through ComfyUI's own model_management (its loader sees the budget and partially loads the model
+the way --lowvram does).
+
+What is wired now, and how (the VAE decode under a budget is the separate VAE Decode (SD Accel) node, nodes/vae_nodes.py):
+- budget_gib: checked against the model before sampling (engine/vram_plan.py); during each sampling run of
+  the returned model, `comfy.model_management.EXTRA_RESERVED_VRAM` is raised so the loader sees only the
+  budget of the card, and restored afterwards. Needs a ComfyUI with keyed sampler wrappers and
+  EXTRA_RESERVED_VRAM (0.3.x); on older ComfyUI the node says the budget is not enforced.
+- offload=medvram: before sampling every other model is unloaded from the GPU, after sampling the model.
+- offload=lowvram: ComfyUI partially loads the UNet under the budget minus the planner's streaming ring;
+  once it has (a SAMPLER_SAMPLE wrapper, inside the run), what it left on the CPU is streamed block by block
+  into fixed places of a GPU ring (engine/offload.py, one copy per block, prefetch on a side stream) instead
+  of being copied layer by layer at every use. Its cast path (`comfy_cast_weights`) then finds the weight
+  already on the GPU and does not copy. Fixed places let the Accelerated KSampler's CUDA graphs capture the
+  copies with the step. Removed after the run, on error too. CUDA only; elsewhere the run is offload=none
+  and the notes say so.
+- out of memory during a run: memory is freed and the run retried once with more offload (lowvram where it
+  can run, and half the budget); a second one is an error naming the budget and what to change.
+- release_cache=after_run: the allocator's cached blocks are released after sampling (soft_empty_cache).
+- expandable_segments: the CUDA allocator uses expandable segments during sampling (torch >= 2.1).
+"""
+import contextlib
+import logging
+import os
+
+import torch
+
+from ..engine import offload as block_offload, vram_plan, vram_report
+
+log = logging.getLogger("sd_accel")
+
+GIB = 2 ** 30
+WRAPPER_KEY = "sd_accel_vram_pool"
+PREFETCH_DEPTH = 1
+PROMOTE_MARGIN = 0.05    # of the budget, kept free of promoted blocks: ComfyUI's activation estimate is rough
+OFFLOAD = ("none", "medvram", "lowvram")
+RELEASE = ("never", "after_run")
+
+
+def _mm():
+    import comfy.model_management as mm
+    return mm
+
+
+def activation_bytes(mm):
+    """What ComfyUI itself keeps free for a step besides weights (its minimum inference memory without the
+    user's extra reserve): 0.8 GiB on ComfyUI 0.3.x, 1 GiB on 2024 versions."""
+    extra = mm.extra_reserved_memory() if hasattr(mm, "extra_reserved_memory") else 0
+    return int(mm.minimum_inference_memory() - extra)
+
+
+def activation_estimate(mm, model):
+    """The planner's activation bytes: ComfyUI's own estimate for this model (BaseModel.memory_required) at its
+    native size (latent 64², SDXL-type models 128²), CFG batch 2, capped at ComfyUI's minimum inference
+    reserve (the estimate without flash/xformers attention, e.g. on CPU, is far above it)."""
+    reserve = activation_bytes(mm)
+    try:
+        bm = model.model
+        lat = 128 if bm.model_config.unet_config.get("adm_in_channels") else 64
+        return int(min(reserve, bm.memory_required([2, 4, lat, lat])))
+    except Exception:  # noqa: BLE001 - an unusual model class: ComfyUI's reserve
+        return reserve
+
+
+def diffusion_model(model):
+    """The ModelPatcher's diffusion model (get_model_object on ComfyUI 0.3.x, the attribute on 2024)."""
+    if hasattr(model, "get_model_object"):
+        return model.get_model_object("diffusion_model")
+    return model.model.diffusion_model
+
+
+def budget_supported(mm, model):
+    """None when the host can enforce a budget on this model, else why not."""
+    if not hasattr(mm, "EXTRA_RESERVED_VRAM") or not hasattr(mm, "extra_reserved_memory"):
+        return "this ComfyUI has no EXTRA_RESERVED_VRAM (update ComfyUI to 0.3.x)"
+    if not hasattr(model, "add_wrapper_with_key"):
+        return "this ComfyUI has no keyed sampler wrappers (update ComfyUI to 0.3.x)"
+    return None
+
+
+@contextlib.contextmanager
+def budget_scope(mm, budget_bytes, total_bytes):
+    """Raise EXTRA_RESERVED_VRAM so ComfyUI's loader sees at most `budget_bytes` of a card of `total_bytes`;
+    restored on exit, whatever happens. Never lowers the user's own --reserve-vram."""
+    old = mm.EXTRA_RESERVED_VRAM
+    mm.EXTRA_RESERVED_VRAM = max(old, int(total_bytes) - int(budget_bytes))
+    try:
+        yield mm.EXTRA_RESERVED_VRAM
+    finally:
+        mm.EXTRA_RESERVED_VRAM = old
+
+
+@contextlib.contextmanager
+def expandable_segments_scope(device, notes):
+    """Expandable segments for the CUDA allocator inside the scope, when the torch build can switch them."""
+    setter = getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if device.type != "cuda":
+        notes.append("expandable_segments: off (%s run)" % device.type)
+        yield
+        return
+    if "expandable_segments:True" in conf:
+        notes.append("expandable_segments: already on (PYTORCH_CUDA_ALLOC_CONF)")
+        yield
+        return
+    if setter is None:
+        notes.append("expandable_segments: off (this torch %s cannot switch it)" % torch.__version__)
+        yield
+        return
+    try:
+        setter("expandable_segments:True")
+    except Exception as e:  # noqa: BLE001 - a build without the feature must not stop sampling
+        notes.append("expandable_segments: off (%s)" % e)
+        yield
+        return
+    notes.append("expandable_segments: on")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:False")
+
+
+def _unload_others(mm, patcher, device):
+    keep = [lm for lm in mm.current_loaded_models if lm.model is patcher]
+    mm.free_memory(1e30, device, keep_loaded=keep)
+
+
+class PoolSettings:
+    def __init__(self, budget_bytes, offload, release_cache, expandable_segments, plan):
+        self.budget_bytes, self.offload, self.release_cache = budget_bytes, offload, release_cache
+        self.expandable_segments, self.plan = expandable_segments, plan
+        self.last_report, self.last_notes = None, []
+        self.active = None            # during a run: {"offload", "budget", "notes"} of the current attempt
+        self.pinned_cache = {}        # pinned host copies of streamed weights, kept across runs
+        self.promoted_cache = {}      # the same for the blocks moved to the GPU for the run (promoted)
+        self.stream_every_block = False   # tests: stream every block, on a CPU device or where ComfyUI loaded it
+        self.last_streamer = None
+
+
+def _oom_types(mm):
+    types_ = [torch.cuda.OutOfMemoryError]
+    t = getattr(mm, "OOM_EXCEPTION", None)
+    if isinstance(t, type) and t is not Exception and t not in types_:
+        types_.append(t)
+    return tuple(types_)
+
+
+def streaming_unavailable(mm, patcher, device, settings=None):
+    """None when lowvram block streaming can run for this model here, else why not."""
+    why = budget_supported(mm, patcher)
+    if why:
+        return why
+    if device.type != "cuda" and not (settings is not None and settings.stream_every_block):
+        return "the model runs on %s, streaming needs a CUDA device" % device.type
+    return None
+
+
+def loader_budget(plan, budget, comfy_reserve=None):
+    """The budget ComfyUI's loader is shown with lowvram streaming: the budget less the planner's streaming
+    ring at that budget (where the streamed blocks take turns) and its activation estimate, plus the inference
+    reserve the loader subtracts itself (`comfy_reserve`), so it loads the planner's resident bytes."""
+    if plan is None or not budget:
+        return budget
+    try:
+        p = vram_plan.plan_residency(list(plan.sizes.items()), budget, plan.activation_bytes, plan.prefetch_depth)
+        window = p.peak_bytes - p.activation_bytes - p.resident_bytes
+    except vram_plan.BudgetTooSmall:
+        window = plan.min_budget_bytes - plan.activation_bytes
+    reserve = plan.activation_bytes if comfy_reserve is None else comfy_reserve
+    # not capped at the budget: ComfyUI keeps its own reserve (0.8 GiB) free of weights, more than an SD1.5
+    # step needs besides the ring; shown only the budget it would load a fraction of what fits. What it
+    # loads is checked against the budget once it has (_fit_and_streamed: it unloads more if over)
+    return max(budget - window - plan.activation_bytes + reserve, 0)
+
+
+def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, report, stage, notes):
+    with contextlib.ExitStack() as stack:
+        stream = offload == "lowvram"
+        if stream:
+            why = streaming_unavailable(mm, patcher, device, settings)
+            if why:
+                notes.append("lowvram: off (%s); ran as offload=none" % why)
+                stream = False
+        if budget:
+            if device.type == "cuda" or total_bytes is not None:
+                total = total_bytes if total_bytes is not None else mm.get_total_memory(device)
+                if budget >= total:
+                    notes.append("budget %.2f GiB >= the card's %.2f GiB: no cap" % (budget / GIB, total / GIB))
+                else:
+                    # lowvram: ComfyUI's loader gets the budget less the streamed blocks in flight
+                    reserve = activation_bytes(mm) if hasattr(mm, "minimum_inference_memory") else None
+                    loader = loader_budget(settings.plan, budget, reserve) if stream else budget
+                    stack.enter_context(budget_scope(mm, loader, total))
+                    notes.append("budget %.2f GiB of %.2f GiB" % (budget / GIB, total / GIB)
+                                 + (" (loader %.2f GiB, the rest for streaming)" % (loader / GIB) if stream else ""))
+            else:
+                notes.append("budget: not applied (the model runs on %s)" % device.type)
+        if settings.expandable_segments:
+            stack.enter_context(expandable_segments_scope(device, notes))
+        if offload == "medvram":
+            if device.type == "cpu":
+                notes.append("medvram: n/a (the model runs on cpu)")
+            else:
+                _unload_others(mm, patcher, device)
+                notes.append("medvram: other models unloaded before, this one after")
+        settings.active = {"offload": "lowvram" if stream else "none", "budget": budget, "notes": notes, "mm": mm}
+        try:
+            with report.stage(stage, device):
+                return run()
+        finally:
+            settings.active = None
+            if offload == "medvram" and device.type != "cpu":
+                mm.free_memory(1e30, device)
+
+
+def _more_offload(settings, mm, patcher, device, total_bytes):
+    """(offload, budget) for the retry after an out-of-memory: lowvram where streaming can run (else medvram
+    on a GPU), at half the budget (half the card when there was none), never below the planner's minimum."""
+    offload = settings.offload
+    if streaming_unavailable(mm, patcher, device, settings) is None:
+        offload = "lowvram"
+    elif device.type == "cuda":
+        offload = "medvram"
+    budget = settings.budget_bytes
+    if device.type == "cuda" or total_bytes is not None:
+        base = budget or (total_bytes if total_bytes is not None else mm.get_total_memory(device))
+        floor = settings.plan.min_budget_bytes if settings.plan is not None else 0
+        budget = max(int(base) // 2, floor)
+    return offload, budget
+
+
+def run_in_pool(settings, patcher, run, mm=None, total_bytes=None, before_retry=None):
+    """Runs `run()` (one sampling run of `patcher`) under the pool's settings; ComfyUI's globals are restored
+    on return or error. An out-of-memory is caught once: memory freed, `before_retry()` called, and `run()`
+    called again with more offload (see _more_offload); a second one raises a RuntimeError that names the
+    budgets. Records a MemoryReport ("sampling", "sampling (retry)") and notes on `settings`."""
+    mm = mm or _mm()
+    device = torch.device(patcher.load_device)
+    notes, report = [], vram_report.MemoryReport()
+    oom = _oom_types(mm)
+    offload, budget = settings.offload, settings.budget_bytes
+    try:
+        try:
+            return _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, report, "sampling",
+                            notes)
+        except oom as e:
+            first = e
+        retry_offload, retry_budget = _more_offload(settings, mm, patcher, device, total_bytes)
+        mm.free_memory(1e30, device)
+        mm.soft_empty_cache()
+        what = "out of memory at budget %s, offload %s (%s): memory freed, retried once with offload %s, budget %s" % (
+            _gib(budget), offload, str(first).splitlines()[0][:120] if str(first) else type(first).__name__,
+            retry_offload, _gib(retry_budget))
+        notes.append(what)
+        log.warning("[SD Accel] VRAM Pool: %s", what)
+        if before_retry is not None:
+            before_retry()
+        try:
+            return _attempt(settings, patcher, run, mm, total_bytes, device, retry_offload, retry_budget, report,
+                            "sampling (retry)", notes)
+        except oom as e:
+            raise RuntimeError(
+                "VRAM Pool: out of memory twice: at budget %s with offload %s, then at %s with offload %s. "
+                "Lower the resolution or batch size, set offload to lowvram with a smaller budget_gib (the "
+                "minimum for this model is %s), or close other programs using the GPU." % (
+                    _gib(budget), offload, _gib(retry_budget), retry_offload,
+                    _gib(settings.plan.min_budget_bytes) if settings.plan is not None else "in the node's plan")
+            ) from e
+    finally:
+        if settings.release_cache == "after_run":
+            mm.soft_empty_cache()
+            notes.append("cache released")
+        settings.last_report, settings.last_notes = report.to_dict(), notes
+        log.info("[SD Accel] VRAM Pool: %s | %s", report.summary(), "; ".join(notes) or "defaults")
+
+
+def _gib(n):
+    return "%.2f GiB" % (n / GIB) if n else "none (no cap)"
+
+
+def promote_blocks(sizes, room, depth):
+    """Of the streamed blocks [(name, bytes)] (execution order), those moved to the GPU for the run: ComfyUI's
+    loader keeps its own reserve free of weights, sized for any model, so the budget often has room left.
+    The planner's rule on what is left: largest first, while they plus the ring of the rest fit `room`."""
+    if not sizes or room <= 0:
+        return []
+    try:
+        return vram_plan.plan_residency(sizes, room, 0, depth).resident
+    except vram_plan.BudgetTooSmall:     # not even the ring of all of them fits: nothing to promote
+        return []
+
+
+def _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shape=None):
+    """(blocks to stream, prefetch depth, blocks to move to the GPU for the run). Under a budget, ComfyUI's
+    placement is first made to fit: activations (ComfyUI's estimate for this run's shape, CFG batch) +
+    everything allocated now + the ring of the streamed blocks <= budget, by letting ComfyUI unload more (its
+    own partially_unload, smallest modules first); then what room is left (less PROMOTE_MARGIN) takes the
+    largest streamed blocks (promote_blocks)."""
+    depth = settings.plan.prefetch_depth if settings.plan is not None else PREFETCH_DEPTH
+    if device.type != "cuda" or settings.stream_every_block:     # tests: every block, copied
+        return [n for n, _ in block_offload.top_level_blocks(unet)], depth, []
+    act = settings.plan.activation_bytes if settings.plan is not None else 0
+    if noise_shape is not None:
+        try:
+            act = int(patcher.model.memory_required([noise_shape[0] * 2] + list(noise_shape[1:])))
+        except Exception:  # noqa: BLE001 - keep the planner's estimate
+            pass
+    for _ in range(4):
+        off = block_offload.off_device_bytes(unet, device)
+        on = block_offload.on_device_bytes(unet, device)
+        est = act + torch.cuda.memory_allocated(device) + vram_plan.ring_bytes([b for b in off.values() if b], depth)
+        if not budget or est <= budget or not hasattr(patcher, "partially_unload"):
+            break
+        if not patcher.partially_unload(patcher.offload_device, est - budget):
+            break
+    streamed = [n for n, b in off.items() if b]
+    room = int(budget * (1 - PROMOTE_MARGIN)) - act - torch.cuda.memory_allocated(device) if budget else 0
+    promoted = promote_blocks([(n, off[n]) for n in streamed], room, depth)
+    streamed = [n for n in streamed if n not in promoted]
+    est = act + torch.cuda.memory_allocated(device) + sum(off[n] for n in promoted) + vram_plan.ring_bytes(
+        [off[n] for n in streamed], depth)
+    notes.append("lowvram: estimated peak %.2f GiB (%.2f GiB weights resident%s)" % (
+        est / GIB, on / GIB, ", %d more blocks (%.2f GiB) moved to the GPU for the run" % (
+            len(promoted), sum(off[n] for n in promoted) / GIB) if promoted else ""))
+    return streamed, depth, promoted
+
+
+@contextlib.contextmanager
+def _sampling_tables_on(device, base_model):
+    """ComfyUI's partial loading leaves the model's `model_sampling` (sigma tables, a few KiB) on the CPU, so
+    every step copies its timestep there and back, which a CUDA graph cannot capture (device run 19). For
+    the streamed run they live on the GPU; put back after."""
+    moved = []
+    ms = getattr(base_model, "model_sampling", None)
+    if ms is not None:
+        for m in ms.modules():
+            for name, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    moved.append((m, name, b))
+                    m._buffers[name] = b.to(device)
+    try:
+        yield len(moved)
+    finally:
+        for m, name, b in moved:
+            m._buffers[name] = b
+
+
+@contextlib.contextmanager
+def stream_scope(settings, patcher, budget, notes, noise_shape=None):
+    """Inside one sampling run, after ComfyUI loaded the model: stream what it left off the GPU."""
+    device = torch.device(patcher.load_device)
+    unet = patcher.model.diffusion_model
+    streamed, depth, promoted = _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shape)
+    if not streamed:
+        with block_offload.resident_blocks(device, unet, promoted, settings.promoted_cache):
+            notes.append("lowvram: the whole UNet fit in the budget, nothing streamed")
+            yield None
+        return
+    streamer = block_offload.BlockStreamer(unet, streamed, prefetch_depth=depth, device=device,
+                                           pinned_cache=settings.pinned_cache,
+                                           every_tensor=settings.stream_every_block)
+    streamer.install()
+    settings.last_streamer, per_step, ring = streamer, streamer.streamed_bytes, streamer.ring_bytes
+    try:
+        with _sampling_tables_on(device, patcher.model), \
+                block_offload.resident_blocks(device, unet, promoted, settings.promoted_cache):
+            yield streamer
+    finally:
+        streamer.remove()
+        notes.append("lowvram: %d of %d blocks streamed (%.2f GiB per step through a %.2f GiB ring, prefetch depth "
+                     "%d; outside graph replays: %d block copies, %d loaded on demand)"
+                     % (len(streamed), len(streamer.blocks), per_step / GIB, ring / GIB, depth,
+                        streamer.stats["copies"], streamer.stats["demand_loads"]))
+
+
+def _outer_sample_wrapper(settings):
+    def wrapper(executor, *args, **kwargs):
+        guider = executor.class_obj
+        patcher = guider.model_patcher
+        saved = {k: [c.copy() for c in v] for k, v in guider.conds.items()} if isinstance(
+            getattr(guider, "conds", None), dict) else None
+
+        def before_retry():     # the run processed the conds in place of the guider's copies: start afresh
+            if saved is not None:
+                guider.conds = {k: [c.copy() for c in v] for k, v in saved.items()}
+        return run_in_pool(settings, patcher, lambda: executor(*args, **kwargs), before_retry=before_retry)
+    wrapper.sd_accel_pool = settings
+    return wrapper
+
+
+def _sampler_sample_wrapper(settings):
+    """Runs after ComfyUI loaded the models (inside outer_sample): where lowvram streaming starts and ends."""
+    def wrapper(executor, *args, **kwargs):
+        active = settings.active
+        if not active or active["offload"] != "lowvram":
+            return executor(*args, **kwargs)
+        noise = args[4] if len(args) > 4 else kwargs.get("noise")
+        with stream_scope(settings, args[0].model_patcher, active["budget"], active["notes"],
+                          getattr(noise, "shape", None)):
+            return executor(*args, **kwargs)
+    wrapper.sd_accel_pool = settings
+    return wrapper
+
+
+def plan_for_budget(sizes, budget, activation_bytes):
+    """(plan, notes). Prefetching the next block needs room for two streamed blocks at once; a budget that
+    fits only one (SDXL at 2 GiB: its largest block is 0.77 GiB) runs without prefetch, slower, rather than
+    being refused. Below even that: ValueError naming the minimum."""
+    try:
+        return vram_plan.plan_residency(sizes, budget, activation_bytes, PREFETCH_DEPTH), []
+    except vram_plan.BudgetTooSmall as with_prefetch:
+        try:
+            plan = vram_plan.plan_residency(sizes, budget, activation_bytes, 0)
+        except vram_plan.BudgetTooSmall as e:
+            raise ValueError("VRAM Pool: %s. Raise budget_gib to at least %.2f, or set it to 0 (no cap)."
+                             % (e, e.needed / GIB)) from e
+        note = ("prefetch off: the budget holds one streamed block at a time (%.2f GiB needed to prefetch); "
+                "each block's copy waits for the one before it, slower" % (with_prefetch.needed / GIB))
+        log.info("[SD Accel] VRAM Pool: %s", note)
+        return plan, [note]
+
+
+
+
+def make_pool(model, budget_gib, offload, release_cache, expandable_segments):
+    """(clone of `model` carrying the pool's wrappers, report line, UI dict): the VRAM Pool node's work."""
+    mm = _mm()
+    budget = int(round(float(budget_gib) * GIB))
+    sizes = vram_plan.unet_block_sizes(diffusion_model(model))
+    plan, notes = plan_for_budget(sizes, budget, activation_estimate(mm, model))
+    settings = PoolSettings(budget, offload, release_cache, bool(expandable_segments), plan)
+    clone = model.clone()
+    unsupported = budget_supported(mm, clone)
+    if unsupported is None:
+        import comfy.patcher_extension as pe
+        clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, _outer_sample_wrapper(settings))
+        clone.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, _sampler_sample_wrapper(settings))
+    else:
+        notes.append("NOT enforced: %s; the plan below is advisory" % unsupported)
+        log.warning("[SD Accel] VRAM Pool settings not enforced: %s", unsupported)
+    streaming = None
+    if offload == "lowvram":
+        why = streaming_unavailable(mm, clone, torch.device(clone.load_device))
+        streaming = why is None
+        if why:
+            notes.append("lowvram: block streaming off (%s); runs as offload=none" % why)
+            log.warning("[SD Accel] VRAM Pool: lowvram block streaming off (%s); runs as offload=none", why)
+    ui = plan.to_dict()
+    ui.update(resident_count=len(plan.resident), streamed_count=len(plan.streamed), offload=offload,
+              release_cache=release_cache, expandable_segments=bool(expandable_segments),
+              enforced=unsupported is None, streaming=streaming, notes=notes)
+    placement = ("ComfyUI's partial loading, the rest streamed" if streaming else "ComfyUI's partial loading")
+    line = ("VRAM Pool: plan for block streaming: %s (placement: %s); offload %s, "
+            "release cache %s, expandable segments %s%s") % (
+        plan.summary(), placement, offload, release_cache, "on" if expandable_segments else "off",
+        " | " + "; ".join(notes) if notes else "")
+    log.info("[SD Accel] %s", line)
+    return clone, line, ui
