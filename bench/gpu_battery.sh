@@ -7,7 +7,9 @@
 # Parts: tests (tests/gpu, ~70 s), unet (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min),
 # cn (bench_controlnet.py, cn1 cn2 SDXL cn1, ~3 min), vram (bench_vram.py stock+ours, ~2 min), lowvram_baseline
 # (bench_vram.py with ComfyUI's own partial loading too, ~5 min), soak (bench_soak.py, ~3 min), a1111
-# (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min).
+# (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min), profile
+# (profile_step.py: where an Accelerated KSampler run's time goes, SD1.5 and SDXL at 4 GiB, ~2.5 min; a diagnosis,
+# nothing for results.jsonl).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -43,6 +45,7 @@ for p in "$@"; do
     lowvram_baseline) part lowvram_baseline 420 python3 bench/bench_vram.py --comfy-dir $COMFY ;;
     soak) part soak 300 python3 bench/bench_soak.py --comfy-dir $COMFY ;;
     a1111) part a1111 150 python3 bench/bench_a1111_ldm.py ;;
+    profile) part profile 240 python3 bench/profile_step.py --comfy-dir $COMFY ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
@@ -53,6 +56,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile)"; exit 2 ;;
   esac
 done

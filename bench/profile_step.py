@@ -91,7 +91,7 @@ def host_timeline(run):
     gaps_cpu = [(calls[i + 1][0] - calls[i][1]) * 1e3 for i in range(len(calls) - 1)]
     gpu = [e0.elapsed_time(e1) for _, _, e0, e1, _ in calls]
     gpu_gap = [calls[i][3].elapsed_time(calls[i + 1][2]) for i in range(len(calls) - 1)]
-    out("  sampling call (host clock, incl. decode? no: run_graph's sample_s) %.1f ms for %d runner calls"
+    out("  sampling call (run_graph's sample_s, host clock) %.1f ms for %d runner calls"
         % (res["sample_s"] * 1e3, len(calls)))
     out("  graph() wall %.1f ms; sample_s %.1f ms; before first step (host) %.1f ms; after last step exit %.1f ms"
         % ((t1 - t0) * 1e3, res["sample_s"] * 1e3, (calls[0][0] - t0) * 1e3, (t1 - calls[-1][1]) * 1e3))
