@@ -19,6 +19,20 @@ if _tt is not None:
     triton, tl = _tt
 
     @triton.jit
+    def normalize_rows(x, mask, cols, cmask, D, eps, W, B, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+        """fp32 [BLOCK_M, BLOCK_D] tile `x` (masked lanes 0) -> its rows normalized, times W, plus B (fp32).
+        Shared with add_layer_norm.py's kernel."""
+        mean = tl.sum(x, axis=1) / D
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / D + eps)
+        y = d * rstd[:, None]
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        return y
+
+    @triton.jit
     def _layer_norm_kernel(
         X, Y,               # input / output [M, D], contiguous
         W, B,               # weight / bias [D], any float dtype (ignored unless HAS_W / HAS_B)
@@ -32,14 +46,7 @@ if _tt is not None:
         mask = (rows < M)[:, None] & cmask[None, :]
         offs = rows[:, None] * D + cols[None, :]
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / D
-        d = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / D + eps)
-        y = d * rstd[:, None]
-        if HAS_W:
-            y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if HAS_B:
-            y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = normalize_rows(x, mask, cols, cmask, D, eps, W, B, HAS_W, HAS_B)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 

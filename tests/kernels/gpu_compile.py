@@ -33,6 +33,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 from sd_accel.kernels import add_layer_norm as aln  # noqa: E402
 from sd_accel.kernels import bias_residual_add as bra  # noqa: E402
 from sd_accel.kernels import group_norm_silu as gn  # noqa: E402
+from sd_accel.kernels import layer_norm as ln  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CL = torch.channels_last
@@ -67,6 +68,7 @@ def calls():
         a, r = _x(shape), _x(shape)
         w, b = torch.randn(shape[-1], dtype=torch.float16), torch.randn(shape[-1], dtype=torch.float16)
         out.append((f"add_layer_norm {shape}", lambda a=a, r=r, w=w, b=b: aln._launch(a, r, w, b, 1e-5)))
+        out.append((f"layer_norm {shape}", lambda a=a, w=w, b=b: ln._launch(a, w, b, 1e-5)))
     return out
 
 
@@ -75,7 +77,7 @@ def record_launches():
 
     def recorder(kernel, grid, *args, **meta):
         seen.append((kernel, grid, args, meta))
-    for mod in (gn, bra, aln):
+    for mod in (gn, bra, aln, ln):
         mod.launch = recorder
     for label, fn in calls():
         fn()

@@ -5,19 +5,7 @@ import torch
 from sd_accel.kernels import _triton
 from sd_accel.kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference, eligible
 from sd_accel.kernels.layer_norm import layer_norm_reference
-
-SHAPES = [
-    pytest.param((2, 64, 320), id="sd15-320"),
-    pytest.param((2, 16, 640), id="sd15-640"),
-    pytest.param((1, 8, 1280), id="sd15-1280"),
-    pytest.param((3, 5, 33), id="odd-D33"),
-    pytest.param((1, 1, 1280), id="one-row"),
-]
-DTYPES = [
-    pytest.param(torch.float32, 2e-5, 2e-5, id="fp32"),
-    pytest.param(torch.float16, 2e-3, 2e-3, id="fp16"),
-    pytest.param(torch.bfloat16, 1e-2, 1e-2, id="bf16"),
-]
+from test_layer_norm import DTYPES, SHAPES   # the same labelled shapes and (dtype, atol, rtol) as layer_norm
 
 
 def _inputs(shape, dtype, device, seed=0):
