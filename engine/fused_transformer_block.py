@@ -7,8 +7,9 @@ two launches fewer per block, 32 per SD1.5 step and 140 per SDXL step, same numb
 
 Only the plain call is re-implemented, and only where the host's block source has the expected steps
 (`eligible`): no transformer patches that act inside the block (attn1/attn2 patches, output patches, the
-middle patch), no attention replace patch for this block, no ff_in, a residual stream (`is_res`), a
-cross-attention. Any other call goes to the host's own forward. The host keeps the body in `forward`
+middle patch), no attention replace patch for this block but SD Accel's own attention backend (run with the
+host's replace-patch steps), no ff_in, a residual stream (`is_res`), a
+cross-attention. Any other call goes to the host's own forward, and the run report says so. The host keeps the body in `forward`
 (current ComfyUI) or in `_forward` behind a checkpoint wrapper (ComfyUI 2024; in inference the wrapper only
 calls it). Children (norms, attentions, feed-forward) are the block's own modules, called as the host calls
 them, so their own patches (fused norms, GEGLU, attention backends) apply.
@@ -32,14 +33,34 @@ class FusedTransformerBlock:
     sdaccel_attn_takes_options = True     # set per class at plan time: the host passes transformer_options
 
     def forward(self, x, context=None, transformer_options={}):  # noqa: B006 - the host's signature
-        if not _plain_call(transformer_options):
-            return super().forward(x, context=context, transformer_options=transformer_options)
-        kw = {"transformer_options": transformer_options} if self.sdaccel_attn_takes_options else {}
-        n = self.attn1(self.norm1(x), context=None, value=None, **kw)
+        to = transformer_options
+        if not _plain_call(to):
+            kernel_report.record("transformer_add_norm", _HostSteps)
+            return super().forward(x, context=context, transformer_options=to)
+        n = self._attention("attn1", self.norm1(x), None, to)
         x, n = _add_norm(self.norm2, n, x)
-        n = self.attn2(n, context=context, value=None, **kw)
+        n = self._attention("attn2", n, context, to)
         x, n = _add_norm(self.norm3, n, x)
         return self.ff(n) + x
+
+    def _attention(self, which, n, context, to):
+        """The host's attention call, or its replace-patch steps where SD Accel's own attention backend is
+        set for this block (hosts/comfyui.py sets one on every block when `attention` is not auto)."""
+        attn = getattr(self, which)
+        patch = _replace_patch(to, which)
+        if patch is None:
+            kw = {"transformer_options": to} if self.sdaccel_attn_takes_options else {}
+            return attn(n, context=context, value=None, **kw)
+        kv = n if context is None else context
+        extra = {k: v for k, v in to.items() if k not in ("patches", "patches_replace")}
+        extra.update(n_heads=self.n_heads, dim_head=self.d_head, attn_precision=getattr(self, "attn_precision", None))
+        return attn.to_out(patch(attn.to_q(n), attn.to_k(kv), attn.to_v(kv), extra))
+
+
+class _HostSteps:
+    """What kernel_report reads when the block ran the host's own steps."""
+    last_path = "reference"
+    last_reason = "a transformer patch acts inside the block (another pack's attention or output patch)"
 
 
 def _add_norm(norm, n, x):
@@ -50,18 +71,33 @@ def _add_norm(norm, n, x):
 
 
 def _plain_call(to):
-    """No transformer patch acts inside this block on this call (the host would run extra steps)."""
+    """No transformer patch but SD Accel's own attention backend acts inside this block on this call (the
+    host would run other steps)."""
     patches = to.get("patches") or {}
     if any(patches.get(k) for k in _PATCHES):
         return False
-    replace = to.get("patches_replace") or {}
+    return all(_replace_patch(to, name, ours_only=False) in (None, _OURS) for name in ("attn1", "attn2"))
+
+
+_OURS = object()
+
+
+def _replace_patch(to, name, ours_only=True):
+    """The attention replace patch the host would call for this block (it looks up (block, index) first,
+    then the block): None when there is none. With ours_only=False, SD Accel's own backends come back as
+    _OURS and any other patch as itself; with ours_only=True (the fast path), SD Accel's patch itself."""
+    r = (to.get("patches_replace") or {}).get(name) or {}
+    if not r:
+        return None
     block = to.get("block")
     here = (block[0], block[1], to.get("block_index", 0)) if block is not None else None
-    for name in ("attn1", "attn2"):
-        r = replace.get(name) or {}
-        if r and (here in r or block in r):
-            return False
-    return True
+    patch = r.get(here) if here in r else r.get(block) if block in r else None
+    if patch is None:
+        return None
+    ours = getattr(patch, "sd_accel_backend", None) is not None
+    if ours_only:
+        return patch if ours else None
+    return _OURS if ours else patch
 
 
 def _host_body(cls):

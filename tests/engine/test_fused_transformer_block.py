@@ -77,7 +77,8 @@ def test_a_patch_inside_the_block_runs_the_host_steps(unet):
             ref = blk(x.clone(), context=ctx, transformer_options=to)
             out = new(x.clone(), context=ctx, transformer_options=to)
         assert torch.equal(out, ref)
-        assert "transformer_add_norm" not in kernel_report.summarize(k0, kernel_report.snapshot())
+        ran = kernel_report.summarize(k0, kernel_report.snapshot())["transformer_add_norm"]
+        assert ran["fused"] == 0 and ran["fallback"] == 1 and "patch acts inside the block" in ran["reasons"][0]
     assert seen == [1, 1]
     # a replace patch for another block leaves this one plain
     assert ftb._plain_call({"block": ("input", 1), "block_index": 0,
@@ -101,3 +102,28 @@ def test_blocks_of_other_shapes_are_not_planned(unet):
             else:
                 setattr(blk, attr, old)
     assert not ftb.eligible(torch.nn.Linear(2, 2))
+
+
+def test_sd_accels_own_attention_backend_keeps_the_fused_path(unet):
+    """attention=sdpa (or xformers, sage) sets SD Accel's replace patch on every block: the stand-in runs the
+    host's replace-patch steps itself and keeps the add+norm fusion; same output as the host with that patch."""
+    from sd_accel.engine import attention
+    name, blk = _blocks(unet)[0]
+    new = fm.clone_as(ftb.FusedTransformerBlock, blk)
+    new.sdaccel_attn_takes_options = ftb._host_body(type(blk))[1]
+    attend = attention.attention_fn("sdpa")
+
+    def patch(q, k, v, extra):
+        return attend(q, k, v, extra["n_heads"])
+    patch.sd_accel_backend = "sdpa"
+    x, ctx = _inputs(blk, seed=2)
+    to = {"block": ("input", 1), "block_index": 0,
+          "patches_replace": {"attn1": {("input", 1, 0): patch}, "attn2": {("input", 1): patch}}}
+    k0 = kernel_report.snapshot()
+    with torch.no_grad():
+        ref = blk(x.clone(), context=ctx, transformer_options=to)
+        out = new(x.clone(), context=ctx, transformer_options=to)
+    ran = kernel_report.summarize(k0, kernel_report.snapshot())
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert ran["transformer_add_norm"] == {"fused": 2, "fallback": 0, "reasons": []}, ran
+    assert ran["attention_sdpa"]["fused"] == 4, ran      # both attentions, host and stand-in
