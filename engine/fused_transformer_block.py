@@ -47,7 +47,7 @@ class FusedTransformerBlock:
         """The host's attention call, or its replace-patch steps where SD Accel's own attention backend is
         set for this block (hosts/comfyui.py sets one on every block when `attention` is not auto)."""
         attn = getattr(self, which)
-        patch = _replace_patch(to, which)
+        patch = _replace_patch(to, which)       # SD Accel's own when set: _plain_call passed this block
         if patch is None:
             kw = {"transformer_options": to} if self.sdaccel_attn_takes_options else {}
             return attn(n, context=context, value=None, **kw)
@@ -76,28 +76,20 @@ def _plain_call(to):
     patches = to.get("patches") or {}
     if any(patches.get(k) for k in _PATCHES):
         return False
-    return all(_replace_patch(to, name, ours_only=False) in (None, _OURS) for name in ("attn1", "attn2"))
+    return all(p is None or _ours(p) for p in (_replace_patch(to, "attn1"), _replace_patch(to, "attn2")))
 
 
-_OURS = object()
-
-
-def _replace_patch(to, name, ours_only=True):
-    """The attention replace patch the host would call for this block (it looks up (block, index) first,
-    then the block): None when there is none. With ours_only=False, SD Accel's own backends come back as
-    _OURS and any other patch as itself; with ours_only=True (the fast path), SD Accel's patch itself."""
+def _replace_patch(to, name):
+    """The attention replace patch the host would call for this block ((block, index) first, then the
+    block), or None."""
     r = (to.get("patches_replace") or {}).get(name) or {}
-    if not r:
-        return None
     block = to.get("block")
     here = (block[0], block[1], to.get("block_index", 0)) if block is not None else None
-    patch = r.get(here) if here in r else r.get(block) if block in r else None
-    if patch is None:
-        return None
-    ours = getattr(patch, "sd_accel_backend", None) is not None
-    if ours_only:
-        return patch if ours else None
-    return _OURS if ours else patch
+    return r.get(here) if here in r else r.get(block)
+
+
+def _ours(patch):
+    return getattr(patch, "sd_accel_backend", None) is not None
 
 
 def _host_body(cls):

@@ -155,7 +155,8 @@ class BlockStreamer:
         for n, place in zip(self._active, places):
             b = self._state[n]
             b.place = place
-            b.host_flat = self._host_buffer(b, new_cache)
+            # the block's tensors in one host buffer with the ring's layout (pinned when streaming to a GPU)
+            b.host_flat = host_flat(b.hosts, b.offsets, b.nbytes, self.pin, self.pinned_cache, new_cache)
         self.pinned_cache.clear()
         self.pinned_cache.update(new_cache)
         self.ring = torch.empty(ring, dtype=torch.uint8, device=self.device)
@@ -239,10 +240,6 @@ class BlockStreamer:
         return [n for n in self._active if n in self._issued]
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _host_buffer(self, b, new_cache):
-        """The block's tensors in one host buffer with the ring's layout (pinned when streaming to a GPU)."""
-        return host_flat(b.hosts, b.offsets, b.nbytes, self.pin, self.pinned_cache, new_cache)
-
     def _make_hook(self, name):
         def pre_hook(module, args):
             if self._current != name:

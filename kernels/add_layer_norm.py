@@ -18,7 +18,7 @@ _TILE = 4096
 _tt = get_triton()
 if _tt is not None:
     triton, tl = _tt
-    from .layer_norm import normalize_rows
+    from .layer_norm import normalize_rows, row_tile
 
     @triton.jit
     def _add_layer_norm_kernel(
@@ -28,11 +28,7 @@ if _tt is not None:
         HAS_W: tl.constexpr, HAS_B: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        mask = (rows < M)[:, None] & cmask[None, :]
-        offs = rows[:, None] * D + cols[None, :]
+        offs, mask, cols, cmask = row_tile(M, D, BLOCK_M, BLOCK_D)
         s = (tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
              + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(S.dtype.element_ty)
         tl.store(S + offs, s, mask=mask)

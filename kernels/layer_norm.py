@@ -19,6 +19,16 @@ if _tt is not None:
     triton, tl = _tt
 
     @triton.jit
+    def row_tile(M, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's [BLOCK_M, BLOCK_D] tile of a contiguous [M, D]: (offsets, mask, cols, column mask).
+        Shared with add_layer_norm.py's kernel."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = (rows < M)[:, None] & cmask[None, :]
+        return rows[:, None] * D + cols[None, :], mask, cols, cmask
+
+    @triton.jit
     def normalize_rows(x, mask, cols, cmask, D, eps, W, B, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
         """fp32 [BLOCK_M, BLOCK_D] tile `x` (masked lanes 0) -> its rows normalized, times W, plus B (fp32).
         Shared with add_layer_norm.py's kernel."""
@@ -40,11 +50,7 @@ if _tt is not None:
         HAS_W: tl.constexpr, HAS_B: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        mask = (rows < M)[:, None] & cmask[None, :]
-        offs = rows[:, None] * D + cols[None, :]
+        offs, mask, cols, cmask = row_tile(M, D, BLOCK_M, BLOCK_D)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         y = normalize_rows(x, mask, cols, cmask, D, eps, W, B, HAS_W, HAS_B)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)

@@ -31,6 +31,22 @@ def _inputs(block, seed=0):
     return torch.randn(2, 24, dim, generator=g), torch.randn(2, 7, ctx_dim, generator=g)
 
 
+def _standin(blk):
+    new = fm.clone_as(ftb.FusedTransformerBlock, blk)
+    new.sdaccel_attn_takes_options = ftb._host_body(type(blk))[1]
+    return new
+
+
+def _host_and_standin(blk, new, x, ctx, to):
+    """(host output, stand-in output, kernel report of both calls). ComfyUI 2024's block adds into its input
+    in place: each call gets its own copy."""
+    k0 = kernel_report.snapshot()
+    with torch.no_grad():
+        ref = blk(x.clone(), context=ctx, transformer_options=to)
+        out = new(x.clone(), context=ctx, transformer_options=to)
+    return ref, out, kernel_report.summarize(k0, kernel_report.snapshot())
+
+
 def test_every_block_is_planned_first_and_shares_its_parameters(unet):
     blocks = _blocks(unet)
     plan = patching.plan_patches(unet, patching.COMFY_OPS)
@@ -46,23 +62,16 @@ def test_every_block_is_planned_first_and_shares_its_parameters(unet):
 
 def test_plain_call_matches_the_host_block_and_uses_the_fused_add_norm(unet):
     name, blk = _blocks(unet)[0]
-    new = fm.clone_as(ftb.FusedTransformerBlock, blk)
-    new.sdaccel_attn_takes_options = ftb._host_body(type(blk))[1]
     x, ctx = _inputs(blk)
     to = {"block": ("input", 1), "block_index": 0, "patches": {}, "patches_replace": {}}
-    k0 = kernel_report.snapshot()
-    with torch.no_grad():
-        # (ComfyUI 2024's block adds into its input in place: each call gets its own copy)
-        ref = blk(x.clone(), context=ctx, transformer_options=to)
-        out = new(x.clone(), context=ctx, transformer_options=to)
-    ran = kernel_report.summarize(k0, kernel_report.snapshot())
+    ref, out, ran = _host_and_standin(blk, _standin(blk), x, ctx, to)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert ran["transformer_add_norm"]["fused"] == 2, ran
 
 
 def test_a_patch_inside_the_block_runs_the_host_steps(unet):
     name, blk = _blocks(unet)[0]
-    new = fm.clone_as(ftb.FusedTransformerBlock, blk)
+    new = _standin(blk)
     x, ctx = _inputs(blk, seed=1)
     seen = []
 
@@ -72,12 +81,9 @@ def test_a_patch_inside_the_block_runs_the_host_steps(unet):
     for to in ({"patches": {"middle_patch": [middle]}},
                {"block": ("input", 1), "block_index": 0,
                 "patches_replace": {"attn1": {("input", 1, 0): lambda q, k, v, extra: q}}}):
-        k0 = kernel_report.snapshot()
-        with torch.no_grad():
-            ref = blk(x.clone(), context=ctx, transformer_options=to)
-            out = new(x.clone(), context=ctx, transformer_options=to)
+        ref, out, ran = _host_and_standin(blk, new, x, ctx, to)
         assert torch.equal(out, ref)
-        ran = kernel_report.summarize(k0, kernel_report.snapshot())["transformer_add_norm"]
+        ran = ran["transformer_add_norm"]
         assert ran["fused"] == 0 and ran["fallback"] == 1 and "patch acts inside the block" in ran["reasons"][0]
     assert seen == [1, 1]
     # a replace patch for another block leaves this one plain
@@ -109,8 +115,6 @@ def test_sd_accels_own_attention_backend_keeps_the_fused_path(unet):
     host's replace-patch steps itself and keeps the add+norm fusion; same output as the host with that patch."""
     from sd_accel.engine import attention
     name, blk = _blocks(unet)[0]
-    new = fm.clone_as(ftb.FusedTransformerBlock, blk)
-    new.sdaccel_attn_takes_options = ftb._host_body(type(blk))[1]
     attend = attention.attention_fn("sdpa")
 
     def patch(q, k, v, extra):
@@ -119,11 +123,7 @@ def test_sd_accels_own_attention_backend_keeps_the_fused_path(unet):
     x, ctx = _inputs(blk, seed=2)
     to = {"block": ("input", 1), "block_index": 0,
           "patches_replace": {"attn1": {("input", 1, 0): patch}, "attn2": {("input", 1): patch}}}
-    k0 = kernel_report.snapshot()
-    with torch.no_grad():
-        ref = blk(x.clone(), context=ctx, transformer_options=to)
-        out = new(x.clone(), context=ctx, transformer_options=to)
-    ran = kernel_report.summarize(k0, kernel_report.snapshot())
+    ref, out, ran = _host_and_standin(blk, _standin(blk), x, ctx, to)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert ran["transformer_add_norm"] == {"fused": 2, "fallback": 0, "reasons": []}, ran
     assert ran["attention_sdpa"]["fused"] == 4, ran      # both attentions, host and stand-in
