@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..engine import attention, fused_modules, layout_modules, patching
 from ..engine import cuda_graph
 from ..engine.cuda_graph import StepGraphs
+from . import comfyui_control_graph as control_graph
 
 log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
@@ -79,10 +80,51 @@ def _make_step(st, options, base_model):
             # ComfyUI gives every cond a fresh uuid per sampling run; only patches read them, so
             # without patches they must not make each prompt capture anew
             ignore = ("uuids",) if _only_our_patches(to) else ()
-            return st.graphs.run(apply_model, args, kwargs, epoch=epoch, key_ignore=ignore,
+            fn, args, kwargs = _with_deferred_control(apply_model, args, kwargs)
+            return st.graphs.run(fn, args, kwargs, epoch=epoch, key_ignore=ignore,
                                  host_state=getattr(base_model, "current_weight_patches_uuid", None))
-        return apply_model(*args, **kwargs)
+        fn, args, kwargs = _with_deferred_control(apply_model, args, kwargs)
+        return fn(*args, **kwargs)
     return step
+
+
+def _with_deferred_control(apply_model, args, kwargs):
+    """(fn, args, kwargs) for the graph: a ControlNet chain deferred into this step
+    (hosts/comfyui_control_graph.py) becomes graph inputs, and `fn` runs the chain on them before the UNet,
+    so both are captured in one graph. Anything else is passed through unchanged."""
+    at = 4 if len(args) > 4 else "control"   # keyed wrapper: positional; ComfyUI 2024: a keyword of the cond
+    control = args[at] if at == 4 else kwargs.get(at)
+    if not isinstance(control, control_graph.DeferredControl):
+        return apply_model, args, kwargs
+    inputs = control.graph_inputs()
+    if at == 4:
+        args = args[:4] + (inputs,) + args[5:]
+    else:
+        kwargs = dict(kwargs, control=inputs)
+
+    def fn(*a, **kw):
+        if at == 4:
+            a = a[:4] + (control.evaluate(a[4], a[5] if len(a) > 5 else kw.get("transformer_options")),) + a[5:]
+        else:
+            kw = dict(kw, control=control.evaluate(kw["control"], kw.get("transformer_options")))
+        return apply_model(*a, **kw)
+    return fn, args, kwargs
+
+
+def runs_controlnets_in_graph(patched, info):
+    """True when the ControlNet chain can be deferred into this accelerated clone's CUDA graph: graphs on,
+    a GPU, and its step the first to see apply_model's control (our keyed wrapper outermost, or our
+    model_function_wrapper not chained to another pack's, which would get the deferred chain instead of
+    residuals)."""
+    if not (info.get("options") or {}).get("cuda_graph") or not _loads_on_cuda(patched):
+        return False
+    if hasattr(patched, "add_wrapper_with_key"):
+        if "model_function_wrapper" in patched.model_options:
+            return False   # called before apply_model (and its wrappers) with the control in its arguments
+        import comfy.patcher_extension as pe
+        first = [w for ws in patched.wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).values() for w in ws][:1]
+        return bool(first) and getattr(first[0], control_graph.TAKES_DEFERRED, False)
+    return info.get("wrapper") == "model_function_wrapper"
 
 
 def _only_our_patches(to):
@@ -135,6 +177,7 @@ def _install_wrapper(clone, st, options):
                         transformer_options={}, **kwargs):  # noqa: B006 - ComfyUI's own signature
                 return step(executor, (x, t, c_concat, c_crossattn, control, transformer_options), kwargs,
                             transformer_options)
+            setattr(wrapper, control_graph.TAKES_DEFERRED, True)
             st.wrappers[("apply_model", options)] = wrapper
         clone.wrappers.setdefault(pe.WrappersMP.APPLY_MODEL, {})[WRAPPER_KEY] = [wrapper]
         if hasattr(clone, "add_callback_with_key"):

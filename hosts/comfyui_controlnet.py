@@ -11,7 +11,11 @@ What gets patched, as data (`{attribute path: replacement}` from the engine, rel
     whole ControlNet forward replayed from CUDA graphs (one per shape, kept on the cldm module so they
     survive from one prompt to the next, dropped when its weights change or leave the GPU), and its
     conv weights in channels_last. Strength, start/end percent and the merge with the previous
-    ControlNet stay outside, in ComfyUI's own code, so they are honoured on every step.
+    ControlNet stay outside, in ComfyUI's own code, so they are honoured on every step;
+  * with `one_graph` (Accelerated KSampler, when the UNet's step takes it): each link's `get_control`
+    defers the chain into the UNet's own CUDA graph, so forwards, strength and merge replay with the UNet
+    as one graph per step; start/end percent and hint preparation are decided outside the graph on every
+    step (hosts/comfyui_control_graph.py). Inside that capture the forward stand-in above runs eagerly.
 
 How it is applied, on both ComfyUI versions (2024-03 and current): a `comfy.controlnet.ControlNet` holds
 its cldm module in a ModelPatcher, `control_model_wrapped`, which the sampler loads with the UNet
@@ -50,6 +54,7 @@ from dataclasses import dataclass
 
 from ..engine import hint_cache, layout_modules, patching
 from ..engine.graphed_forward import GraphedForward
+from . import comfyui_control_graph as control_graph
 
 log = logging.getLogger("sd_accel")
 
@@ -61,6 +66,9 @@ class ControlNetOptions:
     cuda_graph: bool = False
     channels_last: bool = False
     cond_only: bool = False   # lossy, opt-in: the ControlNets skip the uncond rows (see the module doc)
+    # the chain runs inside the UNet's CUDA graph (hosts/comfyui_control_graph.py); only where the UNet's
+    # step takes it (hosts/comfyui.runs_controlnets_in_graph), and not with cond_only
+    one_graph: bool = False
 
     def any(self):
         return self.fused_kernels or self.hint_cache or self.cuda_graph or self.channels_last or self.cond_only
@@ -136,6 +144,9 @@ class _Converter:
         if options.cond_only:
             self.info["cond_only"] = {"halved": 0, "uncond_skipped": 0, "no_info": 0}
             self.cond_only_depth = [0]   # calls of the chain in progress: only the outermost one counts
+        elif options.one_graph:
+            self.info["one_graph"] = control_graph.new_stats()
+            self.epoch = object()   # one sampling run: the ControlNets' weights are walked once for it
 
     def plan(self, control_model):
         hit = self.plans.get(id(control_model))
@@ -171,6 +182,8 @@ class _Converter:
             new.set_previous_controlnet(new_prev)
             if self.options.cond_only:
                 set_cond_only(new, self.info["cond_only"], self.cond_only_depth)
+            elif self.options.one_graph:
+                control_graph.install(new, self.info["one_graph"], self.epoch)
             self.info["controlnets"] += 1
         else:
             self.info["skipped"].append(why)
@@ -364,6 +377,12 @@ def summary(info):
     if gs:
         parts.append("graphs: %d replays, %d captures, %d eager" % (gs.get("replays", 0), gs.get("captures", 0),
                                                                   gs.get("eager", 0)))
+    og = info.get("one_graph")
+    if og is not None:
+        part = "in the UNet's graph: %d calls" % og["deferred"]
+        if og["stock"]:
+            part += "; own graphs: %s" % ", ".join("%d (%s)" % (n, why) for why, n in sorted(og["stock"].items()))
+        parts.append(part)
     cs = info.get("cond_only")
     if cs is not None:
         part = "cond only (lossy): uncond rows skipped in %d calls" % (cs["halved"] + cs["uncond_skipped"])

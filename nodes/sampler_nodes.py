@@ -27,8 +27,9 @@ ACCEL_INPUTS = {
 CONTROLNET_INPUTS = {
     "controlnet": ("BOOLEAN", {"default": True, "tooltip":
                    "Also accelerate the ControlNets attached to positive/negative (Apply ControlNet) with the "
-                   "options above: fused kernels, channels_last, and each ControlNet's forward replayed from a "
-                   "CUDA graph (strength and start/end percent are applied outside the graph, every step); "
+                   "options above: fused kernels, channels_last, and with cuda_graph the ControlNets run inside "
+                   "the UNet's CUDA graph, one replay per step (start/end percent decided every step; a new "
+                   "hint, strength or ControlNet never replays a stale graph); "
                    "without CUDA graphs its input hint block is computed once per run instead of at every step. "
                    "Lossless. Works on a patched copy: the loaded ControlNet and other samplers are untouched. "
                    "Full ControlNets only; T2I adapters and control-LoRAs run stock."}),
@@ -105,7 +106,9 @@ class SDAccelKSampler:
                 positive, negative, host_cn.ControlNetOptions(
                     fused_kernels=bool(controlnet) and opts.fused_kernels, hint_cache=bool(controlnet),
                     cuda_graph=bool(controlnet) and opts.cuda_graph,
-                    channels_last=bool(controlnet) and opts.channels_last, cond_only=bool(controlnet_cond_only)))
+                    channels_last=bool(controlnet) and opts.channels_last, cond_only=bool(controlnet_cond_only),
+                    one_graph=bool(controlnet) and not controlnet_cond_only and host.runs_controlnets_in_graph(
+                        patched, info)))
         host.new_sampling_run(info)
         k0, g0, cg0 = kernel_report.snapshot(), host.graph_stats(info), host_cn.graph_stats(cn_info)
         try:
