@@ -135,6 +135,21 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
                 continue
             if not w.is_contiguous(memory_format=memory_format):
                 with torch.no_grad():
-                    w.data = w.data.contiguous(memory_format=memory_format)
+                    w.data = relayout_in_place(w.data, memory_format)
                 n += 1
     return n
+
+
+def relayout_in_place(t, memory_format):
+    """`t`'s values in `memory_format`, written back into `t`'s own storage where it covers exactly the
+    tensor (a dense NCHW weight): the weights stay where the loader put them. A new copy instead would free
+    the old storage and leave holes among the loaded weights, which the allocator cannot give back (the
+    soak's reserved memory stayed 0.7 GiB above allocated; SD1.5's conv weights are 1.1 GiB). The
+    transient copy is freed at once. Anything else (a view into a larger buffer, odd strides): a new copy."""
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.contiguous(memory_format=memory_format)
+    tmp = t.contiguous(memory_format=memory_format)
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    out.set_(t.untyped_storage(), t.storage_offset(), t.shape, tmp.stride())
+    out.copy_(tmp)
+    return out

@@ -374,7 +374,7 @@ def summary(info):
     if hs["hits"] or hs["misses"]:
         parts.append("hint block computed %d, reused %d" % (hs["misses"], hs["hits"]))
     gs = info.get("graph_delta")
-    if gs:
+    if gs and any(gs.values()):   # the ControlNets' own graphs (none when they run inside the UNet's)
         parts.append("graphs: %d replays, %d captures, %d eager" % (gs.get("replays", 0), gs.get("captures", 0),
                                                                   gs.get("eager", 0)))
     og = info.get("one_graph")

@@ -121,3 +121,28 @@ def test_channels_last_conversion_keeps_values_and_parameters():
     assert [id(p) for p in conv.parameters()] == ids
     assert all(torch.equal(a, b) for a, b in zip(conv.parameters(), ref))
     assert conv[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_channels_last_conversion_keeps_each_weight_in_its_own_storage():
+    """No new storage per weight: freeing the old ones would leave holes among the loaded weights that the
+    allocator cannot give back (the soak's reserved/allocated). A weight that is a view into a larger buffer
+    (a streamer's ring, a flat load) gets a copy instead: its storage holds other tensors too."""
+    conv = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 6, 1))
+    ptrs = [m.weight.data_ptr() for m in conv]
+    ref = [m.weight.detach().clone() for m in conv]
+    patching.convert_conv_weights(conv)
+    assert [m.weight.data_ptr() for m in conv] == ptrs
+    assert all(torch.equal(m.weight, r) for m, r in zip(conv, ref))
+    x = torch.randn(2, 4, 9, 9).to(memory_format=torch.channels_last)
+    F = torch.nn.functional
+    with torch.no_grad():
+        want = F.conv2d(F.conv2d(x.contiguous(), ref[0], conv[0].bias), ref[1], conv[1].bias)
+        assert torch.allclose(conv(x), want, atol=1e-5)
+    flat = torch.randn(8 * 4 * 9 + 5)
+    shared = torch.nn.Conv2d(4, 8, 3, bias=False)
+    shared.weight.data = flat[5:].view(8, 4, 3, 3)
+    before = flat[:5].clone()
+    w_ref = shared.weight.detach().clone()
+    patching.convert_conv_weights(shared)
+    assert shared.weight.data_ptr() != flat[5:].data_ptr() and torch.equal(flat[:5], before)
+    assert torch.equal(shared.weight, w_ref) and shared.weight.is_contiguous(memory_format=torch.channels_last)
