@@ -73,16 +73,55 @@ class StepClock:
         cuda_graph.StepGraphs.run = self.orig
 
 
+class HostEvents:
+    """Host-clock spans of the calls that make a prompt's set-up cost (ComfyUI's loader, partial loads and
+    unloads, our graph captures and drops), to tell apart what the time before the first step goes to."""
+
+    def __init__(self):
+        import comfy.model_patcher as mp
+        self.targets = [(mm, "load_models_gpu"), (mm, "free_memory"), (mp.ModelPatcher, "partially_load"),
+                        (mp.ModelPatcher, "partially_unload"), (mp.ModelPatcher, "detach"),
+                        (mp.ModelPatcher, "load"), (cuda_graph.StepGraphs, "_capture"),
+                        (cuda_graph.StepGraphs, "clear")]
+        self.events, self.saved = [], []
+
+    def __enter__(self):
+        for obj, name in self.targets:
+            orig = getattr(obj, name, None)
+            if orig is None:
+                continue
+            self.saved.append((obj, name, orig))
+            setattr(obj, name, self._timed(orig, "%s.%s" % (getattr(obj, "__name__", "?"), name)))
+        return self
+
+    def _timed(self, orig, label):
+        events = self.events
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                events.append((t0, time.perf_counter(), label))
+        return timed
+
+    def __exit__(self, *exc):
+        for obj, name, orig in reversed(self.saved):
+            setattr(obj, name, orig)
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
 def host_timeline(run):
-    with StepClock() as clock:
+    with StepClock() as clock, HostEvents() as host:
         t0 = time.perf_counter()
         res = run(7)
         t1 = time.perf_counter()
     torch.cuda.synchronize()
+    for a, b, label in sorted(host.events)[:40]:
+        out("  host event +%.1f ms: %s %.1f ms" % ((a - t0) * 1e3, label, (b - a) * 1e3))
     calls = clock.calls
     if not calls:
         out("  no graph runner call seen")
