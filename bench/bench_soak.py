@@ -7,11 +7,12 @@ last 50 prompts; stock measured the same way"). Config `sd15_soak_100`.
 GPU machine only (--smoke: a CPU plumbing check). ComfyUI's own nodes in-process, booted in main.py's order
 (comfy_bench.boot), so its default cudaMallocAsync allocator is in force; a random full-size SD1.5 checkpoint
 built here (dev/fixtures.py). Each prompt is the whole graph, as comfy_bench.run_graph runs it:
-CLIPTextEncode x2 -> EmptyLatentImage -> sampler -> VAEDecode. Variants:
+CLIPTextEncode x2 -> EmptyLatentImage -> sampler -> decoder. Variants:
   stock  KSampler on the model as loaded;
   ours   SDAccelVRAMPool(budget 0, offload none, release_cache after_run, expandable_segments where the
          allocator has them) -> Accelerated KSampler with its defaults (fused kernels, CUDA graph,
-         channels_last): the settings for a long-running server (cached blocks released after each run).
+         channels_last) -> VAE Decode (SD Accel) with its defaults (cached blocks released after the decode):
+         the settings for a long-running server (cached blocks released after sampling and after decoding).
 The models are unloaded and the cache emptied between variants. The prompts cycle through the 9
 (size, batch) pairs in a fixed order that alternates large and small (CYCLE), seeds 1000+i for both.
 
@@ -155,8 +156,8 @@ def soak(variant, model, clip, vae, t_end, trace):
     if variant == "ours":
         model, settings, exp, plan_line = pool_model(model)
         say("pool", plan_line)
-        notes.append("pool: budget 0, offload none, release_cache after_run, expandable_segments %s"
-                     % ("on" if exp else "off"))
+        notes.append("pool: budget 0, offload none, release_cache after_run, expandable_segments %s; VAE Decode "
+                     "(SD Accel) releasing after the decode" % ("on" if exp else "off"))
     sampler = "ours" if variant == "ours" else "stock"
     recs, ooms, errors, retries, fallbacks, line = [], 0, 0, 0, 0, None
     pool_notes = set()
@@ -174,7 +175,8 @@ def soak(variant, model, clip, vae, t_end, trace):
         t = time.perf_counter()
         oom, err, line = False, None, None
         try:
-            r = cb.run_graph(ENV, model, clip, vae, px, batch, 1000 + i, sampler, OPT.steps)
+            r = cb.run_graph(ENV, model, clip, vae, px, batch, 1000 + i, sampler, OPT.steps,
+                             decoder="ours" if variant == "ours" else "stock")
             line = r["line"]
             del r
         except Exception as e:  # noqa: BLE001 - a soak goes on, as the server does

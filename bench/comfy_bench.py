@@ -93,10 +93,11 @@ def versions(env, comfy_dir):
 POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
 
 
-def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_conds=None):
+def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_conds=None, decoder="stock"):
     """One execution of the whole graph (encode, latent, KSampler or Accelerated KSampler, decode),
     as ComfyUI's executor runs it: times, peak VRAM over sampling, the image and our node's report.
-    `add_to_conds(pos, neg) -> (pos, neg)` inserts extra conditioning nodes (e.g. ControlNets)."""
+    `add_to_conds(pos, neg) -> (pos, neg)` inserts extra conditioning nodes (e.g. ControlNets). decoder: "stock"
+    (VAE Decode) or "ours" (VAE Decode (SD Accel), its defaults: planned decode, cache released after)."""
     import time as _t
     torch, nodes = env.torch, env.nodes
     from sd_accel.nodes.sampler_nodes import SDAccelKSampler
@@ -121,7 +122,11 @@ def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_c
         sync(env)
         t2 = _t.perf_counter()
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if env.cuda else 0.0
-        img = nodes.VAEDecode().decode(vae, out)[0]
+        if decoder == "ours":
+            from sd_accel.nodes.vae_nodes import SDAccelVAEDecode
+            img = SDAccelVAEDecode().decode(out, vae)["result"][0]
+        else:
+            img = nodes.VAEDecode().decode(vae, out)[0]
         sync(env)
         t3 = _t.perf_counter()
     return {"sample_s": t2 - t1, "e2e_s": t3 - t0, "peak_gib": peak, "img": img.float().cpu(), "report": report,

@@ -56,9 +56,15 @@ class SDAccelVAEDecode:
                            "Memory the decode may use, VAE weights included, in GiB. 0: the GPU's free memory "
                            "at decode time. Tiled decoding is chosen when the whole decode would not fit; "
                            "tiles can show faint seams, as with VAE Decode (Tiled)."}),
+        }, "optional": {   # optional, so workflows saved before it existed still load
+            "release_cache": (["after_decode", "never"], {"default": "after_decode", "tooltip":
+                              "after_decode: give the allocator's cached blocks back to the GPU once the image "
+                              "is decoded (the decode's working memory, GiBs at 1024 px, otherwise stays "
+                              "reserved by this process until the next cleanup). never: keep them cached, as "
+                              "VAE Decode does."}),
         }}
 
-    def decode(self, samples, vae, budget_gib=0.0):
+    def decode(self, samples, vae, budget_gib=0.0, release_cache="after_decode"):
         if budget_gib < 0:
             raise ValueError("VAE Decode (SD Accel): budget_gib must be >= 0 (0 = the GPU's free memory)")
         mm = _mm()
@@ -87,6 +93,9 @@ class SDAccelVAEDecode:
                 images = vae.decode(lat)
         if images.dim() == 5:   # video VAEs: frames into the batch, as VAE Decode does
             images = images.reshape(-1, *images.shape[-3:])
+        if release_cache == "after_decode":
+            mm.soft_empty_cache()
+            notes.append("cache released")
         line = "%s | %s%s" % (plan.summary() if plan else "VAE decode whole", report.summary(),
                               " | " + "; ".join(notes) if notes else "")
         log.info("[SD Accel] %s", line)

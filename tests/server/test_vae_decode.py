@@ -25,6 +25,11 @@ def test_whole_decode_is_vae_decode_and_tiles_under_a_small_budget(comfy, models
     assert psnr(img, stock) == 99.0
     (ui,) = entry["outputs"]["8"]["sdaccel_memory"]
     assert ui["mode"] == "whole" and any("no VRAM budget" in n for n in ui["notes"])
+    assert "cache released" in ui["notes"], "released after decoding by default"
+    kept = _ours(_stock(models, "vae_kept"), 0.0)
+    kept["8"]["inputs"]["release_cache"] = "never"
+    img_kept, entry = run_image(comfy, kept)
+    assert psnr(img_kept, stock) == 99.0 and "cache released" not in entry["outputs"]["8"]["sdaccel_memory"][0]["notes"]
 
     failed = comfy.run(_ours(_stock(models, "vae_tiny"), 0.0001), expect_success=False)
     text = str(failed.get("status"))
