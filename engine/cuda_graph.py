@@ -28,6 +28,7 @@ import contextlib
 import enum
 import logging
 import os
+import threading
 import uuid
 from collections import OrderedDict
 
@@ -155,6 +156,16 @@ class WeightsFingerprint:
 
 _NO_EPOCH = object()
 _FAILED_CAPTURES = []     # what failed captures allocated, kept alive (see StepGraphs._capture)
+_running = threading.local()   # depth of StepGraphs calls running their function (warm-up or capture)
+
+
+@contextlib.contextmanager
+def _step_running():
+    _running.depth = getattr(_running, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _running.depth -= 1
 
 
 class _Entry:
@@ -208,6 +219,10 @@ class StepGraphs:
         """`epoch`: an object that stays the same for all steps of one sampling run (None: unknown,
         re-read the module tree on every call). `host_state`: the host's own word for which weight
         patches are applied (ComfyUI: `current_weight_patches_uuid`); a change drops the graphs."""
+        if getattr(_running, "depth", 0):
+            # a model called inside another model's step (ControlNets inside the UNet's graph): it is part
+            # of that step's warm-up or capture, and never gets graphs of its own that would only hold memory
+            return self._eager(fn, args, kwargs, "inside another model's step")
         if not torch.cuda.is_available():
             return self._eager(fn, args, kwargs, "no CUDA device")
         if torch.cuda.is_current_stream_capturing():
@@ -240,7 +255,7 @@ class StepGraphs:
                     log.log(DIAG_LEVEL, "[SD Accel] new graph key for %s: %s", self.name, _key_diff(key, other))
                 self.warm.add(key)
                 self._remember_warmed(key)
-                with cudnn_autotuned(CUDNN_AUTOTUNE):
+                with cudnn_autotuned(CUDNN_AUTOTUNE), _step_running():
                     return self._eager(fn, args, kwargs, "warm-up call for a new shape")
             entry = self._capture(fn, args, kwargs, tensors, key, device, retry_after_warmup=rewarm)
             if entry is None:
@@ -273,7 +288,7 @@ class StepGraphs:
         k0 = kernel_report.snapshot()
         try:
             torch.cuda.synchronize()
-            with cudnn_autotuned(CUDNN_AUTOTUNE), torch.cuda.graph(graph, pool=self.pool):
+            with cudnn_autotuned(CUDNN_AUTOTUNE), torch.cuda.graph(graph, pool=self.pool), _step_running():
                 out = fn(*s_args, **s_kwargs)
         except Exception as e:  # an op that cannot be captured: remember and run eagerly
             log.warning("[SD Accel] CUDA graph capture failed for %s (%s: %s); running eagerly",

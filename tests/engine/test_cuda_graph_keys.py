@@ -133,3 +133,18 @@ def test_graphs_are_freed_once_the_weights_have_left_the_gpu():
     g.warm.add(("some key",))
     g.clear_if_offloaded()
     assert not g.warm and g.stats["invalidations"] == 1
+
+
+def test_a_model_run_inside_another_models_step_runs_eagerly_without_graphs_of_its_own():
+    """ControlNets evaluated inside the UNet's step (its warm-up or capture) must not warm up or capture
+    graphs of their own: those would never replay and only hold memory."""
+    inner = cg.StepGraphs(torch.nn.Linear(2, 2), name="controlnet")
+    calls = []
+    with cg._step_running():
+        out = inner.run(lambda x: calls.append(x) or x * 2, (torch.ones(3),), {})
+    assert torch.equal(out, torch.full((3,), 2.0)) and len(calls) == 1
+    assert inner.last_eager_reason == "inside another model's step"
+    assert inner.stats == {"captures": 0, "replays": 0, "eager": 1, "invalidations": 0}
+    assert not inner.warm and not inner.entries
+    inner.run(lambda x: x, (torch.ones(3),), {})
+    assert inner.last_eager_reason != "inside another model's step", "only while the outer step runs"

@@ -55,6 +55,10 @@ def test_controlnet_graphs_follow_hint_strength_and_range(comfy_env, cn):  # noq
         # the ControlNet ran inside the UNet's graph on every step (one replay per step), never on its own
         assert "controlnet: 1 patched" in line and "in the UNet's graph: 6 calls" in line, line
         assert "own graphs" not in line, line
+        # nor did it warm up or capture graphs of its own (they would only hold memory): its own counters
+        # show no replay and no capture, also on prompts where the UNet's graph is new (a new strength, range)
+        own = re.search(r"graphs: (\d+) replays, (\d+) captures", line.split(" | ")[-1])
+        assert own is None or own.groups() == ("0", "0"), line
         outs.append(out)
         refs.append(ref)
         if i in (1, 2):   # same ControlNet, strength and range (a new hint is an input): replayed, no capture
