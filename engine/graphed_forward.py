@@ -2,7 +2,9 @@
 
 For models the host calls once per step outside the UNet's own wrapper: a ControlNet (ComfyUI calls
 `control_model(x=, hint=, timesteps=, context=, ...)` before the UNet). Issuing one SD1.5 ControlNet
-eagerly costs ~15 ms of CPU per step for ~5 ms of GPU work; a replay costs the GPU time.
+eagerly costs ~15 ms of CPU per step for ~5 ms of GPU work; a replay costs the GPU time. Where the host
+runs the ControlNets inside the UNet's own graph (hosts/comfyui_control_graph.py), this stand-in is
+called inside that graph's warm-up or capture and runs eagerly there (StepGraphs: no graphs of its own).
 
 `GraphedForward(module)` is set as the instance attribute `forward` (nn.Module.__call__ looks it up
 there first) through the host's reversible mechanism (a ComfyUI object patch on path "forward"); it
