@@ -113,29 +113,32 @@ def _get_control(self, x, t, cond, batched_number, *rest, **kw):
         return stock(self, x, t, cond, batched_number, *rest, **kw)
     stats = self.__dict__[_MARK][0]
     links = _chain(self)
-    why = _why_not(links, rest, kw)
-    versions = None
-    if why is None:
-        versions = [_weights_version(link) for link in links]
-        if getattr(x, "is_cuda", False) and not all(on_gpu for _, on_gpu in versions):
-            why = "ControlNet weights not all on the GPU"
-    active = None
-    if why is None:
-        active = [_in_range(link, t) for link in links]
-        if not any(active):
-            stats["deferred"] += 1
-            return None   # ComfyUI's result too: no link in range, the UNet runs without ControlNet
-        if not all(_hint_ready(link, x) for link, on in zip(links, active) if on):
-            _prepare_hints(self, links, x, t, cond, batched_number, rest, kw)
-            if not all(_hint_ready(link, x) for link, on in zip(links, active) if on):
-                why = "hint not prepared for this shape"
+    why, active, versions = _decide(self, links, x, t, cond, batched_number, rest, kw)
     if why is not None:
         stats["stock"][why] = stats["stock"].get(why, 0) + 1
         return _stock_call(stock, self, x, t, cond, batched_number, rest, kw)
     stats["deferred"] += 1
+    if not any(active):
+        return None   # ComfyUI's result too: no link in range, the UNet runs without ControlNet
     view = {k: v for k, v in cond.items() if k not in ("control", "transformer_options")}
-    return DeferredControl(links, active, [v for v, _ in versions], x, t, view, batched_number,
-                           pass_to=bool(rest) or bool(kw))
+    return DeferredControl(links, active, versions, x, t, view, batched_number, pass_to=bool(rest) or bool(kw))
+
+
+def _decide(top, links, x, t, cond, batched_number, rest, kw):
+    """(why not, which links are in range, their weights' versions): the decisions taken outside the graph.
+    Prepares the active links' hints on the way (ComfyUI's own code)."""
+    why = _why_not(links, rest, kw)
+    if why is not None:
+        return why, None, None
+    versions = [_weights_version(link) for link in links]
+    if getattr(x, "is_cuda", False) and not all(on_gpu for _, on_gpu in versions):
+        return "ControlNet weights not all on the GPU", None, None
+    active = [_in_range(link, t) for link in links]
+    if not all(_hint_ready(link, x) for link, on in zip(links, active) if on):
+        _prepare_hints(top, links, x, t, cond, batched_number, rest, kw)
+        if not all(_hint_ready(link, x) for link, on in zip(links, active) if on):
+            return "hint not prepared for this shape", None, None
+    return None, active, [v for v, _ in versions]
 
 
 def _stock_call(stock, link, x, t, cond, batched_number, rest, kw):

@@ -163,3 +163,30 @@ def test_a_link_that_is_not_ours_runs_the_chain_stock(env, monkeypatch):
     assert torch.equal(_sample(acc, pos2, neg2), ref)
     assert not seen and info["one_graph"] == {"deferred": 0, "stock": {"Theirs in the chain is not ours": STEPS}}
     assert "own graphs: %d (Theirs in the chain is not ours)" % STEPS in host_cn.summary(info)
+
+
+def test_deferred_only_where_our_step_sees_the_control_first(env, monkeypatch):
+    """Accelerated KSampler defers the chain only where our step is the first to see apply_model's control:
+    graphs on, a GPU, and no other pack's wrapper outside ours (it would get the deferred chain instead of
+    residuals). Keyed wrappers on current ComfyUI, the single-slot model_function_wrapper on 2024's."""
+    from sd_accel.hosts import comfyui as host
+    model, _ = env
+    opts = host.AccelOptions(fused_kernels=False, channels_last=False)
+    acc, info = host.accelerate(model, opts)
+    assert not host.runs_controlnets_in_graph(acc, info), "on the CPU: no graph to run the chain in"
+    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    assert host.runs_controlnets_in_graph(acc, info)
+    off, off_info = host.accelerate(model, host.AccelOptions(fused_kernels=False, channels_last=False,
+                                                             cuda_graph=False))
+    assert not host.runs_controlnets_in_graph(off, off_info)
+
+    def theirs(*a, **k):
+        raise AssertionError("not called here")
+    other = model.clone()
+    if hasattr(other, "add_wrapper_with_key"):
+        import comfy.patcher_extension as pe
+        other.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, "another_pack", theirs)
+    else:
+        other.set_model_unet_function_wrapper(theirs)
+    acc2, info2 = host.accelerate(other, opts)
+    assert not host.runs_controlnets_in_graph(acc2, info2)
