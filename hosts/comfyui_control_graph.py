@@ -10,7 +10,8 @@ How: each link of our converted chain (hosts/comfyui_controlnet.py, `one_graph`)
 attribute `get_control` (the class's method is untouched; the links are our per-run copies). Called by
 the sampler, outside any capture, it takes every Python-side decision of ComfyUI's get_control at once:
   * which links are inside their start/end percent at this step: ComfyUI's own test,
-    `t[0] > range[0] or t[0] < range[1]`, run here (inside a capture it would wait for the GPU);
+    `t[0] > range[0] or t[0] < range[1]`, run here (inside a capture it would wait for the GPU), and
+    skipped for the whole schedule (start 0, end 1), where it cannot fail and reading t would stall the step;
   * each active link's hint prepared for this shape and batch: ComfyUI's own get_control runs for that,
     with every link's ControlNet model stood in by a no-op (`_HintOnly`), so only the hint code runs;
 and returns a `DeferredControl`: what the chain needs, not its result. The UNet's step
@@ -190,9 +191,19 @@ def _ours_outermost(transformer_options):
     return bool(wrappers) and getattr(wrappers[0], TAKES_DEFERRED, False)
 
 
+# ComfyUI's percent_to_sigma(0.0) is 999999999.9 and percent_to_sigma(1.0) is 0.0: a start/end percent of 0/1
+FULL_RANGE_FROM, FULL_RANGE_TO = 999999999.0, 0.0
+
+
 def _in_range(link, t):
-    r = link.timestep_range   # exactly ComfyUI's test (get_control, both versions)
-    return r is None or not (bool(t[0] > r[0]) or bool(t[0] < r[1]))
+    """ComfyUI's test (get_control, both versions): out of range when t[0] > range[0] or t[0] < range[1].
+    Reading t[0] waits for the GPU to finish everything queued (t is computed there), which would stall
+    every step; for the whole schedule (start 0, end 1, the default) the answer is known without it, as no
+    sigma is negative or above 1e9."""
+    r = link.timestep_range
+    if r is None or (r[0] >= FULL_RANGE_FROM and r[1] <= FULL_RANGE_TO):
+        return True
+    return not (bool(t[0] > r[0]) or bool(t[0] < r[1]))
 
 
 def _hint_ready(link, x):

@@ -190,3 +190,25 @@ def test_deferred_only_where_our_step_sees_the_control_first(env, monkeypatch):
         other.set_model_unet_function_wrapper(theirs)
     acc2, info2 = host.accelerate(other, opts)
     assert not host.runs_controlnets_in_graph(acc2, info2)
+
+
+def test_full_range_is_decided_without_reading_the_timestep(env):
+    """Reading t[0] waits for the GPU (t is computed there): for start 0 / end 1, ComfyUI's range is
+    (999999999.9, 0.0), which no sigma can leave, so the step must not read t. Any other range is tested
+    exactly as ComfyUI tests it."""
+    import types
+    from sd_accel.hosts import comfyui_control_graph as cg
+    import comfy.model_sampling as ms_mod
+    model, _ = env
+    ms = model.model.model_sampling
+    assert isinstance(ms, ms_mod.ModelSamplingDiscrete)
+    full = types.SimpleNamespace(timestep_range=(ms.percent_to_sigma(0.0), ms.percent_to_sigma(1.0)))
+
+    class Unreadable:
+        def __getitem__(self, i):
+            raise AssertionError("the timestep was read")
+    assert cg._in_range(full, Unreadable())
+    part = types.SimpleNamespace(timestep_range=(ms.percent_to_sigma(0.3), ms.percent_to_sigma(0.7)))
+    lo, hi = part.timestep_range[1], part.timestep_range[0]
+    assert cg._in_range(part, torch.tensor([(lo + hi) / 2]))
+    assert not cg._in_range(part, torch.tensor([hi * 1.01])) and not cg._in_range(part, torch.tensor([lo * 0.99]))
