@@ -17,7 +17,9 @@ patched vs stock, same input) to $OUT/results.jsonl.
 
 `sd15_512_b1_cn1_condonly` is sd15_512_b1_cn1 with the lossy `controlnet_cond_only` input on (the
 ControlNet skips the uncond rows): its psnr_db vs stock is the point, and its cn_rel_err compares the cond
-rows only (the notes say whether the uncond rows got zero residuals). Not in the default --configs.
+rows only (the notes say whether the uncond rows got zero residuals). `sd15_512_b1_cn1_half` applies the
+ControlNet to the first half of the steps only (end percent 0.5): the other steps use the UNet's graph
+without it, and ComfyUI's range test reads the timestep every step. Neither is in the default --configs.
 """
 import argparse
 import contextlib
@@ -38,6 +40,10 @@ GEOM = {  # config -> (model kind, image size, batch, ControlNets)
     "sd15_512_b1_cn2": ("sd15", 512, 1, 2),
     "sdxl_1024_b1_cn1": ("sdxl", 1024, 1, 1),
     "sd15_512_b1_cn1_condonly": ("sd15", 512, 1, 1),
+    "sd15_512_b1_cn1_half": ("sd15", 512, 1, 1),
+}
+RANGE = {  # config -> (start, end) percent of ControlNetApplyAdvanced (default 0, 1)
+    "sd15_512_b1_cn1_half": (0.0, 0.5),
 }
 SAMPLER_INPUTS = {  # config -> extra Accelerated KSampler inputs
     "sd15_512_b1_cn1_condonly": {"controlnet_cond_only": True},
@@ -104,23 +110,23 @@ def hint_image(size):
     return torch.rand((1, size, size, 3), generator=torch.Generator().manual_seed(3))
 
 
-def graph(model, clip, vae, cns, size, batch, seed, sampler):
+def graph(model, clip, vae, cns, size, batch, seed, sampler, rng=(0.0, 1.0)):
     hint = hint_image(size)
 
     def add_controlnets(pos, neg):
         for cn in cns:
-            pos, neg = nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cn, hint, 1.0, 0.0, 1.0)[:2]
+            pos, neg = nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cn, hint, 1.0, *rng)[:2]
         return pos, neg
     return cb.run_graph(ENV, model, clip, vae, size, batch, seed, sampler, OPT.steps, add_controlnets)
 
 
-def measure_pair(model, clip, vae, cns, size, batch):
+def measure_pair(model, clip, vae, cns, size, batch, rng=(0.0, 1.0)):
     """Warm-up of each, then stock and ours alternating, OPT.reps timed runs each (seeds 100, 101, ...)."""
-    first = {s: graph(model, clip, vae, cns, size, batch, 1, s) for s in ("stock", "ours")}
+    first = {s: graph(model, clip, vae, cns, size, batch, 1, s, rng) for s in ("stock", "ours")}
     runs = {"stock": [], "ours": []}
     for r in range(OPT.reps):
         for s in ("stock", "ours"):
-            runs[s].append(graph(model, clip, vae, cns, size, batch, 100 + r, s))
+            runs[s].append(graph(model, clip, vae, cns, size, batch, 100 + r, s, rng))
     out = {}
     for s, rs in runs.items():
         med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
@@ -192,7 +198,7 @@ def main():
             model, clip, vae, cns = load(kind, n_cn)
             extra = SAMPLER_INPUTS.get(tag, {})
             with sampler_inputs(extra):
-                stock, ours = measure_pair(model, clip, vae, cns, size, batch)
+                stock, ours = measure_pair(model, clip, vae, cns, size, batch, RANGE.get(tag, (0.0, 1.0)))
             rec = cb.pair_record(env, OPT, tag, stock, ours)
             cond_only = bool(extra.get("controlnet_cond_only"))
             rec["cn_rel_err"] = cn_rel_err(model, cns, size, batch, cond_only) if cns else None
