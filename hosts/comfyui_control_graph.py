@@ -91,9 +91,7 @@ class _Evaluation:
         self.active, self.hints = active, hints
 
     def call(self, link, stock, x, t, cond, batched_number, *rest, **kw):
-        i = self.at.get(id(link))
-        if i is None:   # not part of the decided chain (cannot happen for our own links): ComfyUI's code
-            return stock(link, x, t, cond, batched_number, *rest, **kw)
+        i = self.at[id(link)]   # every link that can be called here is in the chain decided from the top
         if not self.active[i]:   # outside its range: what ComfyUI returns then, the previous links' result
             prev = link.previous_controlnet
             return None if prev is None else prev.get_control(x, t, cond, batched_number, *rest, **kw)
