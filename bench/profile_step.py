@@ -35,7 +35,7 @@ OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 torch, mm = ENV.torch, ENV.mm
 say = cb.say
-from sd_accel.engine import cuda_graph  # noqa: E402
+from sd_accel.engine import cuda_graph, host_mirror  # noqa: E402
 
 LOADED = {}
 LINES = []
@@ -82,7 +82,9 @@ class HostEvents:
         self.targets = [(mm, "load_models_gpu"), (mm, "free_memory"), (mp.ModelPatcher, "partially_load"),
                         (mp.ModelPatcher, "partially_unload"), (mp.ModelPatcher, "detach"),
                         (mp.ModelPatcher, "load"), (cuda_graph.StepGraphs, "_capture"),
-                        (cuda_graph.StepGraphs, "clear")]
+                        (cuda_graph.StepGraphs, "clear"), (torch.cuda, "empty_cache"),
+                        (torch.cuda.CUDAGraph, "capture_begin"), (torch.cuda.CUDAGraph, "capture_end"),
+                        (host_mirror.HostMirror, "offload")]
         self.events, self.saved = [], []
 
     def __enter__(self):
@@ -120,7 +122,7 @@ def host_timeline(run):
         res = run(7)
         t1 = time.perf_counter()
     torch.cuda.synchronize()
-    for a, b, label in sorted(host.events)[:40]:
+    for a, b, label in sorted(host.events)[:60]:
         out("  host event +%.1f ms: %s %.1f ms" % ((a - t0) * 1e3, label, (b - a) * 1e3))
     calls = clock.calls
     if not calls:
@@ -299,15 +301,32 @@ def main():
         model, clip, vae = cb.load_family(ENV, OPT, kind, LOADED)
         mm.unload_all_models()
         mm.soft_empty_cache()
+        settings = None
         if budget is not None:
+            import comfy.patcher_extension as pe
+            from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
             model = SDAccelVRAMPool().apply(model, budget_gib=budget, offload="lowvram")["result"][0]
+            settings = model.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
 
         def run(seed):
             return cb.run_graph(ENV, model, clip, vae, size, batch, seed, "ours", OPT.steps)
         out("== %s" % tag)
+        if settings is not None:
+            # A/B in this process: first as before session 6 (captures through torch.cuda.graph(), which empties
+            # the allocator's cache; no host copies), then the current defaults
+            cuda_graph.CAPTURE_EMPTIES_CACHE, settings.host_copies = True, False
+            for s in (1, 2):
+                r = run(s)
+                out("  [before] warm run %d: %.1f it/s" % (s, OPT.steps / r["sample_s"]))
+            out("  [before] timeline (capture through torch.cuda.graph, no host copies):")
+            host_timeline(run)
+            cuda_graph.CAPTURE_EMPTIES_CACHE, settings.host_copies = False, True
+            out("  [now] (capture on a side stream without emptying the cache, host copies):")
         for s in (1, 2):
             r = run(s)
             out("  warm run %d: %.1f it/s (%s)" % (s, OPT.steps / r["sample_s"], (r["line"] or "")[:300]))
+            if settings is not None:
+                out("    pool notes: %s" % "; ".join(settings.last_notes)[:600])
         if budget is None and tag == "sd15_512_b1":
             try:
                 launch_sources(model, clip, size, batch)

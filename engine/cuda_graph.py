@@ -46,6 +46,13 @@ WEIGHTS_TOKEN = "sd_accel_weights_token"
 SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: keyed by value
 # off by default until a GPU run measures it (speed, first-run time, the warm-up's peak VRAM)
 CUDNN_AUTOTUNE = os.environ.get("SDACCEL_CUDNN_AUTOTUNE", "0") == "1"
+# torch.cuda.graph() empties the allocator's cache (newer torch also the pinned host cache) before every
+# capture, to make room for the graph. Under a VRAM Pool's lowvram budget a capture follows every prompt's
+# reshuffle (ComfyUI reloads the UNet's share at new addresses), and the blocks given back are then
+# allocated anew by the capture and the steps after it. Captures here begin on a side stream without that;
+# True (or SDACCEL_CAPTURE_EMPTY_CACHE=1) captures through torch.cuda.graph() as before.
+CAPTURE_EMPTIES_CACHE = os.environ.get("SDACCEL_CAPTURE_EMPTY_CACHE", "0") == "1"
+_CAPTURE_STREAMS = {}
 
 
 @contextlib.contextmanager
@@ -152,6 +159,29 @@ class WeightsFingerprint:
             # for them an in-place update is caught by the host's own patch state (`host_state`)
             out.append((id(t), t.data_ptr(), 0 if t.is_inference() else t._version))
         return tuple(out), all_cuda
+
+
+@contextlib.contextmanager
+def _capturing(graph, pool):
+    """Captures the work issued inside into `graph` (private memory `pool`), as torch.cuda.graph() does:
+    on a side stream that first waits for the current one, which then waits for it."""
+    if CAPTURE_EMPTIES_CACHE:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+        return
+    device = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream()
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
 
 
 _NO_EPOCH = object()
@@ -288,7 +318,7 @@ class StepGraphs:
         k0 = kernel_report.snapshot()
         try:
             torch.cuda.synchronize()
-            with cudnn_autotuned(CUDNN_AUTOTUNE), torch.cuda.graph(graph, pool=self.pool), _step_running():
+            with cudnn_autotuned(CUDNN_AUTOTUNE), _capturing(graph, self.pool), _step_running():
                 out = fn(*s_args, **s_kwargs)
         except Exception as e:  # an op that cannot be captured: remember and run eagerly
             log.warning("[SD Accel] CUDA graph capture failed for %s (%s: %s); running eagerly",

@@ -17,6 +17,10 @@ What is wired now, and how (the VAE decode under a budget is the separate VAE De
   and the notes say so.
 - out of memory during a run: memory is freed and the run retried once with more offload (lowvram where it
   can run, and half the budget); a second one is an error naming the budget and what to change.
+- host copies (offload medvram or lowvram, CUDA): before each run, the pooled model and every model ComfyUI
+  has loaded on its device (text encoders, VAE) are mirrored (engine/host_mirror.py): ComfyUI's moves off
+  the GPU then point the weights back at pinned host copies instead of copying them out, and its moves to
+  the GPU read from pinned memory. The models keep their copies (host memory of their size) while loaded.
 - release_cache=after_run: the allocator's cached blocks are released after sampling (soft_empty_cache).
 - expandable_segments: the CUDA allocator uses expandable segments during sampling (torch >= 2.1).
 """
@@ -26,7 +30,7 @@ import os
 
 import torch
 
-from ..engine import offload as block_offload, vram_plan, vram_report
+from ..engine import host_mirror, offload as block_offload, vram_plan, vram_report
 
 log = logging.getLogger("sd_accel")
 
@@ -121,6 +125,23 @@ def expandable_segments_scope(device, notes):
         setter("expandable_segments:False")
 
 
+def mirror_models(mm, patcher, device):
+    """Arms the host mirror on the pooled model and on every model ComfyUI has loaded on `device` (the ones
+    that take turns with it in the budget). Returns a note."""
+    if device.type != "cuda":
+        return "host copies: off (the model runs on %s)" % device.type
+    modules = [getattr(patcher, "model", None)]
+    for lm in mm.current_loaded_models:
+        if getattr(lm, "device", None) == device:
+            modules.append(getattr(getattr(lm, "model", None), "model", None))
+    modules = list({id(m): m for m in modules if isinstance(m, torch.nn.Module)}.values())
+    mirrors = [host_mirror.arm(m) for m in modules]
+    held = sum(m.host_bytes() for m in mirrors)
+    reused = sum(m.stats["reused_bytes"] for m in mirrors)
+    return "host copies: %d models mirrored (%.2f GiB held; %.2f GiB of moves off the GPU so far without a copy)" % (
+        len(mirrors), held / GIB, reused / GIB)
+
+
 def _unload_others(mm, patcher, device):
     keep = [lm for lm in mm.current_loaded_models if lm.model is patcher]
     mm.free_memory(1e30, device, keep_loaded=keep)
@@ -134,6 +155,7 @@ class PoolSettings:
         self.active = None            # during a run: {"offload", "budget", "notes"} of the current attempt
         self.pinned_cache = {}        # pinned host copies of streamed weights, kept across runs
         self.promoted_cache = {}      # the same for the blocks moved to the GPU for the run (promoted)
+        self.host_copies = True       # offload medvram/lowvram: mirror the models' weights in pinned host memory
         self.stream_every_block = False   # tests: stream every block, on a CPU device or where ComfyUI loaded it
         self.last_streamer = None
 
@@ -198,6 +220,8 @@ def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, r
                 notes.append("budget: not applied (the model runs on %s)" % device.type)
         if settings.expandable_segments:
             stack.enter_context(expandable_segments_scope(device, notes))
+        if offload in ("medvram", "lowvram") and settings.host_copies:
+            notes.append(mirror_models(mm, patcher, device))
         if offload == "medvram":
             if device.type == "cpu":
                 notes.append("medvram: n/a (the model runs on cpu)")

@@ -17,7 +17,9 @@ INPUTS = {
                 "unloaded so the VAE decode has the card. lowvram: ComfyUI loads what fits in the budget and "
                 "the rest of the UNet is streamed to the GPU block by block from pinned RAM, the next block "
                 "copied while the current one computes (CUDA and ComfyUI 0.3.x; elsewhere it runs as none and "
-                "the report says so). Same image as without offload."}),
+                "the report says so). With medvram or lowvram, this model and the models loaded beside it (text "
+                "encoder, VAE) keep a pinned copy of their weights in system RAM while on the GPU, so moving "
+                "them off copies nothing and moving them back is faster. Same image as without offload."}),
     "release_cache": (list(RELEASE), {"default": "never", "tooltip":
                       "after_run: release PyTorch's cached, unused VRAM blocks after each sampling run "
                       "(comfy.model_management.soft_empty_cache), so other programs and later stages get them. "

@@ -419,3 +419,33 @@ def test_lowvram_streaming_under_the_accelerated_patches_gives_the_stock_image(m
     # the streamer saw the stand-ins: every module it hooked is one the patched forward ran
     stand_ins = [m for m in patched.model.diffusion_model.modules() if getattr(m, "sdaccel_kind", None)]
     assert stand_ins, "the accelerated clone carries no fused stand-ins"
+
+
+def test_host_copies_arm_the_pooled_model_and_the_models_loaded_on_its_device():
+    """mirror_models against a stand-in model_management: the pooled model and the models ComfyUI has loaded
+    on the same device are mirrored (their .to(cpu) goes through engine/host_mirror.py), once each; a model
+    on another device and non-modules are left alone; on the CPU nothing is."""
+    from sd_accel.engine import host_mirror
+    from sd_accel.hosts.comfyui_memory import mirror_models
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    unet, te, vae, elsewhere = (torch.nn.Linear(2, 2) for _ in range(4))
+    patcher = types.SimpleNamespace(model=unet, load_device=cuda0)
+    loaded = [types.SimpleNamespace(device=cuda0, model=patcher),
+              types.SimpleNamespace(device=cuda0, model=types.SimpleNamespace(model=te)),
+              types.SimpleNamespace(device=cuda0, model=types.SimpleNamespace(model=vae)),
+              types.SimpleNamespace(device=cuda1, model=types.SimpleNamespace(model=elsewhere)),
+              types.SimpleNamespace(device=cuda0, model=None)]
+    fake = types.SimpleNamespace(current_loaded_models=loaded)
+    try:
+        assert "off" in mirror_models(fake, patcher, torch.device("cpu"))
+        assert host_mirror.mirror_of(unet) is None
+        note = mirror_models(fake, patcher, cuda0)
+        assert note.startswith("host copies: 3 models mirrored"), note
+        assert all(host_mirror.mirror_of(m) is not None for m in (unet, te, vae))
+        assert host_mirror.mirror_of(elsewhere) is None
+        first = host_mirror.mirror_of(te)
+        mirror_models(fake, patcher, cuda0)
+        assert host_mirror.mirror_of(te) is first          # armed once
+    finally:
+        for m in (unet, te, vae, elsewhere):
+            host_mirror.disarm(m)
