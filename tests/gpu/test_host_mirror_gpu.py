@@ -1,7 +1,8 @@
 """GPU only: the VRAM Pool's host copies (engine/host_mirror.py) through ComfyUI's own loads and unloads. After a
 pooled run, ComfyUI's unload of the UNet and the text encoder points their weights at pinned host copies; the
 next unload copies nothing it has a copy of; a LoRA patched in between is not carried back (the plain model
-samples stock's latent again), and the text encoder encodes exactly what it did before any of it."""
+holds its original weights bit for bit and samples stock's latent again), and the text encoder keeps its
+weights and its encoding."""
 import torch
 
 from test_graphs_gpu import _lora, _rel, _sample, comfy_env  # noqa: F401  (the shared module fixture)
@@ -18,6 +19,8 @@ def test_unloads_use_pinned_copies_and_patches_are_not_carried_back(comfy_env): 
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
     env = comfy_env
     ref, _ = _sample(env, env.model, ours=False)
+    unet_before = {n: p.detach().cpu().clone() for n, p in env.model.model.named_parameters()}
+    te_before = {n: p.detach().cpu().clone() for n, p in env.clip.patcher.model.named_parameters()}
     with torch.inference_mode():
         cond_before = env.nodes.CLIPTextEncode().encode(env.clip, "a dog")[0][0][0].clone()
     pooled = SDAccelVRAMPool().apply(env.model, budget_gib=0.0, offload="lowvram")["result"][0]
@@ -41,8 +44,13 @@ def test_unloads_use_pinned_copies_and_patches_are_not_carried_back(comfy_env): 
     same = sum(after[n] == ptrs[n] for n in ptrs)
     assert same > len(ptrs) // 2, (same, len(ptrs))   # the untouched weights point at the same host copies
 
+    for n, p in env.model.model.named_parameters():     # on the host now: the LoRA was not carried back
+        assert p.device.type == "cpu" and torch.equal(p.detach(), unet_before[n]), n
+    for n, p in env.clip.patcher.model.named_parameters():
+        assert p.device.type == "cpu" and torch.equal(p.detach(), te_before[n]), n
     again, _ = _sample(env, env.model, ours=False)
-    assert _rel(again, ref) < 1e-3, _rel(again, ref)
+    # stock against stock in another memory state: cuDNN may pick other kernels (4e-3 seen on the H200)
+    assert _rel(again, ref) < 1e-2, _rel(again, ref)
     with torch.inference_mode():
         cond_after = env.nodes.CLIPTextEncode().encode(env.clip, "a dog")[0][0][0]
-    assert torch.equal(cond_after.cpu(), cond_before.cpu())
+    assert torch.allclose(cond_after.cpu().float(), cond_before.cpu().float(), rtol=1e-3, atol=1e-3)
