@@ -1,11 +1,12 @@
-"""UNet block streaming: the weights of some top-level blocks live in (pinned) host memory and are copied into
-a GPU ring buffer on a side stream just before they run, the next blocks' copies in flight while the current
-one computes. Host-agnostic (no ComfyUI import); the host decides which tensors are off the GPU.
+"""UNet block streaming: the weights of some stream units live in (pinned) host memory and are copied into a
+GPU ring buffer on a side stream just before they run, the next units' copies in flight while the current one
+computes. Host-agnostic (no ComfyUI import); the host decides which tensors are off the GPU.
 
-The unit is a top-level block of an ldm UNetModel in execution order (engine/vram_plan.py's names:
-time_embed, label_emb, input_blocks.i, middle_block, output_blocks.i, out). ComfyUI runs a
-TimestepEmbedSequential layer by layer rather than through its __call__, so the trigger is a forward pre-hook
-on every module of a block that owns tensors: the first one that runs in a block "enters" the block.
+The unit ("block" below) is a stream unit of an ldm UNetModel in execution order (engine/vram_plan.py's
+`stream_units`: time_embed, label_emb, out, each ResBlock or up/downsampler of input_blocks.i, middle_block,
+output_blocks.i, each transformer block). ComfyUI runs a TimestepEmbedSequential layer by layer rather than
+through its __call__, so the trigger is a forward pre-hook on every module of a unit that owns tensors: the
+first one that runs in a unit "enters" it.
 
 Fixed places. Each streamed block gets a fixed place in one ring buffer (vram_plan.ring_layout) and its
 tensors' `.data` point there for as long as the streamer is installed; the host copy of a block is one
@@ -36,29 +37,31 @@ import contextlib
 import torch
 
 from .cuda_graph import WEIGHTS_TOKEN
-from .vram_plan import _UNET_ORDER, ring_layout
+from .vram_plan import ring_layout, stream_units
 
 ALIGN = 256          # each tensor's and block's place starts at a multiple of this many bytes
 
 
 def top_level_blocks(unet):
-    """[(name, module)] of an ldm UNetModel's top-level blocks in execution order (vram_plan's names)."""
-    out = []
-    for attr in _UNET_ORDER:
-        mod = getattr(unet, attr, None)
-        if mod is None:
-            continue
-        if attr in ("input_blocks", "output_blocks"):
-            out.extend(("%s.%d" % (attr, i), b) for i, b in enumerate(mod))
-        else:
-            out.append((attr, mod))
-    return out
+    """[(name, [modules])] of an ldm UNetModel's stream units in execution order (vram_plan.stream_units: a
+    ResBlock, an up/downsampler, a transformer block... the unit the streamer copies and places)."""
+    return stream_units(unet)
 
 
-def owned_tensors(module):
-    """(owner, tensor) for every parameter and buffer under `module`, each tensor once."""
+def _modules(unit):
+    """Every module under a unit (a module or a list of them), each once."""
+    seen = set()
+    for root in (unit if isinstance(unit, (list, tuple)) else [unit]):
+        for m in root.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                yield m
+
+
+def owned_tensors(unit):
+    """(owner, tensor) for every parameter and buffer under `unit` (a module or a list of them), each once."""
     seen, out = set(), []
-    for m in module.modules():
+    for m in _modules(unit):
         for d in (m._parameters, m._buffers):
             for t in d.values():
                 if t is not None and id(t) not in seen:
@@ -72,7 +75,7 @@ def _nbytes(t):
 
 
 def off_device_bytes(unet, device):
-    """{block name: bytes of its tensors not on `device`} for the top-level blocks, execution order."""
+    """{unit name: bytes of its tensors not on `device`} for the stream units, execution order."""
     device = torch.device(device)
     return {name: sum(_nbytes(t) for _, t in owned_tensors(mod) if not _on(t, device)) for name, mod in top_level_blocks(unet)}
 
@@ -100,7 +103,7 @@ class _Block:
 
 
 class BlockStreamer:
-    """Streams the tensors of the `streamed` top-level blocks of `unet` to `device` (see the module doc).
+    """Streams the tensors of the `streamed` stream units of `unet` to `device` (see the module doc).
 
     streamed: block names (any order; execution order is used). On a CUDA device only the tensors of those
     blocks that are not already on the device move (the host decides placement), unless `every_tensor`
@@ -120,7 +123,7 @@ class BlockStreamer:
         names = [n for n, _ in self.blocks]
         unknown = set(streamed) - set(names)
         if unknown:
-            raise ValueError("not top-level UNet blocks: %s" % ", ".join(sorted(unknown)))
+            raise ValueError("not stream units of this UNet: %s" % ", ".join(sorted(unknown)))
         self.streamed = [n for n in names if n in set(streamed)]
         self.cuda = self.device.type == "cuda"
         self.every_tensor = bool(every_tensor) or not self.cuda
@@ -170,7 +173,7 @@ class BlockStreamer:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         for name, mod in self.blocks:
             hook = self._make_hook(name)
-            for m in mod.modules():
+            for m in _modules(mod):
                 if any(v is not None for v in m._parameters.values()) or any(v is not None for v in m._buffers.values()):
                     self._handles.append(m.register_forward_pre_hook(hook))
         self._handles.append(self.unet.register_forward_pre_hook(lambda m, a: self._step_start()))

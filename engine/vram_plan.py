@@ -3,7 +3,14 @@
 Host-agnostic and pure: sizes in, a plan out. No ComfyUI import; `unet_block_sizes` only walks the
 attributes an ldm `UNetModel` has (time_embed, label_emb, input_blocks, middle_block, output_blocks, out).
 
-The model of a denoising step: the top-level blocks run one after another in execution order. A *resident*
+The unit of placement (a "block" below) is a stream unit (`stream_units`): each child of a top-level block of
+ldm's UNetModel (a ResBlock, a Downsample or Upsample) and each transformer block of a SpatialTransformer, the
+transformer's own layers joining the unit that runs next to them (norm and proj_in the ResBlock before its
+blocks, proj_out its last block). Whole top-level blocks were the unit until device run 37: SDXL's largest
+(ten transformer blocks) is 0.66 GiB, so a ring holding two of them took 1.32 GiB of a 4 GiB budget; its
+largest unit is ~0.06 GiB, and what the ring no longer takes stays resident instead of being copied every step.
+
+The model of a denoising step: the units run one after another in execution order. A *resident*
 block lives on the GPU for the whole run. A *streamed* block's weights are copied into a fixed place of one
 GPU ring buffer before it runs (engine/offload.py): with `prefetch_depth = d`, while streamed block s[i]
 computes, the copies of s[i+1..i+d] are in flight, and s[0..d] are copied at the start of each step. Fixed
@@ -215,28 +222,73 @@ def plan_residency(block_sizes, budget_bytes, activation_bytes, prefetch_depth=1
         streamed_bytes=sum(sizes[b] for b in streamed), sizes=sizes)
 
 
-def _param_bytes(module):
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def _param_bytes(modules):
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
-def unet_block_sizes(unet):
-    """[(name, parameter bytes)] for an ldm UNetModel's top-level blocks, in execution order: time_embed,
-    label_emb (SDXL), input_blocks.i, middle_block, output_blocks.i, out. Any other top-level child holding
-    parameters (extensions of the class) follows, under its attribute name, so the sizes add up to the
-    model's parameter bytes."""
-    out, seen = [], set()
+# a SpatialTransformer is split only when these are all its children, registered in the order its forward
+# runs them (ComfyUI's and ldm's): norm, proj_in, the transformer blocks, proj_out
+_TRANSFORMER_CHILDREN = {"norm", "proj_in", "transformer_blocks", "proj_out"}
+
+
+def _split_transformer(child):
+    names = [n for n, _ in child.named_children()]
+    tb = getattr(child, "transformer_blocks", None)
+    return (tb is not None and len(tb) > 0 and set(names) <= _TRANSFORMER_CHILDREN
+            and names.index("transformer_blocks") == len([n for n in names if n in ("norm", "proj_in")]))
+
+
+def stream_units(unet):
+    """[(name, [modules])] of an ldm UNetModel in execution order, each unit's modules running one after
+    another in a step (a unit is entered once per step), together holding every parameter under the top-level
+    blocks: time_embed, label_emb, out whole; each child of input_blocks.i, middle_block, output_blocks.i
+    ("input_blocks.4.0" a ResBlock, "output_blocks.2.2" an Upsample), a SpatialTransformer cut into its
+    transformer blocks ("input_blocks.4.1.transformer_blocks.0"), its norm and proj_in joining the unit before
+    it (they run right after it), its proj_out its last block's. A top-level block that is not a sequence of
+    children (extensions) is one unit under its own name."""
+    units = []
     for attr in _UNET_ORDER:
         mod = getattr(unet, attr, None)
         if mod is None:
             continue
-        seen.add(attr)
         if attr in ("input_blocks", "output_blocks"):
-            out.extend(("%s.%d" % (attr, i), _param_bytes(b)) for i, b in enumerate(mod))
+            blocks = [("%s.%d" % (attr, i), b) for i, b in enumerate(mod)]
+        elif attr == "middle_block":
+            blocks = [(attr, mod)]
         else:
-            out.append((attr, _param_bytes(mod)))
+            units.append((attr, [mod]))
+            continue
+        for bname, block in blocks:
+            children = list(block.named_children())
+            if not children or any(p is not None for p in block._parameters.values()):
+                units.append((bname, [block]))
+                continue
+            first = len(units)
+            for cname, child in children:
+                cpath = "%s.%s" % (bname, cname)
+                if not _split_transformer(child):
+                    units.append((cpath, [child]))
+                    continue
+                for gname, g in child.named_children():
+                    if gname == "transformer_blocks":
+                        units.extend(("%s.transformer_blocks.%d" % (cpath, k), [t]) for k, t in enumerate(g))
+                    elif len(units) > first:
+                        units[-1][1].append(g)      # norm, proj_in: the unit before; proj_out: the last block
+                    else:
+                        units.append((cpath, [g]))  # a block that starts with its transformer
+    return units
+
+
+def unet_block_sizes(unet):
+    """[(name, parameter bytes)] of an ldm UNetModel's stream units (`stream_units`), in execution order. Any
+    other top-level child holding parameters (extensions of the class) follows, under its attribute name, so
+    the sizes add up to the model's parameter bytes."""
+    out, seen = [], set(a for a in _UNET_ORDER if getattr(unet, a, None) is not None)
+    for name, mods in stream_units(unet):
+        out.append((name, _param_bytes(mods)))
     for name, mod in unet.named_children():
         if name not in seen:
-            n = _param_bytes(mod)
+            n = _param_bytes([mod])
             if n:
                 out.append((name, n))
     direct = sum(p.numel() * p.element_size() for p in unet.parameters(recurse=False))

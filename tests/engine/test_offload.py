@@ -93,7 +93,7 @@ def test_install_remove_round_trip_keeps_parameters_and_state_dict(unet):
 def test_streamed_tensors_live_in_the_ring_while_installed(unet):
     names = _names(unet)
     blocks = dict(top_level_blocks(unet))
-    p = next(blocks["middle_block"].parameters())
+    p = next(blocks["middle_block.0"][0].parameters())
     host = p.data_ptr()
     s = BlockStreamer(unet, names, prefetch_depth=1, device="cpu").install()
     try:
@@ -167,13 +167,13 @@ def test_blocks_out_of_order_are_loaded_on_demand(unet):
     names = _names(unet)
     blocks = dict(top_level_blocks(unet))
     x, t, ctx = _inputs()
-    last = blocks["out"]
+    last = blocks["out"][0]
     with torch.inference_mode():
         h = torch.randn(2, last[0].num_channels, 8, 8)
         ref = last(h)
         with BlockStreamer(unet, names, prefetch_depth=0, device="cpu") as s:
             _run(unet)
-            blocks["input_blocks.0"][0](x)  # loads input_blocks.0 over the shared place
+            blocks["input_blocks.0.0"][0](x)  # loads input_blocks.0.0 over the shared place
             out = last(h)                   # out was loaded at the end of the step: overwritten, loaded again
             assert s.stats["demand_loads"] == 0 and s.prefetch_log[-1] == ("out", "out")
     assert torch.equal(out, ref)
@@ -197,7 +197,7 @@ def test_error_mid_step_then_remove_restores(unet):
 
     def boom(m, a):
         raise RuntimeError("out of memory (injected)")
-    h = next(blocks["output_blocks.1"].children()).register_forward_pre_hook(boom)   # its first layer
+    h = blocks["output_blocks.1.0"][0].register_forward_pre_hook(boom)   # its ResBlock
     try:
         with pytest.raises(RuntimeError, match="injected"):
             _run(unet)
@@ -211,7 +211,7 @@ def test_error_mid_step_then_remove_restores(unet):
 
 
 def test_bad_arguments(unet):
-    with pytest.raises(ValueError, match="not top-level"):
+    with pytest.raises(ValueError, match="not stream units"):
         BlockStreamer(unet, ["input_blocks.99"], device="cpu")
     with pytest.raises(ValueError):
         BlockStreamer(unet, [], prefetch_depth=-1, device="cpu")

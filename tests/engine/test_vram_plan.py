@@ -7,9 +7,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
+import torch  # noqa: E402
 
 from sd_accel.engine.vram_plan import (BudgetTooSmall, min_budget, plan_residency, ring_layout,  # noqa: E402
-                                      unet_block_sizes)
+                                      stream_units, unet_block_sizes)
 
 MB = 2 ** 20
 # execution order; sizes in MiB
@@ -123,12 +124,45 @@ def test_unet_block_sizes_on_comfyui_unet():
     unet = comfy_inproc.tiny_unet()
     sizes = unet_block_sizes(unet)
     names = [n for n, _ in sizes]
-    n_in, n_out = len(unet.input_blocks), len(unet.output_blocks)
-    expect = (["time_embed"] + ["input_blocks.%d" % i for i in range(n_in)] + ["middle_block"]
-              + ["output_blocks.%d" % i for i in range(n_out)] + ["out"])
-    assert names == expect
+    assert names == [n for n, _ in stream_units(unet)]
+    assert names[0] == "time_embed" and names[-1] == "out" and "middle_block.0" in names
     total = sum(p.numel() * p.element_size() for p in unet.parameters())
     assert sum(s for _, s in sizes) == total
     assert all(s > 0 for _, s in sizes)
     p = plan_residency(sizes, min_budget(sizes, 0), 0)
     assert len(p.streamed) + len(p.resident) == len(sizes)
+
+
+def test_stream_units_partition_the_unet_and_each_runs_once_in_order():
+    """Each unit is entered once per forward, in the listed order (its modules run one after another), and
+    every parameter is in exactly one unit: what the streamer's ring places and prefetch order rely on. The
+    transformers are cut into their blocks, their norm/proj_in with the ResBlock before, proj_out with the last."""
+    unet = comfy_inproc.tiny_unet()
+    units = stream_units(unet)
+    owner = {}
+    for name, mods in units:
+        for m in mods:
+            for p in m.parameters():
+                assert id(p) not in owner, (name, owner.get(id(p)))
+                owner[id(p)] = name
+    assert len(owner) == len(list(unet.parameters()))
+    st = unet.input_blocks[1][1]
+    assert st.norm in dict(units)["input_blocks.1.0"] and st.proj_in in dict(units)["input_blocks.1.0"]
+    last = "input_blocks.1.1.transformer_blocks.%d" % (len(st.transformer_blocks) - 1)
+    assert st.proj_out in dict(units)[last]
+    entered = []
+    hooks = []
+    for name, mods in units:
+        for m in mods:
+            for sub in m.modules():
+                if sub._parameters:
+                    hooks.append(sub.register_forward_pre_hook(
+                        lambda mod, a, name=name: entered.append(name) if not entered or entered[-1] != name else None))
+    try:
+        x, t, ctx = comfy_inproc.unet_inputs(unet)
+        with torch.no_grad():
+            unet(x, t, context=ctx)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert entered == [n for n, _ in units]
