@@ -194,10 +194,12 @@ def loader_budget(plan, budget, comfy_reserve=None):
     except vram_plan.BudgetTooSmall:
         window = plan.min_budget_bytes - plan.activation_bytes
     reserve = plan.activation_bytes if comfy_reserve is None else comfy_reserve
-    # not capped at the budget: ComfyUI keeps its own reserve (0.8 GiB) free of weights, more than an SD1.5
-    # step needs besides the ring; shown only the budget it would load a fraction of what fits. What it
-    # loads is checked against the budget once it has (_fit_and_streamed: it unloads more if over)
-    return max(budget - window - plan.activation_bytes + reserve, 0)
+    # ComfyUI keeps its own reserve (0.8 GiB) free of weights, more than an SD1.5 step needs besides the ring,
+    # so it is shown that much more, but never more than the budget: shown more, it loaded the UNet's share
+    # while the text encoders or the VAE were still there (device runs 38-39: SDXL at 4 GiB peaked at 4.09
+    # GiB, with stream units whose small ring left the loader 4.16 GiB). What room it leaves is filled after
+    # it loaded, from pinned buffers (_fit_and_streamed's promoted blocks)
+    return min(max(budget - window - plan.activation_bytes + reserve, 0), budget)
 
 
 def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, report, stage, notes):
