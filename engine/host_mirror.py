@@ -26,6 +26,7 @@ import torch
 log = logging.getLogger("sd_accel")
 
 _MIRRORS = weakref.WeakKeyDictionary()   # module -> HostMirror, while it is armed
+_ALIVE = [0]                              # how many were armed at the last release_freed()
 
 
 def _nbytes(t):
@@ -133,6 +134,7 @@ def arm(module, pin=True):
     to.sd_accel_host_mirror = mirror
     module.__dict__["to"] = to
     _MIRRORS[module] = mirror
+    _ALIVE[0] = len(_MIRRORS)
     return mirror
 
 
@@ -142,6 +144,19 @@ def disarm(module):
     if f is not None and getattr(f, "sd_accel_host_mirror", None) is not None:
         del module.__dict__["to"]
     _MIRRORS.pop(module, None)
+    _ALIVE[0] = len(_MIRRORS)
+
+
+def release_freed():
+    """Once a mirrored module was freed (the user switched checkpoints), its pinned copies went back to torch's
+    pinned-memory cache, which keeps them from the OS: empties that cache. Cheap when nothing was freed."""
+    alive = len(_MIRRORS)
+    freed = alive < _ALIVE[0]
+    _ALIVE[0] = alive
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if freed and empty is not None and torch.cuda.is_available():
+        empty()
+    return freed
 
 
 def mirror_of(module):

@@ -134,6 +134,7 @@ def mirror_models(mm, patcher, device):
     that take turns with it in the budget). Returns a note."""
     if device.type != "cuda":
         return "host copies: off (the model runs on %s)" % device.type
+    host_mirror.release_freed()
     modules = [getattr(patcher, "model", None)]
     for lm in mm.current_loaded_models:
         if getattr(lm, "device", None) == device:

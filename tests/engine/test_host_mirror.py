@@ -134,3 +134,14 @@ def test_an_armed_module_can_still_be_freed():
     del m
     gc.collect()
     assert ref() is None
+
+
+def test_release_freed_notices_a_freed_mirrored_module():
+    m = _model()
+    host_mirror.arm(m, pin=False)
+    host_mirror.release_freed()
+    assert host_mirror.release_freed() is False        # nothing freed since
+    del m
+    gc.collect()
+    assert host_mirror.release_freed() is True
+    assert host_mirror.release_freed() is False
