@@ -9,8 +9,9 @@ What is wired now, and how (the VAE decode under a budget is the separate VAE De
   EXTRA_RESERVED_VRAM (0.3.x); on older ComfyUI the node says the budget is not enforced.
 - offload=medvram: before sampling every other model is unloaded from the GPU, after sampling the model.
 - offload=lowvram: ComfyUI partially loads the UNet under the budget minus the planner's streaming ring;
-  once it has (a SAMPLER_SAMPLE wrapper, inside the run), what it left on the CPU is streamed block by block
-  into fixed places of a GPU ring (engine/offload.py, one copy per block, prefetch on a side stream) instead
+  once it has (a SAMPLER_SAMPLE wrapper, inside the run), what it left on the CPU is streamed unit by unit
+  (vram_plan.stream_units) into fixed places of a GPU ring (engine/offload.py, one copy per unit, prefetch on a
+  side stream) instead
   of being copied layer by layer at every use. Its cast path (`comfy_cast_weights`) then finds the weight
   already on the GPU and does not copy. Fixed places let the Accelerated KSampler's CUDA graphs capture the
   copies with the step. Removed after the run, on error too. CUDA only; elsewhere the run is offload=none
