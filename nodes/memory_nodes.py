@@ -16,10 +16,11 @@ INPUTS = {
                 "every other model (text encoder, VAE, other UNets) is unloaded, after sampling this model is "
                 "unloaded so the VAE decode has the card. lowvram: ComfyUI loads what fits in the budget and "
                 "the rest of the UNet is streamed to the GPU unit by unit (a ResBlock, a transformer block) "
-                "from pinned RAM, the next unit copied while the current one computes (CUDA and ComfyUI 0.3.x; "
-                "elsewhere it runs as none and the report says so). With medvram or lowvram, this model and "
-                "the models loaded beside it (text encoder, VAE) keep a pinned copy of their weights in system RAM while on the GPU, so moving "
-                "them off copies nothing and moving them back is faster. Same image as without offload."}),
+                "from pinned RAM, the next unit copied while the current one computes (CUDA and ComfyUI "
+                "0.3.x; elsewhere it runs as none and the report says so). With medvram or lowvram, this "
+                "model and the models loaded beside it (text encoder, VAE) keep a pinned copy of their "
+                "weights in system RAM while on the GPU, so moving them off copies nothing and moving them "
+                "back is faster. Same image as without offload."}),
     "release_cache": (list(RELEASE), {"default": "never", "tooltip":
                       "after_run: release PyTorch's cached, unused VRAM blocks after each sampling run "
                       "(comfy.model_management.soft_empty_cache), so other programs and later stages get them. "
@@ -38,9 +39,9 @@ class SDAccelVRAMPool:
                    "only the budget and partially loads the model), offload medvram or lowvram (the UNet units "
                    "that do not fit are streamed to the GPU with the next one prefetched), cache release after "
                    "the run, expandable segments. An out-of-memory during sampling is retried once with more "
-                   "offload. Shows the residency plan: how many UNet units (ResBlocks, transformer blocks...) fit "
-                   "on the GPU and the estimated peak. For the decode under a budget, use VAE Decode (SD Accel): it tiles when the whole decode "
-                   "would not fit.")
+                   "offload. Shows the residency plan: how many UNet units (ResBlocks, transformer blocks...) "
+                   "fit on the GPU and the estimated peak. For the decode under a budget, use VAE Decode "
+                   "(SD Accel): it tiles when the whole decode would not fit.")
     CATEGORY = "SD Accel/memory"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model on a clone that carries the pool's settings into every sampler using it.",)
