@@ -186,6 +186,16 @@ def _peak(order, resident, sizes, activation_bytes, depth):
     return activation_bytes + sum(sizes[b] for b in resident) + ring_bytes(streamed, depth)
 
 
+def _fits(order, resident, sizes, activation_bytes, depth, budget):
+    """_peak(...) <= budget, without laying out the ring when even its lower bound (the window) does not fit:
+    most candidates the planner tries fail that way, and a layout is the expensive part."""
+    streamed = [sizes[b] for b in order if b not in resident]
+    base = activation_bytes + sum(sizes[b] for b in resident)
+    if base + _window(streamed, depth) > budget:
+        return False
+    return base + ring_bytes(streamed, depth) <= budget
+
+
 def min_budget(block_sizes, activation_bytes, prefetch_depth=1):
     """The planner's floor: everything streamed (activations plus the ring). Below it `plan_residency` raises
     BudgetTooSmall."""
@@ -239,7 +249,7 @@ def _plan_residency(block_sizes, budget_bytes, activation_bytes, prefetch_depth)
         while changed:
             changed = False
             for b in by_size:
-                if b not in resident and _peak(names, resident | {b}, sizes, act, depth) <= budget:
+                if b not in resident and _fits(names, resident | {b}, sizes, act, depth, budget):
                     resident.add(b)
                     changed = True
     streamed = [b for b in names if b not in resident]
