@@ -166,3 +166,20 @@ def test_stream_units_partition_the_unet_and_each_runs_once_in_order():
         for h in hooks:
             h.remove()
     assert entered == [n for n, _ in units]
+
+
+def test_plans_are_memoized_but_each_call_gets_its_own_copy():
+    """The VRAM Pool plans the same placement at every prompt: the second call is served from the cache, and a
+    caller changing its plan's lists does not change what the next caller gets."""
+    sizes = [("u%d" % i, (i % 7 + 1) * MB) for i in range(60)]
+    a = plan_residency(sizes, 120 * MB, 10 * MB, 1)
+    a.resident.append("junk")
+    a.streamed.clear()
+    a.sizes["u0"] = -1
+    b = plan_residency(sizes, 120 * MB, 10 * MB, 1)
+    assert "junk" not in b.resident and b.streamed and b.sizes["u0"] == MB
+    assert b.peak_bytes <= 120 * MB
+    assert ring_layout([3, 5, 2], 1) == ring_layout([3, 5, 2], 1)
+    off, ring = ring_layout([3, 5, 2], 1)
+    off.append(99)
+    assert ring_layout([3, 5, 2], 1)[0] == off[:-1]
