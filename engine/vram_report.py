@@ -60,16 +60,22 @@ class MemoryReport:
         return {"stages": [dict(s) for s in self.stages]}
 
     def summary(self):
-        if not self.stages:
-            return "memory: no stage recorded"
-        parts = []
-        for s in self.stages:
-            if s["peak_allocated"] is None:
-                parts.append("%s: n/a (%s)" % (s["stage"], s["reason"]))
-            else:
-                frag = "%.2fx" % s["fragmentation"] if s["fragmentation"] is not None else "n/a"
-                parts.append("%s: peak %.2f GiB allocated, %.2f GiB reserved, fragmentation %s"
-                             % (s["stage"], s["peak_allocated"] / GIB, s["peak_reserved"] / GIB, frag))
-            if s.get("error"):
-                parts[-1] += " (ended with %s)" % s["error"]
-        return "memory: " + " | ".join(parts)
+        return summary_of(self.to_dict())
+
+
+def summary_of(report):
+    """The one-line summary of a report dict (MemoryReport.to_dict())."""
+    stages = (report or {}).get("stages") or []
+    if not stages:
+        return "memory: no stage recorded"
+    parts = []
+    for s in stages:
+        if s["peak_allocated"] is None:
+            parts.append("%s: n/a (%s)" % (s["stage"], s["reason"]))
+        else:
+            frag = "%.2fx" % s["fragmentation"] if s["fragmentation"] is not None else "n/a"
+            parts.append("%s: peak %.2f GiB allocated, %.2f GiB reserved, fragmentation %s"
+                         % (s["stage"], s["peak_allocated"] / GIB, s["peak_reserved"] / GIB, frag))
+        if s.get("error"):
+            parts[-1] += " (ended with %s)" % s["error"]
+    return "memory: " + " | ".join(parts)

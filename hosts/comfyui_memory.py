@@ -79,10 +79,12 @@ def diffusion_model(model):
     return model.model.diffusion_model
 
 
-def budget_supported(mm, model):
-    """None when the host can enforce a budget on this model, else why not."""
+def budget_supported(mm, model=None):
+    """None when the host can enforce a budget on this model (any model: None), else why not."""
     if not hasattr(mm, "EXTRA_RESERVED_VRAM") or not hasattr(mm, "extra_reserved_memory"):
         return "this ComfyUI has no EXTRA_RESERVED_VRAM (update ComfyUI to 0.3.x)"
+    if model is None:
+        return None
     if not hasattr(model, "add_wrapper_with_key"):
         return "this ComfyUI has no keyed sampler wrappers (update ComfyUI to 0.3.x)"
     return None
@@ -158,6 +160,8 @@ class PoolSettings:
         self.budget_bytes, self.offload, self.release_cache = budget_bytes, offload, release_cache
         self.expandable_segments, self.plan = expandable_segments, plan
         self.last_report, self.last_notes = None, []
+        self.text_stage = None        # the "text encode" stage of the pool's CLIP (pool_clip): its largest since
+        self.text_notes = []          # the last sampling run, joined to that run's report
         self.active = None            # during a run: {"offload", "budget", "notes"} of the current attempt
         self.pinned_cache = {}        # pinned host copies of streamed weights, kept across runs
         self.promoted_cache = {}      # the same for the blocks moved to the GPU for the run (promoted)
@@ -269,7 +273,10 @@ def run_in_pool(settings, patcher, run, mm=None, total_bytes=None, before_retry=
     budgets. Records a MemoryReport ("sampling", "sampling (retry)") and notes on `settings`."""
     mm = mm or _mm()
     device = torch.device(patcher.load_device)
-    notes, report = [], vram_report.MemoryReport()
+    notes, report = list(settings.text_notes), vram_report.MemoryReport()
+    if settings.text_stage is not None:        # the pool's text encode since the last run comes first
+        report.record(settings.text_stage)
+    settings.text_stage, settings.text_notes = None, []
     oom = _oom_types(mm)
     offload, budget = settings.offload, settings.budget_bytes
     try:
@@ -305,6 +312,72 @@ def run_in_pool(settings, patcher, run, mm=None, total_bytes=None, before_retry=
             notes.append("cache released")
         settings.last_report, settings.last_notes = report.to_dict(), notes
         log.info("[SD Accel] VRAM Pool: %s | %s", report.summary(), "; ".join(notes) or "defaults")
+
+
+def pool_settings(model):
+    """The PoolSettings a VRAM Pool put on `model` (a ModelPatcher), or None."""
+    get = getattr(model, "get_wrappers", None)
+    if get is None:
+        return None
+    try:
+        import comfy.patcher_extension as pe
+        wrappers = get(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    except Exception:  # noqa: BLE001 - a host without keyed wrappers carries no pool
+        return None
+    return getattr(wrappers[0], "sd_accel_pool", None) if wrappers else None
+
+
+class NoClip:
+    """The VRAM Pool's clip output when nothing is connected to its clip input: any use says so."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("VRAM Pool: its clip output is used, but nothing is connected to its clip input. "
+                           "Connect the checkpoint's CLIP to the VRAM Pool's clip input, or take the CLIP from "
+                           "the loader directly.")
+
+
+def pool_clip(clip, settings, mm=None):
+    """A clone of `clip` whose encodes run as the pool's "text encode" stage: ComfyUI's loader sees the budget
+    while it loads the text encoder (as it does for sampling: a text encoder larger than the budget is
+    partially loaded, as --lowvram does), and the stage's peak allocated and reserved memory joins the report
+    of the pool's next sampling run. The wrapper is an attribute of this clone: a CLIP cloned from it later
+    (a LoRA loader after the pool) encodes the stock way, so connect this output to the text encoders."""
+    out = clip.clone()
+    encode = out.encode_from_tokens        # bound to the clone; ComfyUI's scheduled encode calls it too
+
+    def encode_from_tokens(*args, **kwargs):
+        return text_stage(settings, out, lambda: encode(*args, **kwargs), mm)
+    out.encode_from_tokens = encode_from_tokens
+    out.sd_accel_pool = settings
+    return out
+
+
+def text_stage(settings, clip, run, mm=None):
+    """Runs `run()` (one encode of the pool's CLIP) under the pool's budget, measured as "text encode"."""
+    mm = mm or _mm()
+    patcher = getattr(clip, "patcher", None)
+    device = torch.device(getattr(patcher, "load_device", "cpu"))
+    report, notes = vram_report.MemoryReport(), []
+    with contextlib.ExitStack() as stack:
+        budget = settings.budget_bytes
+        if budget and device.type == "cuda":
+            why = budget_supported(mm)
+            total = mm.get_total_memory(device) if why is None else 0
+            if why:
+                notes.append("text encode: budget not enforced (%s)" % why)
+            elif budget < total:
+                stack.enter_context(budget_scope(mm, budget, total))
+                notes.append("text encode under the budget (%.2f GiB)" % (budget / GIB))
+        with report.stage("text encode", device):
+            out = run()
+    entry = report.stages[-1]
+    old = settings.text_stage
+    if old is None or (entry["peak_allocated"] or 0) >= (old["peak_allocated"] or 0):
+        settings.text_stage = entry           # two encodes per prompt (positive, negative): the larger peak
+    for n in notes:
+        if n not in settings.text_notes:
+            settings.text_notes.append(n)
+    return out
 
 
 def _gib(n):

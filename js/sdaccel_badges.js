@@ -123,6 +123,8 @@ function reportRows(r, detail) {
   const off = fell.filter(([, why]) => why === "off").map(([what]) => what);
   const failed = fell.filter(([, why]) => why !== "off");
   const notes = Array.isArray(r.notes) ? r.notes : [];
+  const pool = memoryRow(r.memory);
+  if (pool) rows.push(pool);
   if (detail === "full") {
     if (!ran.length) rows.push({ text: "✓ stock path only", color: COLORS.ran });
     for (const item of ran) rows.push({ text: `✓ ${item}`, color: COLORS.ran });
@@ -136,6 +138,15 @@ function reportRows(r, detail) {
     if (notes.length) rows.push({ text: plural(notes.length, "note") + " (full detail in settings)", color: COLORS.note });
   }
   return rows;
+}
+
+// The VRAM Pool's stages of this run (text encode, sampling), when the sampled model carries a pool.
+function memoryRow(m) {
+  const stages = m && Array.isArray(m.stages) ? m.stages : [];
+  if (!stages.length) return null;
+  const parts = stages.map((s) => s.peak_allocated == null ? `${s.stage} n/a`
+    : `${s.stage} ${fix(s.peak_allocated / 2 ** 30)} GiB`);
+  return { text: `VRAM Pool peaks: ${parts.join(" · ")}`, color: COLORS.text };
 }
 
 function cacheRows(c) {

@@ -39,19 +39,30 @@ class SDAccelVRAMPool:
                    "only the budget and partially loads the model), offload medvram or lowvram (the UNet units "
                    "that do not fit are streamed to the GPU with the next one prefetched), cache release after "
                    "the run, expandable segments. An out-of-memory during sampling is retried once with more "
-                   "offload. Shows the residency plan: how many UNet units (ResBlocks, transformer blocks...) "
-                   "fit on the GPU and the estimated peak. For the decode under a budget, use VAE Decode "
-                   "(SD Accel): it tiles when the whole decode would not fit.")
+                   "offload. With a CLIP on its clip input, the text encode through its clip output runs under "
+                   "the same budget. Shows the residency plan: how many UNet units (ResBlocks, transformer "
+                   "blocks...) fit on the GPU and the estimated peak; after each run the Accelerated KSampler's "
+                   "report gives the pool's measurement per stage (text encode, sampling: peak allocated, "
+                   "reserved, fragmentation). For the decode under a budget, use VAE Decode (SD Accel): it tiles "
+                   "when the whole decode would not fit, and reports its own stage.")
     CATEGORY = "SD Accel/memory"
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The same model on a clone that carries the pool's settings into every sampler using it.",)
+    RETURN_TYPES = ("MODEL", "CLIP")
+    RETURN_NAMES = ("model", "clip")
+    OUTPUT_TOOLTIPS = ("The same model on a clone that carries the pool's settings into every sampler using it.",
+                       "The CLIP given to the clip input, on a clone whose text encodes run under the budget and "
+                       "are measured as the pool's 'text encode' stage. Connect it straight to the text encoders "
+                       "(a LoRA loader after it would give a CLIP without the pool).")
     FUNCTION = "apply"
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": dict(INPUTS)}
+        # optional, so prompts and workflows saved before it existed still load
+        return {"required": dict(INPUTS), "optional": {"clip": ("CLIP", {"tooltip":
+                "Optional: the checkpoint's CLIP, to run the text encode under the same budget and report its "
+                "memory with the sampling run's (in the Accelerated KSampler's report)."})}}
 
-    def apply(self, model, budget_gib=0.0, offload="none", release_cache="never", expandable_segments=False):
+    def apply(self, model, budget_gib=0.0, offload="none", release_cache="never", expandable_segments=False,
+              clip=None):
         if offload not in OFFLOAD:
             raise ValueError("VRAM Pool: offload must be one of %s, got %r" % (", ".join(OFFLOAD), offload))
         if release_cache not in RELEASE:
@@ -59,7 +70,17 @@ class SDAccelVRAMPool:
         if budget_gib < 0:
             raise ValueError("VRAM Pool: budget_gib must be >= 0 (0 = no cap), got %r" % (budget_gib,))
         clone, line, ui = host.make_pool(model, budget_gib, offload, release_cache, expandable_segments)
-        return {"ui": {"text": [line], "sdaccel_memory": [ui]}, "result": (clone,)}
+        settings = host.pool_settings(clone)
+        if clip is None:
+            clip_out = host.NoClip()
+        elif settings is None:          # a ComfyUI without keyed wrappers: no pool to report to
+            clip_out = clip
+            line += " | clip: passed through (this ComfyUI cannot apply the pool)"
+        else:
+            clip_out = host.pool_clip(clip, settings)
+            line += " | clip: text encode under the pool"
+        ui["clip"] = clip is not None
+        return {"ui": {"text": [line], "sdaccel_memory": [ui]}, "result": (clone, clip_out)}
 
 
 NODE_CLASS_MAPPINGS = {"SDAccelVRAMPool": SDAccelVRAMPool}

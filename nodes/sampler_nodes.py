@@ -3,9 +3,10 @@ import importlib
 import logging
 import os
 
-from ..engine import attention, kernel_report, run_report
+from ..engine import attention, kernel_report, run_report, vram_report
 from ..hosts import comfyui as host
 from ..hosts import comfyui_controlnet as host_cn
+from ..hosts import comfyui_memory as host_memory
 
 log = logging.getLogger("sd_accel")
 
@@ -143,8 +144,15 @@ class SDAccelKSampler:
         st = info.get("graph_state")
         if graphs and st is not None and not graphs.get("replays"):
             graphs["eager_reason"] = st.graphs.last_eager_reason
+        pool = host_memory.pool_settings(model)
+        if pool is not None and pool.last_report is not None:
+            # the VRAM Pool's own measurement of this run (and of its text encode): shown with the run's report
+            notes.append("VRAM Pool: %s%s" % (vram_report.summary_of(pool.last_report),
+                                              " | " + "; ".join(pool.last_notes) if pool.last_notes else ""))
         report = run_report.build(steps, timer, kernel_report.summarize(k0, kernel_report.snapshot()),
                                   graphs, info.get("options", {}), notes)
+        if pool is not None and pool.last_report is not None:
+            report["memory"] = pool.last_report
         line = run_report.one_line(report) + (" | " + cn_line if cn_line else "")
         log.info("[SD Accel] %s", line)
         return {"ui": {"sdaccel_report": [report], "text": [line]}, "result": (out[0], line)}

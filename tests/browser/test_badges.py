@@ -180,6 +180,15 @@ GPU_REPORT_MIXED = dict(GPU_REPORT, fell_back={"layer_norm": "non-contiguous inp
                         notes=["layout test note"])
 
 
+# The same sampled through a VRAM Pool with its clip output used: the pool's stages ride in "memory" (the
+# sampling peak is run 40's SDXL at 4 GiB; the text encode's a stand-in: the bench encodes with stock's CLIP).
+GPU_REPORT_POOL = dict(GPU_REPORT, memory={"stages": [
+    {"stage": "text encode", "peak_allocated": int(0.54 * 2 ** 30), "peak_reserved": int(0.6 * 2 ** 30),
+     "fragmentation": 1.11, "reason": None, "error": None},
+    {"stage": "sampling", "peak_allocated": int(3.93 * 2 ** 30), "peak_reserved": int(4.1 * 2 ** 30),
+     "fragmentation": 1.04, "reason": None, "error": None}]})
+
+
 def _feed(ui, node_id, report):
     ui.evaluate("([id, r]) => app.graph.getNodeById(id).onExecuted({sdaccel_report: [r], text: ['x']})",
                 [node_id, report])
@@ -196,6 +205,11 @@ def test_badge_layout_of_gpu_reports(ui, artifacts):
         _check_report_badge(badge, GPU_REPORT, "compact")
         assert not any(ln.startswith(("fell back", "off:")) for ln in badge["lines"]), badge["lines"]
         ui.screenshot(os.path.join(artifacts, "badge_gpu_report.png"), ui.frame([ks], max_scale=1.5))
+
+        pooled = _feed(ui, ks, GPU_REPORT_POOL)
+        _check_report_badge(pooled, GPU_REPORT_POOL, "compact")
+        assert squeeze("VRAM Pool peaks: text encode 0.54 GiB · sampling 3.93 GiB") in squeeze(
+            _joined(pooled["lines"])), pooled["lines"]
 
         mixed = _feed(ui, ks, GPU_REPORT_MIXED)
         _check_report_badge(mixed, GPU_REPORT_MIXED, "compact")

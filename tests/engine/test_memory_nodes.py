@@ -50,6 +50,9 @@ def test_node_declares_category_description_and_tooltips():
     req = SDAccelVRAMPool.INPUT_TYPES()["required"]
     assert set(req) == {"model", "budget_gib", "offload", "release_cache", "expandable_segments"}
     assert all(v[1].get("tooltip") for v in req.values())
+    opt = SDAccelVRAMPool.INPUT_TYPES()["optional"]
+    assert set(opt) == {"clip"} and opt["clip"][0] == "CLIP" and opt["clip"][1]["tooltip"]
+    assert SDAccelVRAMPool.RETURN_TYPES == ("MODEL", "CLIP") and len(SDAccelVRAMPool.OUTPUT_TOOLTIPS) == 2
     assert req["offload"][0] == ["none", "medvram", "lowvram"], "no option that does nothing yet may be offered"
 
 
@@ -450,3 +453,67 @@ def test_host_copies_arm_the_pooled_model_and_the_models_loaded_on_its_device():
     finally:
         for m in (unet, te, vae, elsewhere):
             host_mirror.disarm(m)
+
+
+class _FakeClip:
+    """What the pool's clip wrapper needs of ComfyUI's CLIP: clone(), encode_from_tokens(), patcher.load_device.
+    Each encode records the loader's reserve (`mm.EXTRA_RESERVED_VRAM`) at the time it runs."""
+
+    def __init__(self, device, seen, mm=None):
+        self.patcher = types.SimpleNamespace(load_device=device)
+        self.seen, self.mm = seen, mm
+
+    def clone(self):
+        return _FakeClip(self.patcher.load_device, self.seen, self.mm)
+
+    def encode_from_tokens(self, tokens, return_pooled=False):
+        self.seen.append((tokens, return_pooled, getattr(self.mm, "EXTRA_RESERVED_VRAM", None)))
+        return ("cond", tokens)
+
+
+def test_pool_clip_encodes_under_the_budget_and_keeps_the_text_stage():
+    """Against a stand-in model_management on a (nominal) CUDA device: during the encode ComfyUI's loader sees
+    only the budget (24 GiB card, 4 GiB budget: 20 GiB reserved), restored after; the CLIP given is untouched;
+    the stage is kept for the next sampling run's report."""
+    from sd_accel.hosts.comfyui_memory import PoolSettings, pool_clip
+    seen = []
+    fake = types.SimpleNamespace(EXTRA_RESERVED_VRAM=0, extra_reserved_memory=lambda: 0,
+                                 get_total_memory=lambda dev: 24 * GIB)
+    clip = _FakeClip(torch.device("cuda", 0), seen, fake)
+    s = PoolSettings(4 * GIB, "lowvram", "never", False, None)
+    pooled = pool_clip(clip, s, mm=fake)
+    assert pooled is not clip and "encode_from_tokens" not in vars(clip)
+    assert pooled.encode_from_tokens(["tok"], return_pooled=True) == ("cond", ["tok"])
+    assert seen == [(["tok"], True, 20 * GIB)]
+    assert fake.EXTRA_RESERVED_VRAM == 0
+    assert s.text_stage["stage"] == "text encode"
+    assert s.text_notes == ["text encode under the budget (4.00 GiB)"]
+    clip.encode_from_tokens(["plain"])                # the CLIP given still encodes the stock way
+    assert seen[-1] == (["plain"], False, 0)
+
+
+def test_the_clip_output_without_a_clip_input_says_what_to_connect(model, mm):
+    out = _node().apply(model, budget_gib=8.0)
+    clone, clip_out = out["result"]
+    with pytest.raises(RuntimeError, match="nothing is connected to its clip input"):
+        clip_out.tokenize("a cat")
+    assert out["ui"]["sdaccel_memory"][0]["clip"] is False
+
+
+def test_text_stage_joins_the_next_sampling_runs_report(model, mm):
+    if not hasattr(model, "add_wrapper_with_key"):
+        pytest.skip("no keyed sampler wrappers on this ComfyUI")
+    seen = []
+    out = _node().apply(model, budget_gib=8.0, clip=_FakeClip(torch.device("cpu"), seen))
+    clone, clip_out = out["result"]
+    assert "clip: text encode under the pool" in out["ui"]["text"][0]
+    clip_out.encode_from_tokens(["a"])
+    clip_out.encode_from_tokens(["b"])
+    assert len(seen) == 2
+    _sample(clone)
+    s = _pool(clone)
+    stages = [st["stage"] for st in s.last_report["stages"]]
+    assert stages == ["text encode", "sampling"], s.last_report
+    assert s.text_stage is None
+    _sample(clone)                                  # no encode since: the report has the sampling stage only
+    assert [st["stage"] for st in s.last_report["stages"]] == ["sampling"]

@@ -42,3 +42,27 @@ def test_budget_below_the_minimum_fails_the_prompt_clearly(comfy, models):
     entry = comfy.run(wf, expect_success=False)
     text = str(entry.get("status"))
     assert "VRAM budget 0.25 GiB is too small" in text and "budget_gib" in text
+
+
+def test_text_encode_through_the_pool_and_its_report_in_the_accelerated_ksampler(comfy, models):
+    """The checkpoint's CLIP through the pool's clip input: the text encoders take the pool's clip output, the
+    Accelerated KSampler samples the pooled model. Same image as the Accelerated KSampler without the pool; on
+    a ComfyUI that can apply the pool, the sampler's report (what the frontend's badge shows) carries the pool's
+    stages, text encode first."""
+    plain, _ = run_image(comfy, txt2img(models["sd15"], sampler="SDAccelKSampler", seed=21, prefix="pool_noclip"))
+    wf = _with_pool(txt2img(models["sd15"], sampler="SDAccelKSampler", seed=21, prefix="pool_clip"))
+    wf["20"]["inputs"]["clip"] = ["4", 1]
+    for k in ("6", "7"):
+        wf[k]["inputs"]["clip"] = ["20", 1]
+    img, entry = run_image(comfy, wf)
+    assert psnr(img, plain) == 99.0, "the pool's text encode must not change the image"
+    (ui,) = entry["outputs"]["20"]["sdaccel_memory"]
+    (line,) = entry["outputs"]["20"]["text"]
+    assert ui["clip"] is True
+    (report,) = entry["outputs"]["3"]["sdaccel_report"]
+    if ui["enforced"]:
+        assert "clip: text encode under the pool" in line
+        assert [s["stage"] for s in report["memory"]["stages"]] == ["text encode", "sampling"]
+        assert any(n.startswith("VRAM Pool: memory: text encode") for n in report["notes"]), report["notes"]
+    else:                      # ComfyUI 2024: no keyed wrappers, the CLIP is passed through unchanged
+        assert "clip: passed through" in line and "memory" not in report
