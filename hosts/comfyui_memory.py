@@ -327,13 +327,17 @@ def pool_settings(model):
     return getattr(wrappers[0], "sd_accel_pool", None) if wrappers else None
 
 
+class NoClipConnected(AttributeError):
+    """An AttributeError, so that probes (hasattr, copy's __deepcopy__ lookup) see a plain missing attribute."""
+
+
 class NoClip:
     """The VRAM Pool's clip output when nothing is connected to its clip input: any use says so."""
 
     def __getattr__(self, name):
-        raise RuntimeError("VRAM Pool: its clip output is used, but nothing is connected to its clip input. "
-                           "Connect the checkpoint's CLIP to the VRAM Pool's clip input, or take the CLIP from "
-                           "the loader directly.")
+        raise NoClipConnected("VRAM Pool: its clip output is used (%s), but nothing is connected to its clip "
+                              "input. Connect the checkpoint's CLIP to the VRAM Pool's clip input, or take the "
+                              "CLIP from the loader directly." % name)
 
 
 def pool_clip(clip, settings, mm=None):
