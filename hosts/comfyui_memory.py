@@ -11,8 +11,7 @@ What is wired now, and how (the VAE decode under a budget is the separate VAE De
 - offload=lowvram: ComfyUI partially loads the UNet under the budget minus the planner's streaming ring;
   once it has (a SAMPLER_SAMPLE wrapper, inside the run), what it left on the CPU is streamed unit by unit
   (vram_plan.stream_units) into fixed places of a GPU ring (engine/offload.py, one copy per unit, prefetch on a
-  side stream) instead
-  of being copied layer by layer at every use. Its cast path (`comfy_cast_weights`) then finds the weight
+  side stream) instead of being copied layer by layer at every use. Its cast path (`comfy_cast_weights`) then finds the weight
   already on the GPU and does not copy. Fixed places let the Accelerated KSampler's CUDA graphs capture the
   copies with the step. Removed after the run, on error too. CUDA only; elsewhere the run is offload=none
   and the notes say so.
@@ -22,6 +21,8 @@ What is wired now, and how (the VAE decode under a budget is the separate VAE De
   has loaded on its device (text encoders, VAE) are mirrored (engine/host_mirror.py): ComfyUI's moves off
   the GPU then point the weights back at pinned host copies instead of copying them out, and its moves to
   the GPU read from pinned memory. The models keep their copies (host memory of their size) while loaded.
+- clip (optional): the pool's clip output encodes under the same budget, measured as the "text encode" stage;
+  the next sampling run's report starts with it (pool_clip). The Accelerated KSampler shows that report.
 - release_cache=after_run: the allocator's cached blocks are released after sampling (soft_empty_cache).
 - expandable_segments: the CUDA allocator uses expandable segments during sampling (torch >= 2.1).
 """
@@ -39,7 +40,7 @@ GIB = 2 ** 30
 WRAPPER_KEY = "sd_accel_vram_pool"
 PREFETCH_DEPTH = 1
 PROMOTE_MARGIN = 0.05    # of the budget, kept free of promoted blocks: ComfyUI's activation estimate is rough
-# ComfyUI's activation estimate for the run's shape, times this, is what the placement keeps free. Device run 37:
+# ComfyUI's activation estimate for the run's shape, times this, is what the placement keeps free. Device run 38:
 # SDXL 1024² at 4 GiB peaked 0.29 GiB above an estimate of 0.64 GiB (with stream units the promoted weights
 # fill the room up to the margin; with whole blocks the room had been left partly empty)
 ACTIVATION_SAFETY = 1.5
