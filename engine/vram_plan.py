@@ -6,9 +6,9 @@ attributes an ldm `UNetModel` has (time_embed, label_emb, input_blocks, middle_b
 The unit of placement (a "block" below) is a stream unit (`stream_units`): each child of a top-level block of
 ldm's UNetModel (a ResBlock, a Downsample or Upsample) and each transformer block of a SpatialTransformer, the
 transformer's own layers joining the unit that runs next to them (norm and proj_in the ResBlock before its
-blocks, proj_out its last block). Whole top-level blocks were the unit until device run 37: SDXL's largest
+blocks, proj_out its last block). Whole top-level blocks were the unit before device run 38: SDXL's largest
 (ten transformer blocks) is 0.66 GiB, so a ring holding two of them took 1.32 GiB of a 4 GiB budget; its
-largest unit is ~0.06 GiB, and what the ring no longer takes stays resident instead of being copied every step.
+largest unit is 0.095 GiB, and what the ring no longer takes stays resident instead of being copied every step.
 
 The model of a denoising step: the units run one after another in execution order. A *resident*
 block lives on the GPU for the whole run. A *streamed* block's weights are copied into a fixed place of one
