@@ -58,11 +58,10 @@ def load(kind):
 
 def pool_model(model, budget, offload):
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
-    import comfy.patcher_extension as pe
-    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
+    from sd_accel.hosts.comfyui_memory import pool_settings
     res = SDAccelVRAMPool().apply(model, budget_gib=budget, offload=offload)
     clone = res["result"][0]
-    settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
+    settings = pool_settings(clone)
     if OPT.smoke and offload == "lowvram":
         settings.stream_every_block = True     # the CPU check runs the streamer with real copies
     return clone, settings, res["ui"]["text"][0]

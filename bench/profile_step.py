@@ -303,10 +303,9 @@ def main():
         mm.soft_empty_cache()
         settings = None
         if budget is not None:
-            import comfy.patcher_extension as pe
-            from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
+            from sd_accel.hosts.comfyui_memory import pool_settings
             model = SDAccelVRAMPool().apply(model, budget_gib=budget, offload="lowvram")["result"][0]
-            settings = model.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
+            settings = pool_settings(model)
 
         def run(seed):
             return cb.run_graph(ENV, model, clip, vae, size, batch, seed, "ours", OPT.steps)

@@ -18,19 +18,14 @@ Buffers are not mirrored (`Module.to` gives them new tensor objects every trip; 
 module's own `.to` is intercepted (an instance attribute): `.cuda()`, `.cpu()` or a submodule's `.to` take
 the ordinary path, which is slower but correct (the mirror of a moved parameter is then copied afresh).
 """
-import logging
 import weakref
 
 import torch
 
-log = logging.getLogger("sd_accel")
+from .offload import _nbytes
 
 _MIRRORS = weakref.WeakKeyDictionary()   # module -> HostMirror, while it is armed
 _ALIVE = [0]                              # how many were armed at the last release_freed()
-
-
-def _nbytes(t):
-    return t.numel() * t.element_size()
 
 
 def _on_host(t):
@@ -40,12 +35,11 @@ def _on_host(t):
 def _host_like(t, pin):
     """An empty host tensor with t's shape, dtype and (dense) strides; pinned when `pin` and possible."""
     dense = t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
-    shape_stride = (t.shape, t.stride()) if dense else (t.shape, None)
     for p in ((True, False) if pin else (False,)):
         try:
-            if shape_stride[1] is None:
-                return torch.empty(t.shape, dtype=t.dtype, pin_memory=p), p
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=p), p
+            if dense:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=p)
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=p)
         except RuntimeError:     # no CUDA driver, or the pinned-memory limit of this host: pageable
             continue
     raise RuntimeError("cannot allocate host memory for a %s tensor of %s" % (t.dtype, tuple(t.shape)))
@@ -55,7 +49,7 @@ class HostMirror:
     def __init__(self, pin=True):
         self.pin = pin
         self.copies = {}      # id(Parameter) -> (weakref to it, its host tensor)
-        self.stats = {"reused": 0, "reused_bytes": 0, "copied": 0, "copied_bytes": 0, "pinned_bytes": 0}
+        self.stats = {"reused": 0, "reused_bytes": 0, "copied": 0, "copied_bytes": 0}
 
     def _valid(self, p):
         rec = self.copies.get(id(p))
@@ -81,14 +75,12 @@ class HostMirror:
                         self.stats["reused"] += 1
                         self.stats["reused_bytes"] += _nbytes(host)
                         continue
-                    host, pinned = _host_like(p, self.pin)
+                    host = _host_like(p, self.pin)
                     host.copy_(p.data)
                     p.data = host
                     self.copies[id(p)] = (weakref.ref(p), host)
                     self.stats["copied"] += 1
                     self.stats["copied_bytes"] += _nbytes(host)
-                    if pinned:
-                        self.stats["pinned_bytes"] += _nbytes(host)
                     copied += _nbytes(host)
         self._forget_dead()
         return copied
@@ -161,7 +153,3 @@ def release_freed():
 
 def mirror_of(module):
     return _MIRRORS.get(module)
-
-
-def armed_count():
-    return len(_MIRRORS)

@@ -42,12 +42,6 @@ from .vram_plan import ring_layout, stream_units
 ALIGN = 256          # each tensor's and block's place starts at a multiple of this many bytes
 
 
-def top_level_blocks(unet):
-    """[(name, [modules])] of an ldm UNetModel's stream units in execution order (vram_plan.stream_units: a
-    ResBlock, an up/downsampler, a transformer block... the unit the streamer copies and places)."""
-    return stream_units(unet)
-
-
 def _modules(unit):
     """Every module under a unit (a module or a list of them), each once."""
     seen = set()
@@ -77,7 +71,7 @@ def _nbytes(t):
 def off_device_bytes(unet, device):
     """{unit name: bytes of its tensors not on `device`} for the stream units, execution order."""
     device = torch.device(device)
-    return {name: sum(_nbytes(t) for _, t in owned_tensors(mod) if not _on(t, device)) for name, mod in top_level_blocks(unet)}
+    return {name: sum(_nbytes(t) for _, t in owned_tensors(mod) if not _on(t, device)) for name, mod in stream_units(unet)}
 
 
 def on_device_bytes(module, device):
@@ -119,7 +113,7 @@ class BlockStreamer:
         self.unet, self.device, self.depth = unet, torch.device(device), int(prefetch_depth)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.blocks = top_level_blocks(unet)
+        self.blocks = stream_units(unet)
         names = [n for n, _ in self.blocks]
         unknown = set(streamed) - set(names)
         if unknown:
@@ -331,7 +325,7 @@ def resident_blocks(device, unet, names, pinned_cache=None):
     converted to channels_last leaves its host data converted too (put_back), so later runs, which do not
     convert again, keep the layout."""
     moved = []
-    blocks = dict(top_level_blocks(unet))
+    blocks = dict(stream_units(unet))
     new_cache = {}
     try:
         for name in names:

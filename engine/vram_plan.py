@@ -212,9 +212,8 @@ def plan_residency(block_sizes, budget_bytes, activation_bytes, prefetch_depth=1
     Memoized on its arguments (a pure function; the VRAM Pool plans the same placement at every prompt):
     each call returns its own copy.
     """
-    key = (tuple((n, int(s)) for n, s in block_sizes), int(budget_bytes or 0), int(activation_bytes),
-           int(prefetch_depth) if isinstance(prefetch_depth, int) else prefetch_depth)
-    plan = _plan_cached(*key)
+    plan = _plan_cached(tuple((n, int(s)) for n, s in block_sizes), int(budget_bytes or 0), int(activation_bytes),
+                        prefetch_depth)
     return dataclasses.replace(plan, resident=list(plan.resident), streamed=list(plan.streamed),
                                prefetch=list(plan.prefetch), sizes=dict(plan.sizes))
 

@@ -409,7 +409,7 @@ def _fit_and_streamed(settings, patcher, unet, device, budget, notes, noise_shap
     largest streamed blocks (promote_blocks)."""
     depth = settings.plan.prefetch_depth if settings.plan is not None else PREFETCH_DEPTH
     if device.type != "cuda" or settings.stream_every_block:     # tests: every block, copied
-        return [n for n, _ in block_offload.top_level_blocks(unet)], depth, []
+        return [n for n, _ in vram_plan.stream_units(unet)], depth, []
     act = settings.plan.activation_bytes if settings.plan is not None else 0
     if noise_shape is not None:
         try:

@@ -12,8 +12,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
 from sd_accel.engine.cuda_graph import WEIGHTS_TOKEN  # noqa: E402
-from sd_accel.engine.offload import BlockStreamer, off_device_bytes, top_level_blocks  # noqa: E402
-from sd_accel.engine.vram_plan import min_budget, plan_residency, ring_layout, unet_block_sizes  # noqa: E402
+from sd_accel.engine.offload import BlockStreamer, off_device_bytes  # noqa: E402
+from sd_accel.engine.vram_plan import (min_budget, plan_residency, ring_layout, stream_units,  # noqa: E402
+                                      unet_block_sizes)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def _assert_same(a, b):
 
 
 def _names(unet):
-    return [n for n, _ in top_level_blocks(unet)]
+    return [n for n, _ in stream_units(unet)]
 
 
 def test_block_names_are_the_planners(unet):
@@ -92,7 +93,7 @@ def test_install_remove_round_trip_keeps_parameters_and_state_dict(unet):
 
 def test_streamed_tensors_live_in_the_ring_while_installed(unet):
     names = _names(unet)
-    blocks = dict(top_level_blocks(unet))
+    blocks = dict(stream_units(unet))
     p = next(blocks["middle_block.0"][0].parameters())
     host = p.data_ptr()
     s = BlockStreamer(unet, names, prefetch_depth=1, device="cpu").install()
@@ -165,7 +166,7 @@ def test_blocks_out_of_order_are_loaded_on_demand(unet):
     """A block called outside the step (as a ControlNet-style extension or a cache node might) still reads its
     own weights: its copy is issued when it is entered, and a prefetched copy it overwrote is issued again."""
     names = _names(unet)
-    blocks = dict(top_level_blocks(unet))
+    blocks = dict(stream_units(unet))
     x, t, ctx = _inputs()
     last = blocks["out"][0]
     with torch.inference_mode():
@@ -192,7 +193,7 @@ def test_comfy_cast_weights_path_streams_too():
 
 def test_error_mid_step_then_remove_restores(unet):
     before = _snapshot(unet)
-    blocks = dict(top_level_blocks(unet))
+    blocks = dict(stream_units(unet))
     s = BlockStreamer(unet, _names(unet), prefetch_depth=1, device="cpu").install()
 
     def boom(m, a):
