@@ -48,12 +48,17 @@ def graph(model, clip, vae, size, batch, seed, sampler):
 
 
 def measure(model, clip, vae, size, batch, sampler):
+    from sd_accel.kernels import _triton
+    launches0 = dict(_triton.first_launches)
     first = graph(model, clip, vae, size, batch, 1, sampler)
+    first["triton_first_launches"] = _triton.first_launches["count"] - launches0["count"]
+    first["triton_first_launch_s"] = _triton.first_launches["seconds"] - launches0["seconds"]
     runs = [graph(model, clip, vae, size, batch, 100 + r, sampler) for r in range(OPT.reps)]
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
     return {"its": OPT.steps / med("sample_s"), "sample_s": med("sample_s"), "e2e_s": med("e2e_s"),
             "peak_gib": max(r["peak_gib"] for r in runs), "first_s": first["sample_s"], "img": runs[0]["img"],
-            "report": runs[-1]["report"], "first_report": first["report"]}
+            "report": runs[-1]["report"], "first_report": first["report"],
+            "triton_first_launches": first["triton_first_launches"], "triton_first_launch_s": first["triton_first_launch_s"]}
 
 
 def unet_rel_err(model, size, batch, profile_tag=None):
@@ -148,6 +153,8 @@ def main():
             rec["unet_rel_err"] = unet_rel_err(model, size, batch,
                                                tag if tag in OPT.profile.split(",") else None)
             rep = ours["report"] or {}
+            rec["triton_first_launches"] = ours["triton_first_launches"]
+            rec["triton_first_launch_s"] = round(ours["triton_first_launch_s"], 2)
             rec["notes"] = "ran: %s; fell back: %s; graphs: %s; first run graphs: %s" % (
                 ", ".join(rep.get("ran", [])), json.dumps(rep.get("fell_back", {})), json.dumps(rep.get("graphs")),
                 json.dumps((ours["first_report"] or {}).get("graphs")))

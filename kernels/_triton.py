@@ -8,6 +8,7 @@ machine without Triton still works and every call falls back to the op's plain-t
 checks kernels without a GPU; only then are CPU tensors accepted.
 """
 import os
+import time
 
 import torch
 
@@ -148,6 +149,10 @@ class NotWarmedUp(RuntimeError):
     arguments by an earlier eager call: the op falls back to its reference for this call."""
 
 
+# First launches of each signature (Triton compiles, or loads from its on-disk cache, in them): how many and
+# their host seconds, so a benchmark can tell a cold first run's compilation from its other costs.
+first_launches = {"count": 0, "seconds": 0.0}
+
 _compiled = {}        # (jit kernel, device index, argument signature) -> triton CompiledKernel
 _MAX_COMPILED = 4096  # distinct shapes seen; far above a UNet's (a few hundred per resolution)
 
@@ -200,7 +205,10 @@ def launch(kernel, grid, *args, **meta):
     if compiled is None:
         if torch.cuda.is_current_stream_capturing() and async_allocator():
             raise NotWarmedUp(getattr(kernel, "__name__", str(kernel)))
+        t0 = time.perf_counter()
         compiled = kernel[grid](*args, **meta)
+        first_launches["count"] += 1
+        first_launches["seconds"] += time.perf_counter() - t0
         if _bound_args(kernel, args, meta) is not None and hasattr(compiled, "__getitem__"):
             if len(_compiled) >= _MAX_COMPILED:
                 _compiled.clear()
