@@ -53,12 +53,15 @@ def measure(model, clip, vae, size, batch, sampler):
     first = graph(model, clip, vae, size, batch, 1, sampler)
     first["triton_first_launches"] = _triton.first_launches["count"] - launches0["count"]
     first["triton_first_launch_s"] = _triton.first_launches["seconds"] - launches0["seconds"]
+    first["triton_ahead"] = _triton.first_launches["ahead"] - launches0["ahead"]
+    first["triton_ahead_s"] = _triton.first_launches["ahead_seconds"] - launches0["ahead_seconds"]
     runs = [graph(model, clip, vae, size, batch, 100 + r, sampler) for r in range(OPT.reps)]
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
     return {"its": OPT.steps / med("sample_s"), "sample_s": med("sample_s"), "e2e_s": med("e2e_s"),
             "peak_gib": max(r["peak_gib"] for r in runs), "first_s": first["sample_s"], "img": runs[0]["img"],
             "report": runs[-1]["report"], "first_report": first["report"],
-            "triton_first_launches": first["triton_first_launches"], "triton_first_launch_s": first["triton_first_launch_s"]}
+            "triton_first_launches": first["triton_first_launches"], "triton_first_launch_s": first["triton_first_launch_s"],
+            "triton_ahead": first["triton_ahead"], "triton_ahead_s": first["triton_ahead_s"]}
 
 
 def unet_rel_err(model, size, batch, profile_tag=None):
@@ -155,6 +158,8 @@ def main():
             rep = ours["report"] or {}
             rec["triton_first_launches"] = ours["triton_first_launches"]
             rec["triton_first_launch_s"] = round(ours["triton_first_launch_s"], 2)
+            rec["triton_compiled_ahead"] = ours["triton_ahead"]
+            rec["triton_compiled_ahead_s"] = round(ours["triton_ahead_s"], 2)
             rec["notes"] = "ran: %s; fell back: %s; graphs: %s; first run graphs: %s" % (
                 ", ".join(rep.get("ran", [])), json.dumps(rep.get("fell_back", {})), json.dumps(rep.get("graphs")),
                 json.dumps((ours["first_report"] or {}).get("graphs")))

@@ -34,6 +34,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..kernels import _triton
 from . import kernel_report
 
 log = logging.getLogger("sd_accel")
@@ -72,6 +73,21 @@ def cudnn_autotuned(on=True):
         yield
     finally:
         torch.backends.cudnn.benchmark = old
+
+
+def eager_call(fn, args, kwargs):
+    """fn(*args, **kwargs), with the Triton kernels it reaches for the first time compiled in parallel
+    (kernels/_triton.run_compiling_ahead): when any were, that first pass ran their references and is
+    discarded (with what it added to the kernel report), and fn runs again on the compiled kernels. Once every
+    kernel is compiled this is the plain call. Not inside a capture: a capture never compiles."""
+    if not _triton.compile_ahead_available() or torch.cuda.is_current_stream_capturing():
+        return fn(*args, **kwargs)
+    before = kernel_report.snapshot()
+    out, compiled = _triton.run_compiling_ahead(lambda: fn(*args, **kwargs))
+    if compiled:
+        kernel_report.rollback(before)
+        out = fn(*args, **kwargs)
+    return out
 
 
 def _flatten(obj, tensors, key, ignore=()):
@@ -243,7 +259,7 @@ class StepGraphs:
     def _eager(self, fn, args, kwargs, reason):
         self.stats["eager"] += 1
         self.last_eager_reason = reason
-        return fn(*args, **kwargs)
+        return eager_call(fn, args, kwargs)
 
     def run(self, fn, args, kwargs, epoch=None, host_state=None, key_ignore=()):
         """`epoch`: an object that stays the same for all steps of one sampling run (None: unknown,

@@ -10,6 +10,8 @@ import logging
 import threading
 from collections import Counter
 
+from ..kernels import _triton
+
 log = logging.getLogger("sd_accel")
 _lock = threading.Lock()
 _counts = Counter()          # (op, path) -> calls
@@ -24,7 +26,7 @@ def record(op, fn):
         if path == "reference":
             reason = getattr(fn, "last_reason", None) or "not eligible"
             _reasons.setdefault(op, set()).add(reason)
-            if (op, reason) not in _logged:
+            if (op, reason) not in _logged and not _triton.compiling_ahead():
                 _logged.add((op, reason))
                 log.info("[SD Accel] %s: using the stock path (%s)", op, reason)
 
@@ -38,6 +40,16 @@ def replayed(counts):
 def calls_between(before, after):
     """The (op, path) call counts recorded between two snapshots, for `replayed`."""
     return after[0] - before[0]
+
+
+def rollback(snap):
+    """Forget every call recorded since `snap` (a call whose result was discarded: compiling ahead)."""
+    counts, reasons = snap
+    with _lock:
+        _counts.clear()
+        _counts.update(counts)
+        _reasons.clear()
+        _reasons.update({k: set(v) for k, v in reasons.items()})
 
 
 def snapshot():

@@ -84,7 +84,7 @@ def _make_step(st, options, base_model):
             return st.graphs.run(fn, args, kwargs, epoch=epoch, key_ignore=ignore,
                                  host_state=getattr(base_model, "current_weight_patches_uuid", None))
         fn, args, kwargs = _with_deferred_control(apply_model, args, kwargs)
-        return fn(*args, **kwargs)
+        return cuda_graph.eager_call(fn, args, kwargs)   # first kernels compiled in parallel
     return step
 
 

@@ -71,8 +71,8 @@ def add_layer_norm(a, r, normalized_shape, weight=None, bias=None, eps=1e-5):
             out = _launch(a, r, weight, bias, eps)
             record(add_layer_norm, "triton")
             return out
-        except NotWarmedUp:
-            why = "graph capture before any eager call of this shape"
+        except NotWarmedUp as e:
+            why = e.reason
     record(add_layer_norm, "reference", why)
     return add_layer_norm_reference(a, r, normalized_shape, weight, bias, eps)
 

@@ -149,8 +149,8 @@ def bias_residual_add(x, residual, bias=None, residual_bias=None, out=None):
             y = _launch(x, residual, bias, residual_bias, out)
             record(bias_residual_add, "triton")
             return y
-        except NotWarmedUp:
-            why = "graph capture before any eager call of this shape"
+        except NotWarmedUp as e:
+            why = e.reason
     record(bias_residual_add, "reference", why)
     y = bias_residual_add_reference(x, residual, bias, residual_bias)
     if out is not None:

@@ -88,8 +88,8 @@ def geglu(h):
             out = _launch(h)
             record(geglu, "triton")
             return out
-        except NotWarmedUp:
-            why = "graph capture before any eager call of this shape"
+        except NotWarmedUp as e:
+            why = e.reason
     record(geglu, "reference", why)
     return geglu_reference(h).contiguous()
 

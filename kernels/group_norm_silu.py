@@ -358,8 +358,8 @@ def group_norm_silu(x, num_groups, weight=None, bias=None, eps=1e-5, activation=
             y = _launch(x, num_groups, weight, bias, eps, activation, add_k)
             record(group_norm_silu, "triton")
             return y
-        except NotWarmedUp:
-            why = "graph capture before any eager call of this shape"
+        except NotWarmedUp as e:
+            why = e.reason
     record(group_norm_silu, "reference", why)
     y = group_norm_silu_reference(x, num_groups, weight, bias, eps, activation, add)
     if is_channels_last(x) and not y.is_contiguous(memory_format=torch.channels_last):

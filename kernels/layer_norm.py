@@ -118,8 +118,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
             y = _launch(x, weight, bias, eps)
             record(layer_norm, "triton")
             return y
-        except NotWarmedUp:
-            why = "graph capture before any eager call of this shape"
+        except NotWarmedUp as e:
+            why = e.reason
     record(layer_norm, "reference", why)
     return layer_norm_reference(x, normalized_shape, weight, bias, eps)
 

@@ -88,3 +88,116 @@ def test_ops_fall_back_to_their_reference_when_a_capture_finds_no_compiled_kerne
     out = geglu_mod.geglu(h)
     assert geglu_mod.geglu.last_path == "reference" and "capture" in geglu_mod.geglu.last_reason
     torch.testing.assert_close(out, geglu_mod.geglu_reference(h))
+
+
+# ---- compiling ahead (run_compiling_ahead): the bookkeeping, with stand-ins for Triton's async mode ----------
+
+class FutureKernel:   # the name Triton's _async_compile gives a compilation still on the pool
+    kernel = None
+
+
+class _AheadKernel(_Kernel):
+    def __init__(self, cached=False):
+        super().__init__()
+        self.cached, self.warmups = cached, []
+        self.future = FutureKernel()   # Triton keeps a submitted compilation's future in its kernel cache
+
+    def warmup(self, *args, grid, **meta):
+        self.warmups.append(args)
+        return _Compiled(self.log) if self.cached else self.future
+
+
+class _Mode:
+    """Stands in for triton's AsyncCompileMode: entering and leaving are recorded."""
+    events = []
+
+    def __init__(self, executor, ignore_errors=False):
+        self.ignore_errors = ignore_errors
+
+    def __enter__(self):
+        _Mode.events.append("enter")
+        return self
+
+    def __exit__(self, *exc):
+        _Mode.events.append("exit (waits for the pool)")
+
+
+@pytest.fixture
+def ahead(gpu_like, monkeypatch):
+    _Mode.events = []
+    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
+    monkeypatch.setattr(_triton, "_async_compile_mode", lambda: _Mode)
+    return gpu_like
+
+
+def test_compiling_ahead_submits_uncompiled_kernels_and_their_ops_run_the_reference(ahead):
+    cold, warm = _AheadKernel(cached=False), _AheadKernel(cached=True)
+    x, y = torch.zeros(8), torch.zeros(8)
+    seen = []
+
+    def step():
+        for k in (cold, warm, cold):
+            try:
+                _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+                seen.append("kernel")
+            except _triton.CompilingAhead as e:
+                seen.append(e.reason)
+        return "out"
+
+    out, compiled = _triton.run_compiling_ahead(step)
+    assert out == "out" and compiled == 1            # one kernel, submitted once although reached twice
+    assert seen == ["its kernel is being compiled ahead", "kernel", "its kernel is being compiled ahead"]
+    assert cold.log == [] and [e[0] for e in warm.log] == ["jit"]   # nothing launched for the cold one
+    assert _Mode.events == ["enter", "exit (waits for the pool)"]
+    assert not _triton.compiling_ahead()
+    # afterwards (the compilation done) the plain launch compiles/loads as usual
+    _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    assert [e[0] for e in cold.log] == ["jit"]
+
+
+def test_when_everything_is_compiled_the_pass_is_the_plain_call(ahead):
+    warm = _AheadKernel(cached=True)
+    x, y = torch.zeros(8), torch.zeros(8)
+    out, compiled = _triton.run_compiling_ahead(
+        lambda: _triton.launch(warm, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4) or "done")
+    assert (out, compiled) == ("done", 0) and [e[0] for e in warm.log] == ["jit"]
+
+
+def test_compiling_ahead_is_a_plain_call_where_unavailable_and_when_nested(ahead, monkeypatch):
+    cold = _AheadKernel(cached=False)
+    x, y = torch.zeros(8), torch.zeros(8)
+
+    def step():
+        _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+        return "ran"
+    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: False)
+    assert _triton.run_compiling_ahead(step) == ("ran", 0) and cold.warmups == []
+    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
+    inner = []
+    outer = _triton.run_compiling_ahead(lambda: inner.append(_triton.run_compiling_ahead(lambda: "inner")))
+    assert inner == [("inner", 0)] and outer == (None, 0) and _Mode.events == ["enter", "exit (waits for the pool)"]
+
+
+def test_a_failure_while_compiling_ahead_hands_over_to_the_plain_path(ahead):
+    cold = _AheadKernel(cached=False)
+    x, y = torch.zeros(8), torch.zeros(8)
+
+    def step():
+        try:
+            _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+        except _triton.CompilingAhead:
+            pass
+        raise RuntimeError("a compilation failed")
+    out, compiled = _triton.run_compiling_ahead(step)
+    assert out is None and compiled == 1 and not _triton.compiling_ahead()
+    with pytest.raises(RuntimeError):            # nothing pending: the error is the function's own
+        _triton.run_compiling_ahead(lambda: (_ for _ in ()).throw(RuntimeError("own")))
+
+
+def test_compiling_ahead_never_runs_inside_a_capture(ahead):
+    cold = _AheadKernel(cached=False)
+    x, y = torch.zeros(8), torch.zeros(8)
+    ahead["capturing"] = True
+    with pytest.raises(_triton.NotWarmedUp) as e:
+        _triton.run_compiling_ahead(lambda: _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4))
+    assert type(e.value) is _triton.NotWarmedUp and cold.warmups == []

@@ -1,0 +1,82 @@
+"""`cuda_graph.eager_call`: a step's first eager call compiles its Triton kernels in parallel; when any were
+compiled, that pass (references in their place) is discarded with what it added to the kernel report, and
+the step runs again. Triton's async compile mode is stood in for (kernels/_triton's own tests cover the
+launch side; tests/gpu/test_compile_ahead_gpu.py the real compilation)."""
+import logging
+
+import pytest
+import torch
+
+from sd_accel.engine import cuda_graph, kernel_report
+from sd_accel.kernels import _triton
+
+
+class _Op:
+    """An op as kernel_report sees it: which path its last call took."""
+    last_path, last_reason = "triton", ""
+
+
+@pytest.fixture
+def available(monkeypatch):
+    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def _step(calls, compiling_pass):
+    def fn(x, scale=1):
+        calls.append(x)
+        op = _Op()
+        if compiling_pass():
+            op.last_path, op.last_reason = "reference", _triton.CompilingAhead.reason
+        kernel_report.record("test_op", op)
+        return x * scale
+    return fn
+
+
+def test_a_pass_that_compiled_kernels_is_discarded_and_the_step_runs_again(available, monkeypatch, caplog):
+    passes = []
+
+    def fake_ahead(f):          # the first call of a step compiled 3 kernels
+        passes.append("ahead")
+        monkeypatch.setattr(_triton, "compiling_ahead", lambda: True)
+        try:
+            return f(), 3
+        finally:
+            monkeypatch.setattr(_triton, "compiling_ahead", lambda: False)
+    monkeypatch.setattr(_triton, "run_compiling_ahead", fake_ahead)
+    calls = []
+    before = kernel_report.snapshot()
+    with caplog.at_level(logging.INFO, logger="sd_accel"):
+        out = cuda_graph.eager_call(_step(calls, _triton.compiling_ahead), (2,), {"scale": 5})
+    assert out == 10 and calls == [2, 2] and passes == ["ahead"]
+    summary = kernel_report.summarize(before, kernel_report.snapshot())
+    assert summary["test_op"] == {"fused": 1, "fallback": 0, "reasons": []}   # only the kept pass counts
+    assert "using the stock path" not in caplog.text
+
+
+def test_a_pass_that_compiled_nothing_is_the_result(available, monkeypatch):
+    monkeypatch.setattr(_triton, "run_compiling_ahead", lambda f: (f(), 0))
+    calls = []
+    before = kernel_report.snapshot()
+    assert cuda_graph.eager_call(_step(calls, lambda: False), (3,), {}) == 3 and calls == [3]
+    assert kernel_report.summarize(before, kernel_report.snapshot())["test_op"]["fused"] == 1
+
+
+def test_without_the_parallel_path_or_inside_a_capture_it_is_the_plain_call(monkeypatch):
+    monkeypatch.setattr(_triton, "run_compiling_ahead", lambda f: pytest.fail("not a plain call"))
+    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: False)
+    assert cuda_graph.eager_call(lambda x: x + 1, (1,), {}) == 2
+    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert cuda_graph.eager_call(lambda x: x + 1, (1,), {}) == 2
+
+
+def test_rollback_restores_counts_and_reasons():
+    before = kernel_report.snapshot()
+    op = _Op()
+    op.last_path, op.last_reason = "reference", "odd shape"
+    kernel_report.record("rolled_op", op)
+    assert "rolled_op" in kernel_report.summarize(before, kernel_report.snapshot())
+    kernel_report.rollback(before)
+    after = kernel_report.snapshot()
+    assert kernel_report.summarize(before, after) == {} and "rolled_op" not in after[1]
