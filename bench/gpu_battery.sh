@@ -10,7 +10,8 @@
 # (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min), profile
 # (profile_step.py: where an Accelerated KSampler run's time goes, SD1.5 and SDXL at 4 GiB, ~2.5 min; a diagnosis,
 # nothing for results.jsonl), first_run (bench_first_run.py: SD1.5 768² on a cold Triton cache, kernels compiled
-# one by one and in parallel, one bench_unet process each, ~3 min).
+# one by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
+# constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -48,6 +49,7 @@ for p in "$@"; do
     a1111) part a1111 150 python3 bench/bench_a1111_ldm.py ;;
     profile) part profile 240 python3 bench/profile_step.py --comfy-dir $COMFY ;;
     first_run) part first_run 500 python3 bench/bench_first_run.py --comfy-dir $COMFY ;;
+    tune_gn) part tune_gn 300 python3 bench/tune_group_norm.py ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
@@ -58,6 +60,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn)"; exit 2 ;;
   esac
 done

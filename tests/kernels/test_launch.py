@@ -201,3 +201,22 @@ def test_compiling_ahead_never_runs_inside_a_capture(ahead):
     with pytest.raises(_triton.NotWarmedUp) as e:
         _triton.run_compiling_ahead(lambda: _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4))
     assert type(e.value) is _triton.NotWarmedUp and cold.warmups == []
+
+
+def test_group_norms_split_path_submits_both_its_kernels_when_compiling_ahead(monkeypatch):
+    """The statistics kernel still compiling must not hide the apply kernel from the pass that compiles ahead:
+    both are submitted, and the op runs its reference for the call."""
+    from sd_accel.kernels import group_norm_silu as gn
+    attempted = []
+
+    def compiling(kernel, grid, *args, **meta):
+        attempted.append(kernel.__name__ if hasattr(kernel, "__name__") else str(kernel))
+        raise _triton.CompilingAhead("x")
+    monkeypatch.setattr(gn, "launch", compiling)
+    x = torch.randn(2, 320, 64, 64).contiguous(memory_format=torch.channels_last)
+    assert not gn.one_program_per_group(320, 64 * 64, 32)
+    out = gn.group_norm_silu(x, 32)
+    assert [a.split(":")[-1].strip(")").split(".")[-1] for a in attempted] == ["_gn_stats_kernel", "_gn_apply_kernel"]
+    assert gn.group_norm_silu.last_path == "reference"
+    assert gn.group_norm_silu.last_reason == _triton.CompilingAhead.reason
+    torch.testing.assert_close(out, gn.group_norm_silu_reference(x, 32))
