@@ -36,8 +36,9 @@ MIX = {
 MIX[768] = {(c, h * 3 // 2, a, d): n for (c, h, a, d), n in MIX[512].items()}
 
 KNOBS = ("_ONE_TILE_MAX", "_TILE", "_CL_TARGET_C", "_MAX_CHUNKS", "_MERGE_MAX", "_WARPS")
-GRID = {"_ONE_TILE_MAX": (16384, 4096), "_TILE": (2048, 4096, 8192), "_CL_TARGET_C": (32, 64, 128),
-        "_MAX_CHUNKS": (64, 256), "_MERGE_MAX": (512, 2048), "_WARPS": (None, 8)}
+# _CL_TARGET_C None: the row width the op picks per channel count (_cl_target_c)
+GRID = {"_ONE_TILE_MAX": (16384, 8192, 4096), "_TILE": (2048, 4096), "_CL_TARGET_C": (None, 32, 64, 128),
+        "_MAX_CHUNKS": (64,), "_MERGE_MAX": (512,), "_WARPS": (None,)}
 
 
 def timed_us(fn, calls=20, reps=15):
@@ -141,8 +142,14 @@ def main():
                                                       json.dumps(best_c)))
         setc(default)
         results.append({"res": res, "current_us": base, "best": [(t, c) for t, c in rows[:8]]})
+    print("\n== every configuration, µs per forward at 512² + 768²")
+    both = sorted(configs, key=lambda c: sum(n * us[plan_key(c, k)] for m in MIX.values() for k, n in m.items()))
+    for c in both:
+        t = [sum(n * us[plan_key(c, k)] for k, n in m.items()) for m in MIX.values()]
+        print("  %7.1f %7.1f  %s%s" % (t[0], t[1], json.dumps(c), "  (current)" if c == default else ""))
+    setc(default)
     with open(os.path.join(opt.out, "tune_group_norm.json"), "w") as f:
-        json.dump({"results": results, "us": {str(k): v for k, v in us.items()}}, f, indent=1)
+        json.dump({"results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

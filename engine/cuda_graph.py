@@ -54,6 +54,7 @@ CUDNN_AUTOTUNE = os.environ.get("SDACCEL_CUDNN_AUTOTUNE", "0") == "1"
 # True (or SDACCEL_CAPTURE_EMPTY_CACHE=1) captures through torch.cuda.graph() as before.
 CAPTURE_EMPTIES_CACHE = os.environ.get("SDACCEL_CAPTURE_EMPTY_CACHE", "0") == "1"
 _CAPTURE_STREAMS = {}
+AHEAD_PASSES = 3   # eager_call: passes compiling kernels ahead before the plain call
 
 
 @contextlib.contextmanager
@@ -84,6 +85,13 @@ def eager_call(fn, args, kwargs):
         return fn(*args, **kwargs)
     before = kernel_report.snapshot()
     out, compiled = _triton.run_compiling_ahead(lambda: fn(*args, **kwargs))
+    for _ in range(AHEAD_PASSES - 1):
+        if not compiled:
+            return out
+        # kernels behind a reference's result can differ from those behind a kernel's (device run 45: 44 of
+        # a 768² step's kernels were compiled ahead and 14 more one by one in the pass after): another pass
+        kernel_report.rollback(before)
+        out, compiled = _triton.run_compiling_ahead(lambda: fn(*args, **kwargs))
     if compiled:
         kernel_report.rollback(before)
         out = fn(*args, **kwargs)

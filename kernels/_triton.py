@@ -241,6 +241,7 @@ class CompilingAhead(NotWarmedUp):
     reason = "its kernel is being compiled ahead"
 
 
+_ahead_failed = set()       # kernel names whose warmup raised (logged once)
 _ahead = threading.local()   # .state: the running run_compiling_ahead's bookkeeping, else absent/None
 _executor = None
 _PARALLEL = os.environ.get("SDACCEL_PARALLEL_COMPILE", "1") != "0"
@@ -279,7 +280,11 @@ def _submit_ahead(state, kernel, grid, args, meta):
     try:
         k = kernel.warmup(*args, grid=grid, **meta)   # under AsyncCompileMode: submits, never blocks
     except Exception as e:  # noqa: BLE001 - the launch below compiles it the usual way and says what failed
-        log.debug("[SD Accel] compiling %s ahead failed to start: %s", kernel, e)
+        name = getattr(kernel, "__name__", str(kernel))
+        if name not in _ahead_failed:
+            _ahead_failed.add(name)
+            log.info("[SD Accel] %s cannot be compiled ahead (%s: %s); it compiles when launched",
+                     name, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return False
     if type(k).__name__ == "FutureKernel" and getattr(k, "kernel", None) is None:
         state["pending"].add(id(k))

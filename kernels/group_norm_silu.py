@@ -3,8 +3,8 @@
 Two paths, at most two launches per call (statistics in fp32 either way):
 
 * one program per (sample, group), `_gn_group_kernel`, grid (N * G,), one launch: when a whole group
-  fits in one register tile (`_ONE_TILE_MAX` lanes; at SD1.5 512²: the 8² level, 16² up to 1920
-  channels, 32² at 320), the program loads it once, takes the mean and the variance from the registers
+  fits in one register tile (`_ONE_TILE_MAX` lanes; at SD1.5 512²: the 8² level, 16² up to 640
+  channels), the program loads it once, takes the mean and the variance from the registers
   (two-pass, exact), normalizes and stores. Few programs (N * G), but each is a single round trip to
   memory, and these tensors are small.
 * split, two launches with many programs each, for bigger groups (a batch of 2 has only 64 groups, and
@@ -25,9 +25,9 @@ ResBlock's conv bias + timestep embedding) shifts the per-channel means before t
 normalization subtracts mean - add: it costs no pass over x. No host sync, and all allocations depend
 on shapes only, so the op can be captured in a CUDA graph.
 
-The thresholds and tile sizes below were chosen without a GPU run of this two-path version (the earlier
-three-launch version measured 6.4 + 3.3 + 2.5 us per call on average on an H200, SD1.5 512² CFG batch 2);
-bench/bench_group_norm_silu.py prints which path each shape takes and its time.
+The path threshold and the channels_last row width come from bench/tune_group_norm.py (device run 45: the
+61 GroupNorms of an SD1.5 forward, CFG batch 2, replayed from a CUDA graph); bench/bench_group_norm_silu.py
+prints which path each shape takes and its time against torch's.
 """
 import torch
 import torch.nn.functional as F
@@ -37,15 +37,17 @@ from ._triton import (CompilingAhead, NotWarmedUp, activation_ineligible, cdiv, 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_GROUP_CHANNELS = 4096
-_ONE_TILE_MAX = 16384   # lanes (powers of two of CG and HW) one program loads at once: 16 warps, 32 lanes a
-                        # thread (sm_90 ptxas: 117 registers, no spill; 32768 lanes on 32 warps spill)
+_ONE_TILE_MAX = 8192    # lanes (powers of two of CG and HW) one program loads at once. 16384 fits (16 warps, 32
+                        # lanes a thread, sm_90 ptxas: 117 registers, no spill; 32768 on 32 warps spill), but
+                        # device run 45 found the split path faster from 16384 lanes up (1280 channels at 16²:
+                        # 9.5 -> 6.5 us) and one program per group still the faster at 8192 (2560 at 8²: 3.3 us)
 _MAX_CHUNKS = 64        # spatial chunks per batch item in the split path's statistics
 _MERGE_MAX = 512        # partials (chunks x group parts x group slots) one apply program merges
 _MERGE_BLOCK = 512      # of which it loads at most this many per step
 _MAX_TILE_GROUPS = 16   # whole groups per channel tile
 _SMS = 132              # H200; only used to size grids for small tensors (more, smaller programs)
 _TILE = 2048            # elements per program tile (measured on H200: 2048 beats 4096 and 8192 on channels_last)
-_CL_TARGET_C = 128      # channels_last: channels per tile row (contiguous)
+_CL_TARGET_C = None     # channels_last: channels per tile row (contiguous); None: _cl_target_c picks
 _WARPS = None           # split path's warps per program; None: num_warps_for(tile)
 
 _tt = get_triton()
@@ -240,24 +242,46 @@ def one_program_per_group(C, HW, num_groups):
     return next_pow2(HW) * next_pow2(C // num_groups) <= _ONE_TILE_MAX
 
 
+def _channel_tiles(CG, G, target_c):
+    """(K, J, block_c, c_tiles) for channel tiles of about `target_c` lanes: K whole groups a tile, or (K == 1)
+    one of J parts of a group wider than the tile."""
+    if CG <= target_c:
+        K = min(max(1, target_c // CG), _MAX_TILE_GROUPS, G)
+        J, block_c = 1, max(2, next_pow2(K * CG))
+    else:
+        K, J, block_c = 1, cdiv(CG, target_c), target_c
+    return K, J, block_c, cdiv(G, K) * J
+
+
+def _cl_target_c(CG, G):
+    """channels_last: the row width (32, 64 or 128 channels) whose tiles waste the fewest lanes on padding,
+    the narrower on a tie. Device run 45 (bench/tune_group_norm.py over an SD1.5 forward's GroupNorms, H200):
+    that width was the fastest for 320 (32), 640 (64), 1280 (128) and 2560 (32) channels, up to 2x faster than
+    a fixed 128 (2560 channels at 16²: 19.0 -> 9.5 us)."""
+    if _CL_TARGET_C:
+        return _CL_TARGET_C
+    best = None
+    for target in (32, 64, 128):
+        _, _, block_c, c_tiles = _channel_tiles(CG, G, target)
+        waste = c_tiles * block_c
+        if best is None or waste < best[0]:
+            best = (waste, target)
+    return best[1]
+
+
 def _split_config(N, C, HW, G, channels_last):
     """The split path's tiling: (block_s, block_c, K, KB, J, c_tiles, s_tiles, chunk_iters, nsc, apply_iters,
     block_p). Channel tiles hold K whole groups, or (K == 1) one of J parts of a group."""
     CG = C // G
     tile = max(1024, min(_TILE, next_pow2(N * C * HW // (4 * _SMS))))
     if channels_last:
-        # rows of up to 128 contiguous channels (256 B in fp16)
-        target_c, block_s = _CL_TARGET_C, None
+        # rows of 32-128 contiguous channels (64-256 B in fp16)
+        target_c, block_s = _cl_target_c(CG, G), None
     else:
         block_s = max(2, min(next_pow2(HW), 1024, tile))
         target_c = max(2, tile // block_s)
-    if CG <= target_c:
-        K = min(max(1, target_c // CG), _MAX_TILE_GROUPS, G)
-        J, block_c = 1, max(2, next_pow2(K * CG))
-    else:
-        K, J, block_c = 1, cdiv(CG, target_c), target_c
+    K, J, block_c, c_tiles = _channel_tiles(CG, G, target_c)
     KB = max(2, next_pow2(K))
-    c_tiles = cdiv(G, K) * J
     if block_s is None:
         block_s = max(2, min(max(1, tile // block_c), next_pow2(HW)))
     s_tiles = cdiv(HW, block_s)

@@ -36,8 +36,10 @@ def _step(calls, compiling_pass):
 def test_a_pass_that_compiled_kernels_is_discarded_and_the_step_runs_again(available, monkeypatch, caplog):
     passes = []
 
-    def fake_ahead(f):          # the first call of a step compiled 3 kernels
+    def fake_ahead(f):          # the first pass compiles 3 kernels (their ops run references), the next none
         passes.append("ahead")
+        if len(passes) > 1:
+            return f(), 0
         monkeypatch.setattr(_triton, "compiling_ahead", lambda: True)
         try:
             return f(), 3
@@ -48,7 +50,7 @@ def test_a_pass_that_compiled_kernels_is_discarded_and_the_step_runs_again(avail
     before = kernel_report.snapshot()
     with caplog.at_level(logging.INFO, logger="sd_accel"):
         out = cuda_graph.eager_call(_step(calls, _triton.compiling_ahead), (2,), {"scale": 5})
-    assert out == 10 and calls == [2, 2] and passes == ["ahead"]
+    assert out == 10 and calls == [2, 2] and passes == ["ahead", "ahead"]
     summary = kernel_report.summarize(before, kernel_report.snapshot())
     assert summary["test_op"] == {"fused": 1, "fallback": 0, "reasons": []}   # only the kept pass counts
     assert "using the stock path" not in caplog.text
@@ -80,3 +82,23 @@ def test_rollback_restores_counts_and_reasons():
     kernel_report.rollback(before)
     after = kernel_report.snapshot()
     assert kernel_report.summarize(before, after) == {} and "rolled_op" not in after[1]
+
+
+def test_passes_go_on_while_they_compile_then_the_plain_call(available, monkeypatch):
+    """Kernels reached only behind a kernel's result are compiled in the next pass; after AHEAD_PASSES passes
+    that still compiled something, the plain call."""
+    compiled_per_pass = iter([5, 2, 1, 0])
+    passes = []
+
+    def fake_ahead(f):
+        passes.append(f())
+        return passes[-1], next(compiled_per_pass)
+    monkeypatch.setattr(_triton, "run_compiling_ahead", fake_ahead)
+    calls = []
+    assert cuda_graph.eager_call(_step(calls, lambda: False), (1,), {}) == 1
+    assert len(passes) == cuda_graph.AHEAD_PASSES == 3 and len(calls) == 4   # 3 passes, then the plain call
+    compiled_per_pass = iter([4, 0])
+    passes.clear()
+    calls.clear()
+    cuda_graph.eager_call(_step(calls, lambda: False), (1,), {})
+    assert len(passes) == 2 and len(calls) == 2                              # the second pass is the result

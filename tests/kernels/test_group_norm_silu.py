@@ -156,15 +156,27 @@ def test_groups_other_than_32(device, plan, channels_last):
 # ---- which path, and the split path's corners ----
 
 @pytest.mark.parametrize("shape, one_program", [
-    ((2, 1280, 8, 8), True), ((2, 2560, 8, 8), True), ((2, 1280, 16, 16), True), ((2, 1920, 16, 16), True),
-    ((2, 320, 32, 32), True), ((8, 640, 16, 16), True),
+    ((2, 1280, 8, 8), True), ((2, 2560, 8, 8), True), ((2, 640, 16, 16), True), ((8, 640, 16, 16), True),
+    ((2, 1280, 16, 16), False), ((2, 1920, 16, 16), False), ((2, 320, 32, 32), False),
     ((2, 2560, 16, 16), False), ((2, 640, 32, 32), False), ((2, 960, 32, 32), False), ((2, 320, 64, 64), False),
     ((8, 320, 64, 64), False)])
 def test_which_path_sd15_512_shapes_take(shape, one_program):
-    """SD1.5 512²'s 8² and 16² levels (but 16² at 2560 channels) and 32² at 320 channels are one launch;
-    the rest the split path (two launches). The batch does not matter."""
+    """SD1.5 512²'s 8² level and 16² up to 640 channels are one launch; the rest the split path (two
+    launches; measured faster from 16384 lanes up, device run 45). The batch does not matter."""
     N, C, H, W = shape
     assert gn.one_program_per_group(C, H * W, 32) is one_program
+
+
+@pytest.mark.parametrize("C, width", [(320, 32), (640, 64), (1280, 128), (2560, 32), (960, 32), (64, 32)])
+def test_channels_last_rows_are_the_width_that_pads_least(C, width, device, monkeypatch):
+    """32 groups: 320 channels in tiles of 3 groups (30 of 32 lanes), 640 likewise in 64, 1280 in 128; 2560
+    (80 a group) in three parts of 32. Each width computes the norm right (split path forced)."""
+    assert gn._cl_target_c(C // 32, 32) == width
+    monkeypatch.setattr(gn, "_ONE_TILE_MAX", 0)
+    x, w, b = _inputs((1, C, 3, 5), torch.float32, device, True, seed=9)
+    y = group_norm_silu(x, 32, w, b)
+    assert gn._split_config(1, C, 15, 32, True)[1] == width   # block_c
+    _check(y, x, group_norm_silu_reference(x, 32, w, b), 2e-5, 2e-5, "split")
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "cl"])
@@ -188,6 +200,7 @@ def test_split_path_merging_in_several_steps_and_tile_runs(shape, channels_last,
     monkeypatch.setattr(gn, "_ONE_TILE_MAX", 0)
     monkeypatch.setattr(gn, "_MERGE_BLOCK", 4)
     monkeypatch.setattr(gn, "_SMS", 1)
+    monkeypatch.setattr(gn, "_CL_TARGET_C", 128)   # rows of 128 channels: several short runs of spatial tiles
     block_s, block_c, K, KB, J, c_tiles, s_tiles, chunk_iters, nsc, apply_iters, block_p = gn._split_config(
         shape[0], shape[1], shape[2] * shape[3], 32, channels_last)
     assert nsc * J > block_p                        # the merge takes several steps
