@@ -327,7 +327,30 @@ def run_compiling_ahead(fn):
         _ahead.state = None
     n = len(state["pending"])
     if n:
+        _prepare_launchers(mode)
         first_launches["ahead"] += n
         first_launches["ahead_seconds"] += time.perf_counter() - t0
         log.info("[SD Accel] compiled %d Triton kernels in parallel in %.1f s", n, time.perf_counter() - t0)
     return out, n
+
+
+def _prepare_launchers(mode):
+    """Triton (up to 3.6 at least) builds each compiled kernel's host launcher at its first launch, a C module
+    compiled with the system compiler per argument signature (~0.3 s each, one after the other: device run
+    45 still spent 3.5 s in the first launches after compiling ahead). Building them here on the pool puts
+    them in Triton's on-disk cache, so the first launch only loads them. The objects built are dropped: the
+    kernel makes its own at its first launch, on the launching thread (it also loads the binary onto the
+    GPU then). Best effort: any failure leaves it all to the first launch."""
+    try:
+        from triton.runtime import driver
+        make = driver.active.launcher_cls
+        kernels = [f.kernel for f in getattr(mode, "future_kernels", {}).values() if getattr(f, "kernel", None)]
+        kernels = [k for k in kernels if getattr(k, "src", None) is not None and getattr(k, "module", 1) is None]
+    except Exception:  # noqa: BLE001
+        return
+    futures = [_pool().submit(make, k.src, k.metadata) for k in kernels]
+    for f in futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001 - the first launch builds it and reports what fails
+            pass

@@ -220,3 +220,25 @@ def test_group_norms_split_path_submits_both_its_kernels_when_compiling_ahead(mo
     assert gn.group_norm_silu.last_path == "reference"
     assert gn.group_norm_silu.last_reason == _triton.CompilingAhead.reason
     torch.testing.assert_close(out, gn.group_norm_silu_reference(x, 32))
+
+
+def test_launchers_of_the_kernels_compiled_ahead_are_built_on_the_pool(monkeypatch):
+    """Each kernel compiled ahead and not yet loaded gets its host launcher built once (into Triton's cache);
+    a loaded one, or a future that failed, is left alone; a failing build is left to the first launch."""
+    import types
+    triton = pytest.importorskip("triton")
+    import triton.runtime
+    built = []
+
+    def launcher_cls(src, metadata):
+        built.append(src)
+        if src == "bad":
+            raise RuntimeError("no compiler")
+    monkeypatch.setattr(triton.runtime, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        launcher_cls=launcher_cls)), raising=False)
+    fk = lambda kernel: types.SimpleNamespace(kernel=kernel)  # noqa: E731
+    k = lambda src, module=None: types.SimpleNamespace(src=src, metadata={}, module=module)  # noqa: E731
+    mode = types.SimpleNamespace(future_kernels={1: fk(k("a")), 2: fk(k("b", module="loaded")), 3: fk(None),
+                                                 4: fk(k("bad")), 5: fk(k("c"))})
+    _triton._prepare_launchers(mode)
+    assert sorted(built) == ["a", "bad", "c"]
