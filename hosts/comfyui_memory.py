@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from ..engine import host_mirror, offload as block_offload, vram_plan, vram_report
+from ..engine import cuda_graph, host_mirror, offload as block_offload, vram_plan, vram_report
 
 log = logging.getLogger("sd_accel")
 
@@ -227,6 +227,7 @@ def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, r
                     reserve = activation_bytes(mm) if hasattr(mm, "minimum_inference_memory") else None
                     loader = loader_budget(settings.plan, budget, reserve) if stream else budget
                     stack.enter_context(budget_scope(mm, loader, total))
+                    stack.enter_context(cuda_graph.cudnn_autotune_held_off())
                     notes.append("budget %.2f GiB of %.2f GiB" % (budget / GIB, total / GIB)
                                  + (" (loader %.2f GiB, the rest for streaming)" % (loader / GIB) if stream else ""))
             else:

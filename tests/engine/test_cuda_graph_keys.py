@@ -127,6 +127,18 @@ def test_cudnn_autotune_scope_sets_and_restores_the_flag():
     assert seen == [True, before] and torch.backends.cudnn.benchmark is before
 
 
+def test_autotuning_is_on_by_default_and_held_off_inside_a_budget_scope(monkeypatch):
+    monkeypatch.setattr(cg, "CUDNN_AUTOTUNE", True)
+    assert cg.autotune_now()
+    with cg.cudnn_autotune_held_off():
+        with cg.cudnn_autotune_held_off():
+            assert not cg.autotune_now()
+        assert not cg.autotune_now()
+    assert cg.autotune_now()
+    monkeypatch.setattr(cg, "CUDNN_AUTOTUNE", False)   # SDACCEL_CUDNN_AUTOTUNE=0
+    assert not cg.autotune_now()
+
+
 def test_graphs_are_freed_once_the_weights_have_left_the_gpu():
     """What the hosts call when ComfyUI detaches a model: CPU weights here, so the graphs go."""
     g = cg.StepGraphs(torch.nn.Linear(2, 2))
