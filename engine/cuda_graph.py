@@ -45,9 +45,11 @@ DIAG_LEVEL = logging.WARNING if os.environ.get("SDACCEL_DIAG") == "1" else loggi
 # streamer's ring and host buffers: engine/offload.py), a new object each time: part of the fingerprint
 WEIGHTS_TOKEN = "sd_accel_weights_token"
 SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: keyed by value
-# on by default since device run 48 (SD1.5 512² +4.0% it/s in one process, SDXL +0.3%, first run +0.1 s, same
-# peak and PSNR); SDACCEL_CUDNN_AUTOTUNE=0 turns it off
-CUDNN_AUTOTUNE = os.environ.get("SDACCEL_CUDNN_AUTOTUNE", "1") == "1"
+# Off by default; SDACCEL_CUDNN_AUTOTUNE=1 turns it on. Device run 48 (one process, warm): SD1.5 512² +4.0% it/s,
+# SDXL +0.3%, same PSNR and peak. But run 50, a cold process (first run on an empty Triton cache): 17.4 s with
+# it against 6.0 s without (the cause not isolated), and its it/s no better across processes (142.9 vs 153.2,
+# one timed run each)
+CUDNN_AUTOTUNE = os.environ.get("SDACCEL_CUDNN_AUTOTUNE", "0") == "1"
 _autotune_held_off = [0]   # depth of cudnn_autotune_held_off scopes (a VRAM Pool's budgeted run)
 # torch.cuda.graph() empties the allocator's cache (newer torch also the pinned host cache) before every
 # capture, to make room for the graph. Under a VRAM Pool's lowvram budget a capture follows every prompt's
