@@ -50,7 +50,7 @@ SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: k
 # it against 6.0 s without (the cause not isolated), and its it/s no better across processes (142.9 vs 153.2,
 # one timed run each)
 CUDNN_AUTOTUNE = os.environ.get("SDACCEL_CUDNN_AUTOTUNE", "0") == "1"
-_autotune_held_off = [0]   # depth of cudnn_autotune_held_off scopes (a VRAM Pool's budgeted run)
+_under_budget = [0]   # depth of under_vram_budget scopes (a VRAM Pool's budgeted run)
 # torch.cuda.graph() empties the allocator's cache (newer torch also the pinned host cache) before every
 # capture, to make room for the graph. Under a VRAM Pool's lowvram budget a capture follows every prompt's
 # reshuffle (ComfyUI reloads the UNet's share at new addresses), and the blocks given back are then
@@ -85,7 +85,7 @@ def eager_call(fn, args, kwargs):
     (kernels/_triton.run_compiling_ahead): when any were, that first pass ran their references and is
     discarded (with what it added to the kernel report), and fn runs again on the compiled kernels. Once every
     kernel is compiled this is the plain call. Not inside a capture: a capture never compiles."""
-    if not _triton.compile_ahead_available() or torch.cuda.is_current_stream_capturing():
+    if _under_budget[0] or not _triton.compile_ahead_available() or torch.cuda.is_current_stream_capturing():
         return fn(*args, **kwargs)
     before = kernel_report.snapshot()
     out, compiled = _triton.run_compiling_ahead(lambda: fn(*args, **kwargs))
@@ -103,18 +103,20 @@ def eager_call(fn, args, kwargs):
 
 
 @contextlib.contextmanager
-def cudnn_autotune_held_off():
-    """No autotuning inside (a VRAM Pool run under a budget: timing the candidates allocates their workspaces,
-    which would count against the budget)."""
-    _autotune_held_off[0] += 1
+def under_vram_budget():
+    """A VRAM Pool run under a budget: nothing here may allocate beyond what the plan counted. No cuDNN
+    autotuning (timing the candidates allocates their workspaces) and no compiling ahead (its pass runs the
+    plain-torch references, whose temporaries are larger than the fused kernels': SDXL's GEGLU ~0.17 GiB
+    more), so a cold Triton cache compiles one kernel at a time there."""
+    _under_budget[0] += 1
     try:
         yield
     finally:
-        _autotune_held_off[0] -= 1
+        _under_budget[0] -= 1
 
 
 def autotune_now():
-    return CUDNN_AUTOTUNE and not _autotune_held_off[0]
+    return CUDNN_AUTOTUNE and not _under_budget[0]
 
 
 def _flatten(obj, tensors, key, ignore=()):

@@ -227,7 +227,7 @@ def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, r
                     reserve = activation_bytes(mm) if hasattr(mm, "minimum_inference_memory") else None
                     loader = loader_budget(settings.plan, budget, reserve) if stream else budget
                     stack.enter_context(budget_scope(mm, loader, total))
-                    stack.enter_context(cuda_graph.cudnn_autotune_held_off())
+                    stack.enter_context(cuda_graph.under_vram_budget())
                     notes.append("budget %.2f GiB of %.2f GiB" % (budget / GIB, total / GIB)
                                  + (" (loader %.2f GiB, the rest for streaming)" % (loader / GIB) if stream else ""))
             else:

@@ -130,8 +130,8 @@ def test_cudnn_autotune_scope_sets_and_restores_the_flag():
 def test_autotuning_is_on_by_default_and_held_off_inside_a_budget_scope(monkeypatch):
     monkeypatch.setattr(cg, "CUDNN_AUTOTUNE", True)
     assert cg.autotune_now()
-    with cg.cudnn_autotune_held_off():
-        with cg.cudnn_autotune_held_off():
+    with cg.under_vram_budget():
+        with cg.under_vram_budget():
             assert not cg.autotune_now()
         assert not cg.autotune_now()
     assert cg.autotune_now()

@@ -64,11 +64,14 @@ def test_a_pass_that_compiled_nothing_is_the_result(available, monkeypatch):
     assert kernel_report.summarize(before, kernel_report.snapshot())["test_op"]["fused"] == 1
 
 
-def test_without_the_parallel_path_or_inside_a_capture_it_is_the_plain_call(monkeypatch):
+def test_without_the_parallel_path_under_a_budget_or_inside_a_capture_it_is_the_plain_call(monkeypatch):
     monkeypatch.setattr(_triton, "run_compiling_ahead", lambda f: pytest.fail("not a plain call"))
     monkeypatch.setattr(_triton, "compile_ahead_available", lambda: False)
     assert cuda_graph.eager_call(lambda x: x + 1, (1,), {}) == 2
     monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with cuda_graph.under_vram_budget():      # a VRAM Pool's budgeted run: the references' temporaries
+        assert cuda_graph.eager_call(lambda x: x + 1, (1,), {}) == 2
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert cuda_graph.eager_call(lambda x: x + 1, (1,), {}) == 2
 
