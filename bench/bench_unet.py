@@ -26,8 +26,6 @@ ap.add_argument("--configs", default="sd15_512_b1,sd15_512_b4,sd15_768_b1,sdxl_1
 ap.add_argument("--compile", default="sd15_512_b1", help="configs also run through TorchCompileModel (inductor)")
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--profile", default="", help="configs to profile (2 steps of ours, kernel table)")
-ap.add_argument("--autotune-ab", default="", help="configs also run with cuDNN autotuning of the graph's warm-up "
-                "and capture (engine/cuda_graph.CUDNN_AUTOTUNE), after ours, in the same process")
 OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
@@ -138,33 +136,6 @@ def profile_ours(model, clip, vae, size, batch, tag):
 
 
 
-def autotune_ab(rec, model, clip, vae, size, batch, stock):
-    """Ours again with cuDNN choosing each convolution's algorithm by timing (the graph's warm-up and capture run
-    under `cudnn.benchmark`): the graphs are dropped first so that both happen again."""
-    from sd_accel.engine import cuda_graph
-    st = model.model.__dict__.get("_sd_accel_state")
-    if st is None:
-        rec["notes"] += "; autotune A/B: no graph state found"
-        return
-    st.graphs.clear("cuDNN autotune A/B")
-    st.graphs.warmed_before.clear()
-    cuda_graph.CUDNN_AUTOTUNE = True
-    try:
-        tuned = measure(model, clip, vae, size, batch, "ours")
-    finally:
-        cuda_graph.CUDNN_AUTOTUNE = False
-        st.graphs.clear("cuDNN autotune A/B done")
-        st.graphs.warmed_before.clear()
-    rec["ours_autotune_its"] = round(tuned["its"], 2)
-    rec["autotune_vs_ours"] = round(tuned["its"] / rec["ours_its"], 3)
-    rec["autotune_first_run_s"] = round(tuned["first_s"] - tuned["sample_s"], 2)
-    rec["autotune_peak_gib"] = round(tuned["peak_gib"], 3)
-    rec["autotune_psnr_db"] = round(psnr(stock["img"], tuned["img"]), 2)
-    say("AUTOTUNE", rec["config"], "ours %.2f it/s, with cuDNN autotuning %.2f (x%.3f), first run +%.2f s, peak %.2f GiB"
-        % (rec["ours_its"], rec["ours_autotune_its"], rec["autotune_vs_ours"], rec["autotune_first_run_s"],
-           rec["autotune_peak_gib"]))
-
-
 def main():
     env = cb.versions(ENV, OPT.comfy_dir)
     say("ENV", json.dumps(env), "allocator:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
@@ -205,8 +176,6 @@ def main():
                     rec["compile_first_run_s"] = round(comp["first_s"] - comp["sample_s"], 1)
                 except Exception as e:  # noqa: BLE001
                     rec["notes"] += "; TorchCompileModel failed: %s" % str(e).splitlines()[0][:200]
-            if tag in OPT.autotune_ab.split(","):
-                autotune_ab(rec, model, clip, vae, size, batch, stock)
             if tag in OPT.profile.split(","):
                 profile_ours(model, clip, vae, size, batch, tag)
             rows.append(rec)

@@ -45,10 +45,11 @@ DIAG_LEVEL = logging.WARNING if os.environ.get("SDACCEL_DIAG") == "1" else loggi
 # streamer's ring and host buffers: engine/offload.py), a new object each time: part of the fingerprint
 WEIGHTS_TOKEN = "sd_accel_weights_token"
 SMALL_HOST_TENSOR = 256   # CPU tensors up to this size are schedule metadata: keyed by value
-# Off by default; SDACCEL_CUDNN_AUTOTUNE=1 turns it on. Device run 48 (one process, warm): SD1.5 512² +4.0% it/s,
-# SDXL +0.3%, same PSNR and peak. But run 50, a cold process (first run on an empty Triton cache): 17.4 s with
-# it against 6.0 s without (the cause not isolated), and its it/s no better across processes (142.9 vs 153.2,
-# one timed run each)
+# Off by default; SDACCEL_CUDNN_AUTOTUNE=1 turns it on. Not measured to help: torch keeps one cuDNN plan per
+# convolution shape whichever way it was chosen (heuristics or timing), so an A/B inside one process times the
+# same plans (device run 48's +4% was drift), and across processes it/s varies more than any gain. What was
+# measured is the cost: a cold process's first run 17.4 s with it against 6.0 s without (run 50; presumably
+# cuDNN building and timing every candidate plan of each new convolution shape, not isolated).
 CUDNN_AUTOTUNE = os.environ.get("SDACCEL_CUDNN_AUTOTUNE", "0") == "1"
 _under_budget = [0]   # depth of under_vram_budget scopes (a VRAM Pool's budgeted run)
 # torch.cuda.graph() empties the allocator's cache (newer torch also the pinned host cache) before every
@@ -68,7 +69,7 @@ def cudnn_autotuned(on=True):
     only: the warm-up times each new conv shape once (cuDNN caches the choice per shape, dtype and
     layout), the capture then finds every choice cached, and replays run what was captured. Stock
     ComfyUI leaves it off unless started with `--fast autotune`. Same arithmetic, another algorithm:
-    lossless within fp16 noise (device run 48: PSNR vs stock unchanged, 52.5 dB)."""
+    lossless within fp16 noise (device run 49: PSNR vs stock 52.5 dB, as without)."""
     if not on:
         yield
         return
