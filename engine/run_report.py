@@ -3,6 +3,8 @@ import time
 
 import torch
 
+from ..kernels import _triton
+
 
 class RunTimer:
     """Times a sampling call on the host clock, synchronising the GPU so queued work is counted."""
@@ -22,6 +24,20 @@ class RunTimer:
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self.t0
         self.peak_bytes = torch.cuda.max_memory_allocated() if self.cuda else None
+
+
+def compile_snapshot():
+    """Kernels compiled ahead so far and the seconds it took (kernels/_triton.run_compiling_ahead)."""
+    return _triton.first_launches["ahead"], _triton.first_launches["ahead_seconds"]
+
+
+def compile_note(before, after):
+    """The note for a run that compiled Triton kernels (a cold cache: the run's extra seconds), else None."""
+    n, secs = after[0] - before[0], after[1] - before[1]
+    if n <= 0:
+        return None
+    return ("first run of this shape: %d Triton kernels compiled in parallel (%.1f s; kept in Triton's cache "
+            "for later runs and starts)" % (n, secs))
 
 
 def build(steps, timer, kernels, graphs, options, notes=()):

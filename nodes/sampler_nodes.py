@@ -112,6 +112,7 @@ class SDAccelKSampler:
                         patched, info)))
         host.new_sampling_run(info)
         k0, g0, cg0 = kernel_report.snapshot(), host.graph_stats(info), host_cn.graph_stats(cn_info)
+        c0 = run_report.compile_snapshot()
         try:
             with run_report.RunTimer() as timer:
                 out = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, cn_pos,
@@ -139,6 +140,9 @@ class SDAccelKSampler:
             host_cn.release(cn_info)
         if cn_line:
             notes.append(cn_line)
+        compiled = run_report.compile_note(c0, run_report.compile_snapshot())
+        if compiled:
+            notes.append(compiled)
         g1 = host.graph_stats(info)
         graphs = {k: g1[k] - g0.get(k, 0) for k in g1} if g1 else {}
         st = info.get("graph_state")

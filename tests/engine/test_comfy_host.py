@@ -130,3 +130,39 @@ def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, m
     assert dm.get_submodule(path) is st and st.norm is norm
     left = [n for n, m in dm.named_modules() if fm.is_fused(m)]
     assert not left, left
+
+
+def _node_sample(model):
+    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
+    g = torch.Generator().manual_seed(11)
+    cond = [[torch.randn(1, 77, 768, generator=g), {}]]
+    neg = [[torch.randn(1, 77, 768, generator=g), {}]]
+    with torch.inference_mode():
+        return SDAccelKSampler().sample(model, 3, 2, 5.0, "euler", "normal", cond, neg,
+                                        {"samples": torch.zeros(1, 4, 8, 8)})
+
+
+def test_a_run_that_compiled_kernels_ahead_says_so_and_a_warm_one_does_not(model, monkeypatch):
+    """The report of a run on a cold Triton cache names the kernels compiled in parallel and their seconds
+    (the first run's extra time); the compile counters are stood in for (on a GPU, run_compiling_ahead
+    moves them; tests/gpu/test_compile_ahead_gpu.py)."""
+    from sd_accel.engine import run_report
+    from sd_accel.kernels import _triton
+    monkeypatch.setitem(_triton.first_launches, "ahead", 7)
+    monkeypatch.setitem(_triton.first_launches, "ahead_seconds", 1.0)
+    import importlib
+    comfy_nodes = importlib.import_module("nodes")
+    real = comfy_nodes.common_ksampler
+
+    def cold(*a, **k):   # the run compiles 12 kernels in 3.5 s
+        _triton.first_launches["ahead"] += 12
+        _triton.first_launches["ahead_seconds"] += 3.5
+        return real(*a, **k)
+    monkeypatch.setattr(comfy_nodes, "common_ksampler", cold)
+    notes = _node_sample(model)["ui"]["sdaccel_report"][0]["notes"]
+    assert [n for n in notes if "compiled in parallel" in n] == [
+        "first run of this shape: 12 Triton kernels compiled in parallel (3.5 s; kept in Triton's cache for "
+        "later runs and starts)"]
+    monkeypatch.setattr(comfy_nodes, "common_ksampler", real)
+    assert not [n for n in _node_sample(model)["ui"]["sdaccel_report"][0]["notes"] if "compiled" in n]
+    assert run_report.compile_note((5, 1.0), (5, 1.0)) is None
