@@ -272,7 +272,8 @@ def _pool():
     global _executor
     if _executor is None:
         from concurrent.futures import ThreadPoolExecutor
-        _executor = ThreadPoolExecutor(max(1, min(32, os.cpu_count() or 1)), thread_name_prefix="sd_accel_compile")
+        # one thread a core, at most 16 (what was measured; each compilation holds its own LLVM working memory)
+        _executor = ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="sd_accel_compile")
     return _executor
 
 
