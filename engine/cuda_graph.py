@@ -59,7 +59,7 @@ _under_budget = [0]   # depth of under_vram_budget scopes (a VRAM Pool's budgete
 # True (or SDACCEL_CAPTURE_EMPTY_CACHE=1) captures through torch.cuda.graph() as before.
 CAPTURE_EMPTIES_CACHE = os.environ.get("SDACCEL_CAPTURE_EMPTY_CACHE", "0") == "1"
 _CAPTURE_STREAMS = {}
-AHEAD_PASSES = 3   # eager_call: passes compiling kernels ahead before the plain call
+AHEAD_PASSES = 3   # eager_call: passes that may compile kernels ahead before the plain call
 
 
 @contextlib.contextmanager
@@ -89,18 +89,15 @@ def eager_call(fn, args, kwargs):
     if _under_budget[0] or not _triton.compile_ahead_available() or torch.cuda.is_current_stream_capturing():
         return fn(*args, **kwargs)
     before = kernel_report.snapshot()
-    out, compiled = _triton.run_compiling_ahead(lambda: fn(*args, **kwargs))
-    for _ in range(AHEAD_PASSES - 1):
+    # kernels behind a reference's result can differ from those behind a kernel's, so a pass that compiled
+    # something is followed by another (device run 46: 50 of a 768² step's kernels in up to three passes,
+    # against 44 in one); a pass that compiled nothing is the plain call's result
+    for _ in range(AHEAD_PASSES):
+        out, compiled = _triton.run_compiling_ahead(lambda: fn(*args, **kwargs))
         if not compiled:
             return out
-        # kernels behind a reference's result can differ from those behind a kernel's: another pass (device
-        # run 46: 50 of a 768² step's kernels compiled ahead in up to three passes, against 44 in one)
         kernel_report.rollback(before)
-        out, compiled = _triton.run_compiling_ahead(lambda: fn(*args, **kwargs))
-    if compiled:
-        kernel_report.rollback(before)
-        out = fn(*args, **kwargs)
-    return out
+    return fn(*args, **kwargs)
 
 
 @contextlib.contextmanager

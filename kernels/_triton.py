@@ -318,7 +318,6 @@ def run_compiling_ahead(fn):
         with mode:   # leaving it waits for every submitted compilation and puts each into Triton's cache
             out = fn()
     except Exception as e:  # noqa: BLE001 - a failed compilation: the plain call compiles (and reports) again
-        _ahead.state = None
         if not state["pending"]:
             raise
         log.warning("[SD Accel] compiling kernels ahead failed (%s: %s); compiling them one by one",
