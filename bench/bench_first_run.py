@@ -32,10 +32,12 @@ os.makedirs(opt.out, exist_ok=True)
 for variant in opt.variants.split(","):
     sub_out = os.path.join(opt.out, variant)
     os.makedirs(sub_out, exist_ok=True)
-    # "parallel-noautotune": parallel, with cuDNN autotuning off (engine/cuda_graph.CUDNN_AUTOTUNE)
+    # the defaults (cuDNN autotuning off, engine/cuda_graph.CUDNN_AUTOTUNE) unless the variant names it:
+    # "parallel-autotune" turns it on ("parallel-noautotune", session 7's name, is the default "parallel")
+    autotune = variant.endswith("-autotune")
     env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton_cold_"),
                SDACCEL_PARALLEL_COMPILE="0" if variant == "sequential" else "1",
-               SDACCEL_CUDNN_AUTOTUNE="0" if variant.endswith("noautotune") else "1")
+               SDACCEL_CUDNN_AUTOTUNE="1" if autotune else "0")
     cmd = [sys.executable, os.path.join(HERE, "bench_unet.py"), "--comfy-dir", opt.comfy_dir, "--work", opt.work,
            "--out", sub_out, "--configs", opt.configs, "--compile", "", "--reps", "1"]
     t0 = time.time()
@@ -49,7 +51,7 @@ for variant in opt.variants.split(","):
         rec = json.loads(line)
         rec["config"] += "_coldcache"
         rec["parallel_compile"] = variant != "sequential"
-        rec["cudnn_autotune"] = not variant.endswith("noautotune")
+        rec["cudnn_autotune"] = autotune
         rec["notes"] = "cold Triton cache (empty TRITON_CACHE_DIR), kernels compiled %s; %s" % (
             "in parallel ahead of their first launch" if variant != "sequential" else "one by one as reached",
             rec.get("notes", ""))
@@ -62,6 +64,6 @@ print("%-22s %-20s %8s %9s %9s %8s %8s %9s %7s" % ("config", "compile", "first s
 for r in rows:
     print("%-22s %-20s %8.2f %9d %9.2f %8d %8.2f %9.2f %7.1f" % (
         r["config"], ("parallel" if r["parallel_compile"] else "sequential")
-        + ("" if r["cudnn_autotune"] else ", no autotune"), r["first_run_s"],
+        + (", cuDNN autotune" if r["cudnn_autotune"] else ""), r["first_run_s"],
         r.get("triton_first_launches", 0), r.get("triton_first_launch_s", 0.0), r.get("triton_compiled_ahead", 0),
         r.get("triton_compiled_ahead_s", 0.0), r["ours_its"], r["psnr_db"]))

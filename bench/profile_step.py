@@ -31,6 +31,7 @@ ap = argparse.ArgumentParser()
 cb.add_common_args(ap)
 ap.add_argument("--configs", default="sd15_512_b1,sdxl_1024_b1_budget4")
 ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--outside", action="store_true", help="also stock vs ours outside the steps, with cProfile")
 OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 torch, mm = ENV.torch, ENV.mm
@@ -141,6 +142,73 @@ def host_timeline(run):
     out("  per runner call: GPU %.3f ms (median; min %.3f max %.3f); GPU between calls %.3f ms (median; max %.3f)"
         % (med(gpu), min(gpu), max(gpu), med(gpu_gap), max(gpu_gap) if gpu_gap else 0))
     out("  GPU first event -> last event %.1f ms" % calls[0][2].elapsed_time(calls[-1][3]))
+
+
+class ApplyClock:
+    """Host clock at each BaseModel.apply_model entry/exit and around comfy.sample.sample (what KSampler and
+    Accelerated KSampler both call): the time before the first step and after the last, stock and ours alike."""
+
+    def __init__(self):
+        import comfy.model_base as mb
+        import comfy.sample as cs
+        self.targets = [(mb.BaseModel, "apply_model"), (cs, "sample")]
+        self.calls, self.saved = [], []
+
+    def __enter__(self):
+        for obj, name in self.targets:
+            orig = getattr(obj, name)
+            self.saved.append((obj, name, orig))
+            setattr(obj, name, self._timed(orig, name))
+        return self
+
+    def _timed(self, orig, label):
+        calls = self.calls
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                calls.append((label, t0, time.perf_counter()))
+        return timed
+
+    def __exit__(self, *exc):
+        for obj, name, orig in reversed(self.saved):
+            setattr(obj, name, orig)
+
+
+def outside_steps(model, clip, vae, size, batch):
+    """Stock KSampler and ours, warm, same process: host ms from comfy.sample.sample's entry to the first
+    apply_model, from the last one's return to its exit (the latent back on the CPU: waits for the GPU), and
+    the node's own time around it; then one run of each under cProfile: the functions with the most
+    cumulative time (the steps' share is the apply_model line), i.e. what a prompt pays besides the steps."""
+    import cProfile
+    import pstats
+    for sampler in ("stock", "ours"):
+        for s in (1, 2):
+            cb.run_graph(ENV, model, clip, vae, size, batch, s, sampler, OPT.steps)
+        rows = []
+        for s in (3, 4, 5):
+            with ApplyClock() as clock:
+                res = cb.run_graph(ENV, model, clip, vae, size, batch, s, sampler, OPT.steps)
+            steps = [c for c in clock.calls if c[0] == "apply_model"]
+            (_, s0, s1), = [c for c in clock.calls if c[0] == "sample"]
+            rows.append((res["sample_s"] * 1e3, (steps[0][1] - s0) * 1e3, (s1 - steps[-1][2]) * 1e3,
+                         res["sample_s"] * 1e3 - (s1 - s0) * 1e3, len(steps)))
+        out("  %s (%d steps), ms per run: sampling node %s | comfy.sample.sample entry -> first step %s | last "
+            "step -> its exit %s | node outside comfy.sample.sample %s" % (
+                sampler, rows[-1][4], *[", ".join("%.1f" % r[i] for r in rows) for i in range(4)]))
+        pr = cProfile.Profile()
+        pr.enable()
+        cb.run_graph(ENV, model, clip, vae, size, batch, 6, sampler, OPT.steps)
+        pr.disable()
+        keep = []
+        for (fname, line, func), (cc, nc, tt, ct, callers) in pstats.Stats(pr).stats.items():
+            keep.append((ct, tt, nc, "%s:%d(%s)" % (fname.split("/")[-1], line, func)))
+        keep.sort(reverse=True)
+        out("  %s under cProfile (one run incl. text encode and decode): cumulative ms, own ms, calls:" % sampler)
+        for ct, tt, nc, name in keep[:80]:
+            out("    %8.2f %7.2f %6d  %s" % (ct * 1e3, tt * 1e3, nc, name))
 
 
 def replay_alone(graphs_list):
@@ -333,6 +401,8 @@ def main():
                 import traceback
                 out("  launch_sources failed:\n" + traceback.format_exc())
         host_timeline(run)
+        if budget is None and OPT.outside:
+            outside_steps(model, clip, vae, size, batch)
         import gc
         graphs = [o for o in gc.get_objects() if isinstance(o, cuda_graph.StepGraphs) and o.entries]
         if budget is None:   # a streamed graph replayed outside its run would read released host buffers
