@@ -105,10 +105,11 @@ def eligible(m):
             and isinstance(out[2], (nn.Dropout, nn.Identity)) and isinstance(out[3], nn.Conv2d))
 
 
-def plan_resblocks(root, prefix=""):
+def plan_resblocks(root, prefix="", owner=None):
     """{prefix + path: stand-in} for every eligible ResBlock of `root`; never modifies `root`. The stand-ins
-    share one EmbProjections (all their timestep-embedding projections in one GEMM)."""
+    share one EmbProjections (all their timestep-embedding projections in one GEMM) of `owner` (the live
+    module `root` is a view of; default `root`)."""
     standins = {prefix + name: fm.clone_as(FusedResBlock, mod)
                 for name, mod in root.named_modules() if name and eligible(mod)}
-    emb_projections.attach(root, list(standins.values()))
+    emb_projections.attach(owner if owner is not None else root, list(standins.values()))
     return standins

@@ -46,9 +46,11 @@ def _join(prefix, name):
     return "%s.%s" % (prefix, name) if prefix else name
 
 
-def plan_patches(root, ops=ALL_OPS, prefix=""):
+def plan_patches(root, ops=ALL_OPS, prefix="", owner=None):
     """`root`: the UNet/ControlNet module; `prefix`: prepended to every path as is
-    (ComfyUI's object patches are relative to BaseModel: "diffusion_model.")."""
+    (ComfyUI's object patches are relative to BaseModel: "diffusion_model."). `owner`: the live module when
+    `root` is a stand-in view of it (hosts/comfyui_object_patches.py plans on the unpatched blocks), which
+    the ResBlocks' shared projection reads a block streamer's token from."""
     plan = PatchPlan()
     handled = set()
     if "transformer_add_norm" in ops:
@@ -67,7 +69,7 @@ def plan_patches(root, ops=ALL_OPS, prefix=""):
         elif fm.is_geglu(mod) and "geglu" in ops:
             plan.add(prefix + name, fm.make_fused_geglu(mod), "geglu")
     if "resblock_add_norm" in ops:
-        for path, mod in fused_resblock.plan_resblocks(root, prefix).items():
+        for path, mod in fused_resblock.plan_resblocks(root, prefix, owner).items():
             plan.add(path, mod, "resblock_add_norm")
     return plan
 

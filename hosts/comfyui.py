@@ -1,7 +1,8 @@
 """ComfyUI host: applies the engine's patches to a cloned ModelPatcher, ComfyUI's own reversible way.
 
-* fused kernels: `add_object_patch(path, module)`, undone by ComfyUI on unpatch; replacements honour
-  `comfy.ops.cast_bias_weight` for low-VRAM and manual-cast modules;
+* fused kernels: `add_object_patch(path, module)`, undone by ComfyUI on unpatch, folded into one patch per
+  top-level block (hosts/comfyui_object_patches.py); replacements honour `comfy.ops.cast_bias_weight` for
+  low-VRAM and manual-cast modules;
 * channels_last: conv weights converted in place on the first GPU step (values unchanged);
 * CUDA graphs: an APPLY_MODEL wrapper under our key where the host has keyed wrappers (current
   ComfyUI), else the single-slot `model_function_wrapper` (ComfyUI 2024), chaining any wrapper another
@@ -13,10 +14,11 @@ import logging
 from dataclasses import dataclass
 
 
-from ..engine import attention, fused_modules, layout_modules, patching
+from ..engine import attention, fused_modules, patching
 from ..engine import cuda_graph
 from ..engine.cuda_graph import StepGraphs
 from . import comfyui_control_graph as control_graph
+from . import comfyui_object_patches as object_patches
 
 log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
@@ -234,19 +236,15 @@ def _accelerate(model, options):
         return clone, info
     _register_weight_caster()
     base_model = clone.model
-    if options.channels_last and _loads_on_cuda(clone):
-        # before the fused modules: a SpatialTransformer stand-in must be in place before the patches of
-        # its children are set through it (ComfyUI applies and undoes object patches in insertion order)
-        layout = layout_modules.plan_layout_patches(base_model.diffusion_model, prefix="diffusion_model.")
-        for path, module in layout.items():
+    layout = options.channels_last and _loads_on_cuda(clone)
+    object_patches.drop_ours(clone)
+    if options.fused_kernels or layout:
+        patches, counts, folded = object_patches.plan(clone, options.fused_kernels, layout)
+        for path, module in patches.items():
             clone.add_object_patch(path, module)
-        if layout:
-            info["patched"]["channels_last_transformer"] = len(layout)
-    if options.fused_kernels:
-        plan = patching.plan_patches(base_model.diffusion_model, patching.COMFY_OPS, prefix="diffusion_model.")
-        for path, module in plan.patches.items():
-            clone.add_object_patch(path, module)
-        info["patched"].update(plan.counts)
+        info["patched"].update(counts)
+        info["object_patches"] = len(patches)
+        object_patches.keep_restore_order(clone, folded)
     if options.attention != "auto":
         info["patched"]["attention_" + options.attention] = _install_attention(clone, options.attention)
     if options.cuda_graph or options.channels_last:

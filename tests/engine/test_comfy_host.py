@@ -102,11 +102,10 @@ def test_graph_state_does_not_keep_an_unloaded_checkpoint_alive(tmp_path):
 
 
 def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, monkeypatch):
-    """On a GPU, channels_last adds SpatialTransformer stand-ins before the fused modules, so ComfyUI sets
-    the fused norm through the stand-in and, unpatching in the same order, leaves the original
-    SpatialTransformer with its original norm (CPU here: the GPU check is forced). The stand-in shares its
-    children with the original (fused_modules._clone_into), so a plan made while another clone's patches
-    are applied starts from the original children too, and nothing fused is left after unloading."""
+    """On a GPU, channels_last adds SpatialTransformer stand-ins before the fused modules, so the fused norm is
+    set inside the stand-in (CPU here: the GPU check is forced). Folded into one patch per top-level block,
+    the original tree is never modified, not even while the clone is loaded; a plan made while another
+    clone's patches are applied starts from the originals too, and nothing fused is left after unloading."""
     import comfy.model_management as mm
     from sd_accel.engine import fused_modules as fm
     from sd_accel.engine.layout_modules import ChannelsLastSpatialTransformer
@@ -117,15 +116,19 @@ def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, m
     norm = st.norm
     acc, info = host.accelerate(model.clone(), host.AccelOptions())
     assert info["patched"]["channels_last_transformer"] >= 1
-    keys = list(acc.object_patches)
-    assert keys.index("diffusion_model." + path) < keys.index("diffusion_model." + path + ".norm")
+    assert set(acc.object_patches) <= {"diffusion_model." + n for n in dm._modules}, list(acc.object_patches)
+    assert info["object_patches"] == len(acc.object_patches) < sum(info["patched"].values())
     mm.load_models_gpu([acc])
     live = dm.get_submodule(path)
     assert isinstance(live, ChannelsLastSpatialTransformer) and fm.is_fused(live.norm)
+    assert live.proj_in is st.proj_in and live.norm.weight is norm.weight, "the copy shares the tensors"
+    assert st.norm is norm and not fm.is_fused(st.norm), "the original block itself is never modified"
     # the next prompt's model (another clone, e.g. with a LoRA) is planned while this one is applied
     acc2, _ = host.accelerate(model.clone().clone(), host.AccelOptions(channels_last=True, cuda_graph=False))
     mm.load_models_gpu([acc2])
-    assert isinstance(dm.get_submodule(path), ChannelsLastSpatialTransformer)
+    live2 = dm.get_submodule(path)
+    assert isinstance(live2, ChannelsLastSpatialTransformer) and live2 is not live
+    assert fm.original_class(live2.transformer_blocks[0]) is type(st.transformer_blocks[0])
     mm.unload_all_models()
     assert dm.get_submodule(path) is st and st.norm is norm
     left = [n for n, m in dm.named_modules() if fm.is_fused(m)]
@@ -166,3 +169,66 @@ def test_a_run_that_compiled_kernels_ahead_says_so_and_a_warm_one_does_not(model
     monkeypatch.setattr(comfy_nodes, "common_ksampler", real)
     assert not [n for n in _node_sample(model)["ui"]["sdaccel_report"][0]["notes"] if "compiled" in n]
     assert run_report.compile_note((5, 1.0), (5, 1.0)) is None
+
+
+class _Tagged(torch.nn.Module):
+    """Another pack's object patch: runs the module it replaces and counts its calls."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *a, **k):
+        self.calls += 1
+        return self.inner(*a, **k)
+
+
+def test_another_packs_patch_under_a_block_keeps_that_block_unfolded_and_in_effect(model):
+    """A patch the input model already has under input_blocks (another pack, upstream): ComfyUI applies it
+    first, so a copy of input_blocks made now would hide it. That block is patched module by module, as before;
+    the other blocks are folded, and the other pack's module runs in our patched UNet."""
+    import comfy.model_management as mm
+    from sd_accel.engine import fused_modules as fm
+    from sd_accel.hosts import comfyui as host
+    dm = model.model.diffusion_model
+    path, attn = next((n, m) for n, m in dm.named_modules() if n.startswith("input_blocks") and n.endswith("attn1"))
+    theirs = model.clone()
+    tag = _Tagged(attn)
+    theirs.add_object_patch("diffusion_model." + path, tag)
+    acc, info = host.accelerate(theirs, host.AccelOptions(cuda_graph=False))
+    keys = list(acc.object_patches)
+    assert "diffusion_model.input_blocks" not in keys and "diffusion_model.output_blocks" in keys
+    assert keys[0] == "diffusion_model." + path, "theirs first, as they were added"
+    assert any(k.startswith("diffusion_model.input_blocks.") and fm.is_fused(acc.object_patches[k]) for k in keys)
+    _node_sample(acc)
+    assert tag.calls > 0, "the other pack's module ran"
+    mm.unload_all_models()
+    assert dm.get_submodule(path) is attn and not [n for n, m in dm.named_modules() if fm.is_fused(m)]
+
+
+def test_a_patch_set_inside_a_folded_block_later_is_undone_without_leaving_ours_in_the_original(model):
+    """Apply SD Accel, then another pack's node patches a transformer block under a folded block: ComfyUI sets
+    it inside our copy and restores patches in the order it applied them, which would put our stand-in into
+    the original tree; before each run our blocks move to the end of that order (ON_PRE_RUN)."""
+    import importlib
+    import comfy.model_management as mm
+    from sd_accel.engine import fused_modules as fm
+    from sd_accel.hosts import comfyui as host
+    if not hasattr(model, "add_callback_with_key"):
+        pytest.skip("ComfyUI 2024 has no ON_PRE_RUN callbacks; the reorder needs current ComfyUI")
+    dm = model.model.diffusion_model
+    path, block = next((n, m) for n, m in dm.named_modules() if type(m).__name__ == "BasicTransformerBlock")
+    acc, _ = host.accelerate(model.clone(), host.AccelOptions(cuda_graph=False))
+    later = acc.clone()
+    tag = _Tagged(block)
+    later.add_object_patch("diffusion_model." + path, tag)
+    g = torch.Generator().manual_seed(11)
+    cond = [[torch.randn(1, 77, 768, generator=g), {}]]
+    neg = [[torch.randn(1, 77, 768, generator=g), {}]]
+    with torch.inference_mode():
+        importlib.import_module("nodes").common_ksampler(later, 3, 2, 5.0, "euler", "normal", cond, neg,
+                                                         {"samples": torch.zeros(1, 4, 8, 8)})
+    assert tag.calls > 0
+    mm.unload_all_models()
+    assert dm.get_submodule(path) is block
+    assert not [n for n, m in dm.named_modules() if fm.is_fused(m)]

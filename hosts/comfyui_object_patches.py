@@ -1,0 +1,115 @@
+"""The engine's module swaps as ComfyUI object patches on a clone, folded into a few.
+
+Current ComfyUI restores and re-applies a loaded model's object patches at every prompt (`partially_load`):
+one patch per swapped module would cost 4.4 ms per SD1.5 prompt on the H200's host (224 patches; device
+run 52). So the plan (engine/patching.py, engine/layout_modules.py) is folded per top-level block
+(engine/patch_folding.py): `diffusion_model.input_blocks`, `.middle_block`, `.output_blocks`, `.out` become
+patched copies that share every tensor and untouched module with the original, which is never modified.
+
+Planned on the unpatched model: another clone (SD Accel's with other options, or anyone's) may be loaded
+right now with its patches applied, so each top-level block is taken as this clone will find it: its own
+patch there, else the original that ComfyUI keeps in the clones' shared backup, else the live one; an earlier
+SD Accel copy stands for the original it was made from.
+
+Left unfolded, as before: a block under which the clone already has another pack's object patch (ComfyUI
+applies that first, to the original; a copy made now would hide it). A pack that adds one later, after
+Apply SD Accel, has it set inside our copy; ComfyUI restores patches in the order it applied them, which
+would put that copy's module back into the original, so before each run (ON_PRE_RUN, current ComfyUI) our
+blocks are moved to the end of the restore order.
+"""
+import logging
+
+from ..engine import layout_modules, patch_folding, patching
+from ..engine import fused_modules as fm
+
+log = logging.getLogger("sd_accel")
+PREFIX = "diffusion_model."
+_BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
+CALLBACK_KEY = "sd_accel_patch_order"
+
+
+def _is_ours(module):
+    return (fm.is_fused(module) or isinstance(module, fm.SiLUFolded)
+            or getattr(module, "__dict__", {}).get(_BASE) is not None)
+
+
+def _original(module):
+    return getattr(module, "__dict__", {}).get(_BASE, module)
+
+
+def _unpatched(clone, path):
+    """The module at `path` as this clone's patches will start from."""
+    if path in clone.object_patches:
+        return _original(clone.object_patches[path])
+    backup = getattr(clone, "object_patches_backup", None) or {}
+    if path in backup:
+        return backup[path]
+    return _original(patching.get_attr(clone.model, path))
+
+
+def _foreign_paths(clone):
+    return [k for k, m in clone.object_patches.items() if not _is_ours(m)]
+
+
+def _touches(path, group):
+    return path == group or path.startswith(group + ".") or group.startswith(path + ".")
+
+
+def drop_ours(clone):
+    """Removes SD Accel's own object patches from `clone` (re-applying SD Accel replaces them)."""
+    for k in [k for k, m in clone.object_patches.items() if _is_ours(m)]:
+        del clone.object_patches[k]
+
+
+def plan(clone, fused_kernels, channels_last):
+    """(ordered {path: module} to add as object patches, counts per op, the top-level blocks folded)."""
+    live = clone.model.diffusion_model
+    foreign = _foreign_paths(clone)
+    if any(_touches(k, PREFIX[:-1]) and not k.startswith(PREFIX) for k in foreign):
+        view, groups = live, {}      # the UNet itself replaced by another pack: plan on it as it is, unfolded
+    else:
+        view = patch_folding.own_copy(live)
+        groups = {}
+        for name in list(view._modules):
+            groups[PREFIX + name] = view._modules[name] = _unpatched(clone, PREFIX + name)
+    patches, counts = {}, {}
+    if channels_last:
+        # before the fused modules: a SpatialTransformer stand-in must be in place before its children's
+        # patches are set through it (ComfyUI applies object patches in insertion order; so does the fold)
+        layout = layout_modules.plan_layout_patches(view, prefix=PREFIX)
+        patches.update(layout)
+        if layout:
+            counts["channels_last_transformer"] = len(layout)
+    if fused_kernels:
+        p = patching.plan_patches(view, patching.COMFY_OPS, prefix=PREFIX, owner=live)
+        patches.update(p.patches)
+        counts.update(p.counts)
+    exclude = {g for g in groups if any(_touches(k, g) for k in foreign)}
+    out, folded = patch_folding.fold(patches, groups, PREFIX, exclude)
+    for g in folded:
+        out[g].__dict__[_BASE] = groups[g]
+    if exclude:
+        log.info("[SD Accel] %d block(s) patched module by module: another pack has object patches under %s",
+                 len(exclude), ", ".join(sorted(exclude)))
+    return out, counts, folded
+
+
+def keep_restore_order(clone, folded):
+    """ON_PRE_RUN callback (current ComfyUI): our folded blocks last in the order ComfyUI restores patches
+    in, whenever a later patch was set inside one of them."""
+    if not folded or not hasattr(clone, "add_callback_with_key"):
+        return
+    import comfy.patcher_extension as pe
+    folded = tuple(folded)
+
+    def reorder(patcher):
+        backup = getattr(patcher, "object_patches_backup", None)
+        if not backup:
+            return
+        inside = [k for k in patcher.object_patches if k not in folded
+                  and any(k.startswith(g + ".") for g in folded)]
+        if inside:
+            for g in folded:
+                if g in backup:
+                    backup[g] = backup.pop(g)
+    clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [reorder]
