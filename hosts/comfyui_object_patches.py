@@ -94,22 +94,23 @@ def plan(clone, fused_kernels, channels_last):
     return out, counts, folded
 
 
+def _restore_ours_last(patcher):
+    """ON_PRE_RUN: when a patch was set inside one of our folded blocks, our blocks go last in the order
+    ComfyUI restores patches in. One module-level function: ComfyUI hands the callbacks to the model in
+    `transformer_options`, so a new object per clone would make every new clone a new graph key."""
+    backup = getattr(patcher, "object_patches_backup", None)
+    if not backup:
+        return
+    folded = [k for k, m in patcher.object_patches.items() if getattr(m, "__dict__", {}).get(_BASE) is not None]
+    if any(k not in folded and any(k.startswith(g + ".") for g in folded) for k in patcher.object_patches):
+        for g in folded:
+            if g in backup:
+                backup[g] = backup.pop(g)
+
+
 def keep_restore_order(clone, folded):
-    """ON_PRE_RUN callback (current ComfyUI): our folded blocks last in the order ComfyUI restores patches
-    in, whenever a later patch was set inside one of them."""
+    """Installs `_restore_ours_last` on `clone` (current ComfyUI; 2024 has no callbacks)."""
     if not folded or not hasattr(clone, "add_callback_with_key"):
         return
     import comfy.patcher_extension as pe
-    folded = tuple(folded)
-
-    def reorder(patcher):
-        backup = getattr(patcher, "object_patches_backup", None)
-        if not backup:
-            return
-        inside = [k for k in patcher.object_patches if k not in folded
-                  and any(k.startswith(g + ".") for g in folded)]
-        if inside:
-            for g in folded:
-                if g in backup:
-                    backup[g] = backup.pop(g)
-    clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [reorder]
+    clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [_restore_ours_last]
