@@ -20,7 +20,8 @@ What gets patched, as data (`{attribute path: replacement}` from the engine, rel
 How it is applied, on both ComfyUI versions (2024-03 and current): a `comfy.controlnet.ControlNet` holds
 its cldm module in a ModelPatcher, `control_model_wrapped`, which the sampler loads with the UNet
 (`get_models()`). `accelerate_controlnet(cn)` returns `cn.copy()` whose `control_model_wrapped` is a
-`clone()` of cn's patcher with one `add_object_patch(path, module)` per plan entry. ComfyUI sets the
+`clone()` of cn's patcher with one `add_object_patch(path, module)` per plan entry (the fused modules
+folded into one per top-level block, planned once per cldm module: hosts/comfyui_object_patches.py). ComfyUI sets the
 patches when it loads that patcher for sampling and restores the original modules when it unloads it or
 loads another clone (stock ControlNet, another prompt). `cn` itself, its patcher and its cldm module are
 never modified. (The copy is needed on both versions: 2024's `copy()` builds a fresh patcher, and
@@ -52,9 +53,10 @@ import logging
 import types
 from dataclasses import dataclass
 
-from ..engine import hint_cache, layout_modules, patching
+from ..engine import hint_cache
 from ..engine.graphed_forward import GraphedForward
 from . import comfyui_control_graph as control_graph
+from . import comfyui_object_patches as object_patches
 
 log = logging.getLogger("sd_accel")
 
@@ -84,27 +86,36 @@ def _register_weight_caster():
     comfyui._register_weight_caster()
 
 
-def plan_controlnet(control_model, options, prefix=""):
-    """The engine's patch plan for one cldm ControlNet module: (patches, counts). Never modifies it."""
+_PLANS_ATTR = "_sd_accel_cn_plans"
+
+
+def plan_controlnet(patcher, options):
+    """The engine's patch plan for the cldm ControlNet module of `patcher` (a clone of the ControlNet's own):
+    (patches, counts). Never modifies the module. The fused and channels_last stand-ins, folded into one
+    patch per top-level block (hosts/comfyui_object_patches.py), are planned once per module and options and
+    kept on the module: a ControlNet's patcher is a new clone every prompt, and planning its ~90 stand-ins
+    anew took ~4 ms per ControlNet and prompt on this CPU."""
+    control_model = patcher.model
     patches, counts = {}, {}
-    if options.channels_last and _runs_on_cuda():   # first: see hosts/comfyui.py (patch order)
-        layout = layout_modules.plan_layout_patches(control_model, prefix=prefix)
-        patches.update(layout)
-        if layout:
-            counts["channels_last_transformer"] = len(layout)
-    if options.fused_kernels:
-        plan = patching.plan_patches(control_model, patching.COMFY_OPS, prefix=prefix)
-        patches.update(plan.patches)
-        counts.update(plan.counts)
+    layout = options.channels_last and _runs_on_cuda()
+    if options.fused_kernels or layout:
+        plans = control_model.__dict__.setdefault(_PLANS_ATTR, {})
+        key = (options.fused_kernels, layout, object_patches.foreign_key(patcher))
+        hit = plans.get(key)
+        if hit is None:
+            planned, planned_counts, folded = object_patches.plan(patcher, options.fused_kernels, layout, root="")
+            hit = plans[key] = (planned, planned_counts, folded)
+        patches.update(hit[0])
+        counts.update(hit[1])
     if options.hint_cache and not options.cuda_graph:
-        hc = hint_cache.plan_hint_cache(control_model, prefix=prefix)
+        hc = hint_cache.plan_hint_cache(control_model)
         patches.update(hc)
         if hc:
             counts["hint_cache"] = len(hc)
     if options.cuda_graph or options.channels_last:
         gf = GraphedForward.for_module(control_model, type(control_model).__name__,
                                        options.cuda_graph, options.channels_last)
-        patches[prefix + "forward"] = gf
+        patches["forward"] = gf
         counts["cuda_graph" if options.cuda_graph else "channels_last"] = 1
     return patches, counts
 
@@ -148,11 +159,11 @@ class _Converter:
             self.info["one_graph"] = control_graph.new_stats()
             self.epoch = object()   # one sampling run: the ControlNets' weights are walked once for it
 
-    def plan(self, control_model):
-        hit = self.plans.get(id(control_model))
+    def plan(self, patcher):
+        hit = self.plans.get(id(patcher.model))
         if hit is None:
-            patches, counts = plan_controlnet(control_model, self.options)
-            hit = self.plans[id(control_model)] = (control_model, patches, counts)
+            patches, counts = plan_controlnet(patcher, self.options)
+            hit = self.plans[id(patcher.model)] = (patcher.model, patches, counts)
             self.info["hint_caches"] += hint_cache.caches_in(patches.values())
             for gf in patches.values():
                 if isinstance(gf, GraphedForward):
@@ -172,11 +183,12 @@ class _Converter:
         new_prev = self.convert(prev)
         why = _patchable(cn)
         if why is None:
-            patches = self.plan(cn.control_model)
             new = cn.copy()
             patcher = cn.control_model_wrapped.clone()
+            patches = self.plan(patcher)
             for path, module in patches.items():
                 patcher.add_object_patch(path, module)
+            object_patches.keep_restore_order(patcher, [k for k, m in patches.items() if object_patches.is_folded(m)])
             new.control_model_wrapped = patcher
             _free_graphs_on_unload(patcher, patches)
             new.set_previous_controlnet(new_prev)

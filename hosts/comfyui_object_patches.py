@@ -1,10 +1,11 @@
-"""The engine's module swaps as ComfyUI object patches on a clone, folded into a few.
+"""The engine's module swaps as ComfyUI object patches on a clone (a UNet's or a ControlNet's), folded into a few.
 
 Current ComfyUI restores and re-applies a loaded model's object patches at every prompt (`partially_load`):
 one patch per swapped module would cost 4.4 ms per SD1.5 prompt on the H200's host (224 patches; device
 run 52). So the plan (engine/patching.py, engine/layout_modules.py) is folded per top-level block
 (engine/patch_folding.py): `diffusion_model.input_blocks`, `.middle_block`, `.output_blocks`, `.out` become
-patched copies that share every tensor and untouched module with the original, which is never modified.
+patched copies that share every tensor and untouched module with the original, which is never modified
+(a ControlNet's: `input_blocks`, `middle_block`, ...).
 
 Planned on the unpatched model: another clone (SD Accel's with other options, or anyone's) may be loaded
 right now with its patches applied, so each top-level block is taken as this clone will find it: its own
@@ -23,14 +24,17 @@ from ..engine import layout_modules, patch_folding, patching
 from ..engine import fused_modules as fm
 
 log = logging.getLogger("sd_accel")
-PREFIX = "diffusion_model."
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
 CALLBACK_KEY = "sd_accel_patch_order"
 
 
+def is_folded(module):
+    """True for a folded copy of a top-level block made here."""
+    return getattr(module, "__dict__", {}).get(_BASE) is not None
+
+
 def _is_ours(module):
-    return (fm.is_fused(module) or isinstance(module, fm.SiLUFolded)
-            or getattr(module, "__dict__", {}).get(_BASE) is not None)
+    return fm.is_fused(module) or isinstance(module, fm.SiLUFolded) or is_folded(module)
 
 
 def _original(module):
@@ -38,7 +42,7 @@ def _original(module):
 
 
 def _unpatched(clone, path):
-    """The module at `path` as this clone's patches will start from."""
+    """The module at `path` (a top-level block) as this clone's patches will start from."""
     if path in clone.object_patches:
         return _original(clone.object_patches[path])
     backup = getattr(clone, "object_patches_backup", None) or {}
@@ -61,37 +65,44 @@ def drop_ours(clone):
         del clone.object_patches[k]
 
 
-def plan(clone, fused_kernels, channels_last):
-    """(ordered {path: module} to add as object patches, counts per op, the top-level blocks folded)."""
-    live = clone.model.diffusion_model
+def plan(clone, fused_kernels, channels_last, root="diffusion_model"):
+    """(ordered {path: module} to add as object patches, counts per op, the top-level blocks folded) for the
+    UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model."""
+    prefix = root + "." if root else ""
+    live = patching.get_attr(clone.model, root) if root else clone.model
     foreign = _foreign_paths(clone)
-    if any(_touches(k, PREFIX[:-1]) and not k.startswith(PREFIX) for k in foreign):
-        view, groups = live, {}      # the UNet itself replaced by another pack: plan on it as it is, unfolded
+    if root and any(_touches(k, root) and not k.startswith(prefix) for k in foreign):
+        view, groups = live, {}      # the module itself replaced by another pack: planned on it, unfolded
     else:
         view = patch_folding.own_copy(live)
         groups = {}
         for name in list(view._modules):
-            groups[PREFIX + name] = view._modules[name] = _unpatched(clone, PREFIX + name)
+            groups[prefix + name] = view._modules[name] = _unpatched(clone, prefix + name)
     patches, counts = {}, {}
     if channels_last:
         # before the fused modules: a SpatialTransformer stand-in must be in place before its children's
         # patches are set through it (ComfyUI applies object patches in insertion order; so does the fold)
-        layout = layout_modules.plan_layout_patches(view, prefix=PREFIX)
+        layout = layout_modules.plan_layout_patches(view, prefix=prefix)
         patches.update(layout)
         if layout:
             counts["channels_last_transformer"] = len(layout)
     if fused_kernels:
-        p = patching.plan_patches(view, patching.COMFY_OPS, prefix=PREFIX, owner=live)
+        p = patching.plan_patches(view, patching.COMFY_OPS, prefix=prefix, owner=live)
         patches.update(p.patches)
         counts.update(p.counts)
     exclude = {g for g in groups if any(_touches(k, g) for k in foreign)}
-    out, folded = patch_folding.fold(patches, groups, PREFIX, exclude)
+    out, folded = patch_folding.fold(patches, groups, prefix, exclude)
     for g in folded:
         out[g].__dict__[_BASE] = groups[g]
     if exclude:
         log.info("[SD Accel] %d block(s) patched module by module: another pack has object patches under %s",
                  len(exclude), ", ".join(sorted(exclude)))
     return out, counts, folded
+
+
+def foreign_key(clone):
+    """What of `clone`'s own object patches a cached plan depends on: other packs' paths and modules."""
+    return tuple((k, id(m)) for k, m in clone.object_patches.items() if not _is_ours(m))
 
 
 def _restore_ours_last(patcher):
@@ -101,7 +112,7 @@ def _restore_ours_last(patcher):
     backup = getattr(patcher, "object_patches_backup", None)
     if not backup:
         return
-    folded = [k for k, m in patcher.object_patches.items() if getattr(m, "__dict__", {}).get(_BASE) is not None]
+    folded = [k for k, m in patcher.object_patches.items() if is_folded(m)]
     if any(k not in folded and any(k.startswith(g + ".") for g in folded) for k in patcher.object_patches):
         for g in folded:
             if g in backup:
