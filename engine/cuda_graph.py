@@ -26,6 +26,7 @@ and dropping one drops the whole pool, so graph memory is bounded and freed as a
 """
 import contextlib
 import enum
+import gc
 import logging
 import os
 import threading
@@ -205,9 +206,33 @@ class WeightsFingerprint:
 
 
 @contextlib.contextmanager
+def _gc_paused():
+    """No garbage collection while capturing. A collection frees the CUDA tensors the garbage held (a dropped
+    LoRA variant's clone and its weight backups, say), and a free issued during a capture of memory allocated
+    outside it aborted the process under cudaMallocAsync ("Fatal Python error: Aborted", garbage-collecting
+    inside the capture: device run 57). torch.cuda.graph() collects before it captures for this reason; an
+    automatic collection during the capture could still start. The garbage is collected after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def _capturing(graph, pool):
     """Captures the work issued inside into `graph` (private memory `pool`), as torch.cuda.graph() does:
-    on a side stream that first waits for the current one, which then waits for it."""
+    on a side stream that first waits for the current one, which then waits for it; the garbage collector
+    paused meanwhile (`_gc_paused`)."""
+    with _gc_paused():
+        with _capturing_on_side_stream(graph, pool):
+            yield
+
+
+@contextlib.contextmanager
+def _capturing_on_side_stream(graph, pool):
     if CAPTURE_EMPTIES_CACHE:
         with torch.cuda.graph(graph, pool=pool):
             yield

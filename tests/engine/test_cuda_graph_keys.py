@@ -160,3 +160,36 @@ def test_a_model_run_inside_another_models_step_runs_eagerly_without_graphs_of_i
     assert not inner.warm and not inner.entries
     inner.run(lambda x: x, (torch.ones(3),), {})
     assert inner.last_eager_reason != "inside another model's step", "only while the outer step runs"
+
+
+def test_no_garbage_collection_while_capturing(monkeypatch):
+    """A collection during a capture frees the garbage's CUDA tensors inside it, which aborted the process under
+    cudaMallocAsync (device run 57): the collector is paused for the capture and restored after, also when the
+    capture raises (CPU: the capture itself is stood in for)."""
+    import contextlib
+    import gc
+    from sd_accel.engine import cuda_graph
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_capture(graph, pool):
+        seen.append(gc.isenabled())
+        yield
+    monkeypatch.setattr(cuda_graph, "_capturing_on_side_stream", fake_capture)
+    assert gc.isenabled()
+    with cuda_graph._capturing(None, None):
+        seen.append(gc.isenabled())
+    assert seen == [False, False] and gc.isenabled()
+    try:
+        with cuda_graph._capturing(None, None):
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cuda_graph._capturing(None, None):
+            pass
+        assert not gc.isenabled(), "a collector the host had paused stays paused"
+    finally:
+        gc.enable()
