@@ -100,11 +100,12 @@ def plan_controlnet(patcher, options):
     layout = options.channels_last and _runs_on_cuda()
     if options.fused_kernels or layout:
         plans = control_model.__dict__.setdefault(_PLANS_ATTR, {})
-        key = (options.fused_kernels, layout, object_patches.foreign_key(patcher))
+        foreign = object_patches.foreign_patches(patcher)
+        key = (options.fused_kernels, layout, tuple(k for k, _ in foreign))
         hit = plans.get(key)
-        if hit is None:
+        if hit is None or any(a is not b for (_, a), (_, b) in zip(hit[3], foreign)):
             planned, planned_counts, folded = object_patches.plan(patcher, options.fused_kernels, layout, root="")
-            hit = plans[key] = (planned, planned_counts, folded)
+            hit = plans[key] = (planned, planned_counts, folded, foreign)
         patches.update(hit[0])
         counts.update(hit[1])
     if options.hint_cache and not options.cuda_graph:

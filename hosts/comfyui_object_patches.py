@@ -100,9 +100,9 @@ def plan(clone, fused_kernels, channels_last, root="diffusion_model"):
     return out, counts, folded
 
 
-def foreign_key(clone):
-    """What of `clone`'s own object patches a cached plan depends on: other packs' paths and modules."""
-    return tuple((k, id(m)) for k, m in clone.object_patches.items() if not _is_ours(m))
+def foreign_patches(clone):
+    """What of `clone`'s own object patches a plan depends on: other packs' (path, module) pairs."""
+    return tuple((k, m) for k, m in clone.object_patches.items() if not _is_ours(m))
 
 
 def _restore_ours_last(patcher):

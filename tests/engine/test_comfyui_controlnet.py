@@ -364,3 +364,44 @@ def test_the_next_prompt_reuses_the_controlnets_plan_and_still_matches_stock(com
         fast.cleanup()
     folded = [k for k, m in outs[0].items() if host_cn.object_patches.is_folded(m)]
     assert folded and all(outs[1][k] is outs[0][k] for k in folded), "the second prompt reused the plan"
+
+
+class _Tagged(torch.nn.Module):
+    """Another pack's object patch: runs the module it replaces and counts its calls."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *a, **k):
+        self.calls += 1
+        return self.inner(*a, **k)
+
+
+def test_another_packs_patch_on_the_controlnet_stays_in_effect_and_keys_the_plan(comfy_cn):
+    """A ControlNet whose patcher already carries another pack's object patch under a block: that block is
+    patched module by module (the other module runs, the result is stock's with it); a different module
+    there gets a plan of its own rather than the one kept for the first."""
+    load, host_cn = comfy_cn
+    base = load()
+    x, t, ctx = _inputs()
+    path, attn = next((n, m) for n, m in base.control_model.named_modules()
+                      if n.startswith("input_blocks") and n.endswith("attn1"))
+    plans = []
+    for _ in range(2):
+        stock = base.copy().set_cond_hint(_hint(1), 0.8)
+        stock.control_model_wrapped = stock.control_model_wrapped.clone()
+        tag = _Tagged(attn)
+        stock.control_model_wrapped.add_object_patch(path, tag)
+        ref = _control(stock, x, t, ctx)
+        stock.cleanup()
+        calls = tag.calls
+        fast, _ = host_cn.accelerate_controlnet(stock)
+        keys = fast.control_model_wrapped.object_patches
+        assert "input_blocks" not in keys and keys[path] is tag
+        out = _control(fast, x, t, ctx)
+        assert tag.calls > calls, "the other pack's module ran in the accelerated ControlNet"
+        assert _rel(out, ref) < 1e-4
+        plans.append({k: m for k, m in keys.items() if host_cn.object_patches.is_folded(m)})
+        fast.cleanup()
+    assert plans[0] and all(plans[1][k] is not m for k, m in plans[0].items()), "a new module, a new plan"
