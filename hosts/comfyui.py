@@ -239,7 +239,9 @@ def _accelerate(model, options):
     layout = options.channels_last and _loads_on_cuda(clone)
     object_patches.drop_ours(clone)
     if options.fused_kernels or layout:
-        patches, counts, folded = object_patches.plan(clone, options.fused_kernels, layout)
+        # folded only where the restore order can be kept (current ComfyUI, which re-applies patches per prompt)
+        patches, counts, folded = object_patches.plan(clone, options.fused_kernels, layout,
+                                                      fold=object_patches.can_keep_restore_order(clone))
         for path, module in patches.items():
             clone.add_object_patch(path, module)
         info["patched"].update(counts)

@@ -16,7 +16,10 @@ Left unfolded, as before: a block under which the clone already has another pack
 applies that first, to the original; a copy made now would hide it). A pack that adds one later, after
 Apply SD Accel, has it set inside our copy; ComfyUI restores patches in the order it applied them, which
 would put that copy's module back into the original, so before each run (ON_PRE_RUN, current ComfyUI) our
-blocks are moved to the end of the restore order.
+blocks are moved to the end of the restore order. ComfyUI 2024 has no such callback, and it patches a loaded
+model only once (no per-prompt cycle to save): there the UNet is patched module by module (`fold=False`). A
+ControlNet's patcher is made by Accelerated KSampler right before sampling, so no other node can add to it:
+folded on both.
 """
 import logging
 
@@ -65,9 +68,10 @@ def drop_ours(clone):
         del clone.object_patches[k]
 
 
-def plan(clone, fused_kernels, channels_last, root="diffusion_model"):
+def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True):
     """(ordered {path: module} to add as object patches, counts per op, the top-level blocks folded) for the
-    UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model."""
+    UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
+    one patch per module, as the plan has them."""
     prefix = root + "." if root else ""
     live = patching.get_attr(clone.model, root) if root else clone.model
     foreign = _foreign_paths(clone)
@@ -90,11 +94,11 @@ def plan(clone, fused_kernels, channels_last, root="diffusion_model"):
         p = patching.plan_patches(view, patching.COMFY_OPS, prefix=prefix, owner=live)
         patches.update(p.patches)
         counts.update(p.counts)
-    exclude = {g for g in groups if any(_touches(k, g) for k in foreign)}
+    exclude = {g for g in groups if not fold or any(_touches(k, g) for k in foreign)}
     out, folded = patch_folding.fold(patches, groups, prefix, exclude)
     for g in folded:
         out[g].__dict__[_BASE] = groups[g]
-    if exclude:
+    if exclude and fold:
         log.info("[SD Accel] %d block(s) patched module by module: another pack has object patches under %s",
                  len(exclude), ", ".join(sorted(exclude)))
     return out, counts, folded
@@ -119,9 +123,20 @@ def _restore_ours_last(patcher):
                 backup[g] = backup.pop(g)
 
 
+def can_keep_restore_order(clone):
+    """True where ComfyUI has keyed ON_PRE_RUN callbacks (current ComfyUI; not 2024's)."""
+    if not hasattr(clone, "add_callback_with_key"):
+        return False
+    try:
+        import comfy.patcher_extension as pe
+        return getattr(pe.CallbacksMP, "ON_PRE_RUN", None) is not None
+    except ImportError:
+        return False
+
+
 def keep_restore_order(clone, folded):
-    """Installs `_restore_ours_last` on `clone` (current ComfyUI; 2024 has no callbacks)."""
-    if not folded or not hasattr(clone, "add_callback_with_key"):
+    """Installs `_restore_ours_last` on `clone` where the host can run it."""
+    if not folded or not can_keep_restore_order(clone):
         return
     import comfy.patcher_extension as pe
     clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [_restore_ours_last]
