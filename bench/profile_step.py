@@ -32,6 +32,7 @@ cb.add_common_args(ap)
 ap.add_argument("--configs", default="sd15_512_b1,sdxl_1024_b1_budget4")
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--outside", action="store_true", help="also stock vs ours outside the steps, with cProfile")
+ap.add_argument("--stacks", action="store_true", help="also the Python stacks of CPU ops of 1 ms or more")
 OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 torch, mm = ENV.torch, ENV.mm
@@ -142,6 +143,9 @@ def host_timeline(run):
     out("  per runner call: GPU %.3f ms (median; min %.3f max %.3f); GPU between calls %.3f ms (median; max %.3f)"
         % (med(gpu), min(gpu), max(gpu), med(gpu_gap), max(gpu_gap) if gpu_gap else 0))
     out("  GPU first event -> last event %.1f ms" % calls[0][2].elapsed_time(calls[-1][3]))
+    out("  first 6 calls: host inside %s ms; host between %s ms; GPU between %s ms" % (
+        ", ".join("%.2f" % v for v in cpu[:6]), ", ".join("%.2f" % v for v in gaps_cpu[:6]),
+        ", ".join("%.2f" % v for v in gpu_gap[:6])))
 
 
 class ApplyClock:
@@ -257,8 +261,36 @@ def _intersect(m1, m2):
     return tot
 
 
+def long_ops_with_stacks(run, min_ms=1.0):
+    """One warm run under the profiler with Python stacks: every CPU op that took `min_ms` or more, with the
+    innermost project/ComfyUI frames that called it (a long CPU op in a step keeps the GPU waiting)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, record_shapes=True) as prof:
+        run(9)
+    rows = []
+    for e in prof.events():
+        ms = e.cpu_time_total / 1e3 if hasattr(e, "cpu_time_total") else 0.0
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if ms >= min_ms and e.name.startswith("aten::") and parent is None:   # not inside another aten op
+            frames, p = list(e.stack or []), e.cpu_parent
+            while p is not None:     # the Python function events above it (with_stack records them)
+                frames.append(p.name)
+                p = p.cpu_parent
+            frames = [f for f in frames if "torch/" not in f and "profile_step" not in f and "<built-in" not in f]
+            rows.append((e.time_range.start, ms, e.name, getattr(e, "input_shapes", None), frames[:10]))
+    out("  top-level aten ops of %.1f ms or more in one warm run (start order):" % min_ms)
+    for _, ms, name, shapes, frames in sorted(rows)[:20]:
+        out("    %6.2f ms %s shapes %s" % (ms, name, str(shapes)[:160]))
+        for f in frames:
+            out("        " + f[:160])
+
+
 def profiled(run, tag):
     from torch.profiler import ProfilerActivity, profile
+    if OPT.stacks:
+        long_ops_with_stacks(run)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(8)
     path = os.path.join(OPT.out, "trace_%s.json" % tag)
