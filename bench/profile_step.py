@@ -79,14 +79,14 @@ class HostEvents:
     """Host-clock spans of the calls that make a prompt's set-up cost (ComfyUI's loader, partial loads and
     unloads, our graph captures and drops), to tell apart what the time before the first step goes to."""
 
-    def __init__(self):
+    def __init__(self, targets=None):
         import comfy.model_patcher as mp
-        self.targets = [(mm, "load_models_gpu"), (mm, "free_memory"), (mp.ModelPatcher, "partially_load"),
-                        (mp.ModelPatcher, "partially_unload"), (mp.ModelPatcher, "detach"),
-                        (mp.ModelPatcher, "load"), (cuda_graph.StepGraphs, "_capture"),
-                        (cuda_graph.StepGraphs, "clear"), (torch.cuda, "empty_cache"),
-                        (torch.cuda.CUDAGraph, "capture_begin"), (torch.cuda.CUDAGraph, "capture_end"),
-                        (host_mirror.HostMirror, "offload")]
+        self.targets = targets or [
+            (mm, "load_models_gpu"), (mm, "free_memory"), (mp.ModelPatcher, "partially_load"),
+            (mp.ModelPatcher, "partially_unload"), (mp.ModelPatcher, "detach"), (mp.ModelPatcher, "load"),
+            (cuda_graph.StepGraphs, "_capture"), (cuda_graph.StepGraphs, "clear"), (torch.cuda, "empty_cache"),
+            (torch.cuda.CUDAGraph, "capture_begin"), (torch.cuda.CUDAGraph, "capture_end"),
+            (host_mirror.HostMirror, "offload")]
         self.events, self.saved = [], []
 
     def __enter__(self):
@@ -148,37 +148,12 @@ def host_timeline(run):
         ", ".join("%.2f" % v for v in gpu_gap[:6])))
 
 
-class ApplyClock:
-    """Host clock at each BaseModel.apply_model entry/exit and around comfy.sample.sample (what KSampler and
-    Accelerated KSampler both call): the time before the first step and after the last, stock and ours alike."""
-
-    def __init__(self):
-        import comfy.model_base as mb
-        import comfy.sample as cs
-        self.targets = [(mb.BaseModel, "apply_model"), (cs, "sample")]
-        self.calls, self.saved = [], []
-
-    def __enter__(self):
-        for obj, name in self.targets:
-            orig = getattr(obj, name)
-            self.saved.append((obj, name, orig))
-            setattr(obj, name, self._timed(orig, name))
-        return self
-
-    def _timed(self, orig, label):
-        calls = self.calls
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return orig(*a, **k)
-            finally:
-                calls.append((label, t0, time.perf_counter()))
-        return timed
-
-    def __exit__(self, *exc):
-        for obj, name, orig in reversed(self.saved):
-            setattr(obj, name, orig)
+def apply_clock():
+    """HostEvents around each BaseModel.apply_model and comfy.sample.sample (what KSampler and Accelerated
+    KSampler both call): the time before the first step and after the last, stock and ours alike."""
+    import comfy.model_base as mb
+    import comfy.sample as cs
+    return HostEvents([(mb.BaseModel, "apply_model"), (cs, "sample")])
 
 
 def outside_steps(model, clip, vae, size, batch):
@@ -193,11 +168,11 @@ def outside_steps(model, clip, vae, size, batch):
             cb.run_graph(ENV, model, clip, vae, size, batch, s, sampler, OPT.steps)
         rows = []
         for s in (3, 4, 5):
-            with ApplyClock() as clock:
+            with apply_clock() as clock:
                 res = cb.run_graph(ENV, model, clip, vae, size, batch, s, sampler, OPT.steps)
-            steps = [c for c in clock.calls if c[0] == "apply_model"]
-            (_, s0, s1), = [c for c in clock.calls if c[0] == "sample"]
-            rows.append((res["sample_s"] * 1e3, (steps[0][1] - s0) * 1e3, (s1 - steps[-1][2]) * 1e3,
+            steps = [e for e in clock.events if e[2].endswith(".apply_model")]
+            (s0, s1, _), = [e for e in clock.events if e[2].endswith(".sample")]
+            rows.append((res["sample_s"] * 1e3, (steps[0][0] - s0) * 1e3, (s1 - steps[-1][1]) * 1e3,
                          res["sample_s"] * 1e3 - (s1 - s0) * 1e3, len(steps)))
         out("  %s (%d steps), ms per run: sampling node %s | comfy.sample.sample entry -> first step %s | last "
             "step -> its exit %s | node outside comfy.sample.sample %s" % (

@@ -61,3 +61,15 @@ def tiny_model_patcher(folder, seed=5):
     fixtures.build_checkpoint(COMFY, "sd15", "tiny", path, seed=seed)
     with torch.inference_mode():
         return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)[0]
+
+
+class TaggedModule(torch.nn.Module):
+    """Another pack's object patch, for tests: runs the module it replaces and counts its calls."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *a, **k):
+        self.calls += 1
+        return self.inner(*a, **k)

@@ -177,18 +177,6 @@ def test_a_run_that_compiled_kernels_ahead_says_so_and_a_warm_one_does_not(model
     assert run_report.compile_note((5, 1.0), (5, 1.0)) is None
 
 
-class _Tagged(torch.nn.Module):
-    """Another pack's object patch: runs the module it replaces and counts its calls."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner, self.calls = inner, 0
-
-    def forward(self, *a, **k):
-        self.calls += 1
-        return self.inner(*a, **k)
-
-
 def test_another_packs_patch_under_a_block_keeps_that_block_unfolded_and_in_effect(model):
     """A patch the input model already has under input_blocks (another pack, upstream): ComfyUI applies it
     first, so a copy of input_blocks made now would hide it. That block is patched module by module, as before;
@@ -199,7 +187,7 @@ def test_another_packs_patch_under_a_block_keeps_that_block_unfolded_and_in_effe
     dm = model.model.diffusion_model
     path, attn = next((n, m) for n, m in dm.named_modules() if n.startswith("input_blocks") and n.endswith("attn1"))
     theirs = model.clone()
-    tag = _Tagged(attn)
+    tag = comfy_inproc.TaggedModule(attn)
     theirs.add_object_patch("diffusion_model." + path, tag)
     acc, info = host.accelerate(theirs, host.AccelOptions(cuda_graph=False))
     keys = list(acc.object_patches)
@@ -233,7 +221,7 @@ def test_a_patch_set_inside_a_folded_block_later_is_undone_without_leaving_ours_
     folded = [k for k, m in acc.object_patches.items() if host.object_patches.is_folded(m)]
     assert bool(folded) == folds
     later = acc.clone()
-    tag = _Tagged(block)
+    tag = comfy_inproc.TaggedModule(block)
     later.add_object_patch("diffusion_model." + path, tag)
     g = torch.Generator().manual_seed(11)
     cond = [[torch.randn(1, 77, 768, generator=g), {}]]

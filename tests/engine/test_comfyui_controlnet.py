@@ -13,6 +13,9 @@ import torch  # noqa: E402
 from sd_accel.engine import fused_modules as fm  # noqa: E402
 from sd_accel.engine import hint_cache, kernel_report  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import comfy_inproc  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
 COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
@@ -366,18 +369,6 @@ def test_the_next_prompt_reuses_the_controlnets_plan_and_still_matches_stock(com
     assert folded and all(outs[1][k] is outs[0][k] for k in folded), "the second prompt reused the plan"
 
 
-class _Tagged(torch.nn.Module):
-    """Another pack's object patch: runs the module it replaces and counts its calls."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner, self.calls = inner, 0
-
-    def forward(self, *a, **k):
-        self.calls += 1
-        return self.inner(*a, **k)
-
-
 def test_another_packs_patch_on_the_controlnet_stays_in_effect_and_keys_the_plan(comfy_cn):
     """A ControlNet whose patcher already carries another pack's object patch under a block: that block is
     patched module by module (the other module runs, the result is stock's with it); a different module
@@ -391,7 +382,7 @@ def test_another_packs_patch_on_the_controlnet_stays_in_effect_and_keys_the_plan
     for _ in range(2):
         stock = base.copy().set_cond_hint(_hint(1), 0.8)
         stock.control_model_wrapped = stock.control_model_wrapped.clone()
-        tag = _Tagged(attn)
+        tag = comfy_inproc.TaggedModule(attn)
         stock.control_model_wrapped.add_object_patch(path, tag)
         ref = _control(stock, x, t, ctx)
         stock.cleanup()
