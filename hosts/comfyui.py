@@ -240,13 +240,13 @@ def _accelerate(model, options):
     object_patches.drop_ours(clone)
     if options.fused_kernels or layout:
         # folded only where the restore order can be kept (current ComfyUI, which re-applies patches per prompt)
-        patches, counts, folded = object_patches.plan(clone, options.fused_kernels, layout,
+        patches, counts = object_patches.plan(clone, options.fused_kernels, layout,
                                                       fold=object_patches.can_keep_restore_order(clone))
         for path, module in patches.items():
             clone.add_object_patch(path, module)
         info["patched"].update(counts)
         info["object_patches"] = len(patches)
-        object_patches.keep_restore_order(clone, folded)
+        object_patches.keep_restore_order(clone, patches)
     if options.attention != "auto":
         info["patched"]["attention_" + options.attention] = _install_attention(clone, options.attention)
     if options.cuda_graph or options.channels_last:

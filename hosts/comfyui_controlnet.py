@@ -103,9 +103,9 @@ def plan_controlnet(patcher, options):
         foreign = object_patches.foreign_patches(patcher)
         key = (options.fused_kernels, layout, tuple(k for k, _ in foreign))
         hit = plans.get(key)
-        if hit is None or any(a is not b for (_, a), (_, b) in zip(hit[3], foreign)):
-            planned, planned_counts, folded = object_patches.plan(patcher, options.fused_kernels, layout, root="")
-            hit = plans[key] = (planned, planned_counts, folded, foreign)
+        if hit is None or any(a is not b for (_, a), (_, b) in zip(hit[2], foreign)):
+            planned, planned_counts = object_patches.plan(patcher, options.fused_kernels, layout, root="")
+            hit = plans[key] = (planned, planned_counts, foreign)
         patches.update(hit[0])
         counts.update(hit[1])
     if options.hint_cache and not options.cuda_graph:
@@ -189,7 +189,7 @@ class _Converter:
             patches = self.plan(patcher)
             for path, module in patches.items():
                 patcher.add_object_patch(path, module)
-            object_patches.keep_restore_order(patcher, [k for k, m in patches.items() if object_patches.is_folded(m)])
+            object_patches.keep_restore_order(patcher, patches)
             new.control_model_wrapped = patcher
             _free_graphs_on_unload(patcher, patches)
             new.set_previous_controlnet(new_prev)

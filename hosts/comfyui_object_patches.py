@@ -54,10 +54,6 @@ def _unpatched(clone, path):
     return _original(patching.get_attr(clone.model, path))
 
 
-def _foreign_paths(clone):
-    return [k for k, m in clone.object_patches.items() if not _is_ours(m)]
-
-
 def _touches(path, group):
     return path == group or path.startswith(group + ".") or group.startswith(path + ".")
 
@@ -69,12 +65,12 @@ def drop_ours(clone):
 
 
 def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True):
-    """(ordered {path: module} to add as object patches, counts per op, the top-level blocks folded) for the
+    """(ordered {path: module} to add as object patches, counts per op) for the
     UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
     one patch per module, as the plan has them."""
     prefix = root + "." if root else ""
     live = patching.get_attr(clone.model, root) if root else clone.model
-    foreign = _foreign_paths(clone)
+    foreign = [k for k, _ in foreign_patches(clone)]
     if root and any(_touches(k, root) and not k.startswith(prefix) for k in foreign):
         view, groups = live, {}      # the module itself replaced by another pack: planned on it, unfolded
     else:
@@ -101,7 +97,7 @@ def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True)
     if exclude and fold:
         log.info("[SD Accel] %d block(s) patched module by module: another pack has object patches under %s",
                  len(exclude), ", ".join(sorted(exclude)))
-    return out, counts, folded
+    return out, counts
 
 
 def foreign_patches(clone):
@@ -134,9 +130,10 @@ def can_keep_restore_order(clone):
         return False
 
 
-def keep_restore_order(clone, folded):
-    """Installs `_restore_ours_last` on `clone` where the host can run it."""
-    if not folded or not can_keep_restore_order(clone):
+def keep_restore_order(clone, patches):
+    """Installs `_restore_ours_last` on `clone` where the host can run it and `patches` (what SD Accel added)
+    hold a folded block."""
+    if not any(is_folded(m) for m in patches.values()) or not can_keep_restore_order(clone):
         return
     import comfy.patcher_extension as pe
     clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [_restore_ours_last]
