@@ -12,7 +12,9 @@ checkpoints. Per config three variants of the model fed to the same KSampler:
   ours_ksampler (optional) the same pool with ComfyUI's own KSampler: the streaming alone, eager,
   comfy_lowvram SDAccelVRAMPool(budget, offload=none): only ComfyUI's partial loading held to the budget
                (what --lowvram --reserve-vram does), for speedup_vs_comfy_lowvram.
-Peak = torch.cuda.max_memory_allocated over the sampling call. Appends one JSON line per config (fields of
+Peak = torch.cuda.max_memory_allocated over the sampling call. Host memory after a variant's runs: the UNet's
+weights held on the host (its tensors' storages and the pool's pinned buffers, each once; `unet_host_gib`,
+against `unet_weights_gib` in all), the page-locked total (`pinned_gib`) and the process's RSS. Appends one JSON line per config (fields of
 ../shared/BENCH.md) to $OUT/results.jsonl and prints a table.
 
   python3 bench/bench_vram.py --comfy-dir vendor/ComfyUI --out $OUT [--configs sd15_512_b1_budget1,...]
@@ -78,6 +80,8 @@ def measure(model, clip, vae, size, batch, settings=None, sampler="stock"):
     med = lambda k: statistics.median(x[k] for x in runs)  # noqa: E731
     out = {"its": OPT.steps / med("sample_s"), "sample_s": med("sample_s"), "e2e_s": med("e2e_s"),
            "peak_gib": max(x["peak_gib"] for x in runs), "first_s": first["sample_s"], "img": runs[0]["img"]}
+    out["host"] = cb.host_memory(ENV, model, () if settings is None else (settings.pinned_cache,
+                                                                          settings.promoted_cache))
     if settings is not None:
         out["notes"] = "; ".join(settings.last_notes)
         out["report"] = settings.last_report
@@ -104,7 +108,10 @@ def main():
                        scheduler="normal", cfg=7.0, budget_gib=budget)
             stock = measure(model, clip, vae, size, batch)
             rec.update(stock_its=round(stock["its"], 2), stock_peak_gib=round(stock["peak_gib"], 3),
-                       stock_e2e_s=round(stock["e2e_s"], 3))
+                       stock_e2e_s=round(stock["e2e_s"], 3),
+                       stock_unet_host_gib=round(stock["host"]["unet_host"], 3),
+                       unet_weights_gib=round(sum(t.numel() * t.element_size() for t in
+                                                  model.model.diffusion_model.parameters()) / 2 ** 30, 3))
             say("stock", tag, "%.2f it/s, peak %.2f GiB" % (stock["its"], stock["peak_gib"]))
             if OPT.stock_twice:
                 # stock's it/s moved by up to 1.5x between configs of one process (device run 26): measured
@@ -121,8 +128,13 @@ def main():
                               e2e_s=round(ours["e2e_s"], 3), ratio_vs_full=round(ours["its"] / stock["its"], 3),
                               psnr_db=round(psnr(stock["img"], ours["img"]), 2),
                               within_budget=bool(ours["peak_gib"] <= budget) if ENV.cuda else None)
+                # host memory held for the UNet's weights after the run (the model's host copies plus the
+                # pool's pinned buffers, each storage once), the page-locked total and the process's RSS
+                fields.update(unet_host_gib=round(ours["host"]["unet_host"], 3),
+                              pinned_gib=round(ours["host"]["pinned"], 3), rss_gib=round(ours["host"]["rss"], 3))
                 if variant == "ours":
-                    rec.update({("ours_" + k if k in ("its", "peak_gib", "e2e_s") else k): v
+                    rec.update({("ours_" + k if k in ("its", "peak_gib", "e2e_s", "unet_host_gib", "pinned_gib",
+                                                      "rss_gib") else k): v
                                 for k, v in fields.items()},
                                first_run_s=round(ours["first_s"] - ours["sample_s"], 2))
                 else:
@@ -156,14 +168,15 @@ def main():
             cb.append_record(OPT, rec)
         except Exception:  # noqa: BLE001 - keep the other configs
             say("ERROR", tag, traceback.format_exc())
-    print("%-22s %6s %9s %9s %7s %9s %7s %8s %8s %8s %7s" % (
+    print("%-22s %6s %9s %9s %7s %9s %7s %8s %8s %8s %7s %8s %8s" % (
         "config", "budget", "stock it/s", "ours it/s", "ratio", "comfy_lv", "x lv", "peak st", "peak us",
-        "peak lv", "PSNR"))
+        "peak lv", "PSNR", "host us", "pinned"))
     for r in rows:
-        print("%-22s %6.1f %9.2f %9s %7s %9s %7s %8.2f %8s %8s %7s" % (
+        print("%-22s %6.1f %9.2f %9s %7s %9s %7s %8.2f %8s %8s %7s %8s %8s" % (
             r["config"], r["budget_gib"], r["stock_its"], r.get("ours_its", "-"), r.get("ratio_vs_full", "-"),
             r.get("comfy_lowvram_its", "-"), r.get("speedup_vs_comfy_lowvram", "-"), r["stock_peak_gib"],
-            r.get("ours_peak_gib", "-"), r.get("comfy_lowvram_peak_gib", "-"), r.get("psnr_db", "-")))
+            r.get("ours_peak_gib", "-"), r.get("comfy_lowvram_peak_gib", "-"), r.get("psnr_db", "-"),
+            r.get("ours_unet_host_gib", "-"), r.get("ours_pinned_gib", "-")))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ first one that runs in a unit "enters" it.
 
 Fixed places. Each streamed block gets a fixed place in one ring buffer (vram_plan.ring_layout) and its
 tensors' `.data` point there for as long as the streamer is installed; the host copy of a block is one
-pinned buffer with the same layout, so a block is one host-to-device copy. Because the addresses never
+pinned buffer with the same layout, so a block is one host-to-device copy. That buffer becomes the tensors'
+host data for good (their `.data` views it after `remove()`): the model's own host copies are freed rather than
+kept beside it, and it is pinned at its exact size (engine/pinned_memory.py), so streaming takes no more
+host memory than the weights do. Because the addresses never
 change, a CUDA graph captured over a step replays the copies too: the step then costs max(compute,
 transfer) instead of the eager step's Python time plus whatever transfer it does not hide.
 
@@ -37,6 +40,7 @@ import contextlib
 import torch
 
 from .cuda_graph import WEIGHTS_TOKEN
+from .pinned_memory import empty_host
 from .vram_plan import ring_layout, stream_units
 
 ALIGN = 256          # each tensor's and block's place starts at a multiple of this many bytes
@@ -102,7 +106,7 @@ class BlockStreamer:
     streamed: block names (any order; execution order is used). On a CUDA device only the tensors of those
     blocks that are not already on the device move (the host decides placement), unless `every_tensor`
     (tests); on CPU all of them are copied, so the logic can be tested. pinned_cache: a dict reused across installs so a block's host
-    buffer is built (and pinned) once, keyed by its tensors' storage pointers, shapes, dtypes and versions.
+    buffer is built (and pinned) once, keyed by its tensors' pointers (views of it), shapes, strides and dtypes.
     `prefetch_log`: [(issued block, block computing then | None at the step's start)].
     """
 
@@ -152,8 +156,10 @@ class BlockStreamer:
         for n, place in zip(self._active, places):
             b = self._state[n]
             b.place = place
-            # the block's tensors in one host buffer with the ring's layout (pinned when streaming to a GPU)
-            b.host_flat = host_flat(b.hosts, b.offsets, b.nbytes, self.pin, self.pinned_cache, new_cache)
+            # the block's tensors in one host buffer with the ring's layout (pinned when streaming to a GPU);
+            # their host data become views of it, so the model's own host copies are freed, not duplicated
+            b.host_flat, b.hosts = host_flat(b.hosts, b.offsets, b.nbytes, self.pin, self.pinned_cache,
+                                             new_cache)
         self.pinned_cache.clear()
         self.pinned_cache.update(new_cache)
         self.ring = torch.empty(ring, dtype=torch.uint8, device=self.device)
@@ -226,8 +232,11 @@ class BlockStreamer:
         b, i = loc
         host = b.hosts[i]
         if not host.is_contiguous(memory_format=memory_format):
-            host = b.hosts[i] = host.contiguous(memory_format=memory_format)
-        _view(b.host_flat, b.offsets[i], host).copy_(host)
+            converted = host.contiguous(memory_format=memory_format)    # a copy: the view is overwritten next
+            place = _view(b.host_flat, b.offsets[i], converted)
+            place.copy_(converted)
+            # a host tensor is the buffer's view (see host_flat); a device one (tests) keeps its own data
+            host = b.hosts[i] = place if host.device.type == "cpu" else converted
         t.data = _view(self.ring, b.place + b.offsets[i], host)
         self._issued = {}                  # a copy issued before holds the old layout
         return True
@@ -301,19 +310,30 @@ class BlockStreamer:
 
 def host_flat(hosts, offsets, nbytes, pin, cache, new_cache):
     """`hosts` (host tensors) in one uint8 host buffer of `nbytes`, each at its offset in `offsets` (pinned when
-    `pin`): taken from `cache` when these very tensors were copied before, else built; entered in `new_cache`
-    (the caller swaps caches, so buffers of tensors no longer used are dropped)."""
-    # inference tensors (ComfyUI loads under inference_mode) have no version counter; a patch that writes
-    # them in place changes the host's own patch state, and the host re-installs per run
-    key = tuple((h.data_ptr(), tuple(h.shape), tuple(h.stride()), h.dtype, 0 if h.is_inference() else h._version)
-                for h in hosts)
-    flat = cache.get(key)
+    `pin`, exactly sized: engine/pinned_memory.py). Returns (buffer, views): `views[i]` holds hosts[i]'s values
+    in the buffer (hosts[i] itself where a block has device tensors), for the caller to use as the host data
+    from now on (the model's own copies are freed rather than kept beside the pinned ones). The buffer is taken from `cache` when `hosts` are these very views
+    (keyed by their pointers, which stay valid as long as the cache or a view keeps the buffer alive),
+    else built; entered in `new_cache` (the caller swaps caches, so buffers no longer used are dropped)."""
+    # a device tensor (the tests' stream-every-block switch) keeps its own data, and its pointer may be reused
+    # with other contents: such a block's buffer is built afresh every time
+    on_host = all(h.device.type == "cpu" for h in hosts)
+    flat = cache.get(_key(hosts)) if on_host else None
     if flat is None or flat.numel() != nbytes:
-        flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        flat = empty_host(nbytes, pin)
         for host, off in zip(hosts, offsets):
             _view(flat, off, host).copy_(host)
-    new_cache[key] = flat
-    return flat
+    if not on_host:
+        return flat, list(hosts)
+    views = [_view(flat, off, host) for host, off in zip(hosts, offsets)]
+    new_cache[_key(views)] = flat
+    return flat, views
+
+
+def _key(hosts):
+    # no version counters: a cache hit means `hosts` are views of that very buffer, so a host's in-place
+    # write (a weight patch) is already in it; a replaced tensor has another pointer and rebuilds the buffer
+    return tuple((h.data_ptr(), tuple(h.shape), tuple(h.stride()), h.dtype) for h in hosts)
 
 
 @contextlib.contextmanager
@@ -338,9 +358,10 @@ def resident_blocks(device, unet, names, pinned_cache=None):
                 for t in tensors:
                     offsets.append(n)
                     n += _aligned(_nbytes(t))
-                flat = host_flat([t.data for t in tensors], offsets, n, True, pinned_cache, new_cache)
+                flat, views = host_flat([t.data for t in tensors], offsets, n, True, pinned_cache, new_cache)
             for i, t in enumerate(tensors):
-                host = t.data
+                # the pinned view is the host data from now on (the model's own copy is freed, not duplicated)
+                host = t.data if flat is None else views[i]
                 moved.append((t, host))       # first: an out-of-memory below still puts it back
                 if flat is None:
                     t.data = host.to(device, non_blocking=host.is_pinned())

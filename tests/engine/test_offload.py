@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
 from sd_accel.engine.cuda_graph import WEIGHTS_TOKEN  # noqa: E402
-from sd_accel.engine.offload import BlockStreamer, off_device_bytes  # noqa: E402
+from sd_accel.engine.offload import BlockStreamer, off_device_bytes, owned_tensors  # noqa: E402
 from sd_accel.engine.vram_plan import (min_budget, plan_residency, ring_layout, stream_units,  # noqa: E402
                                       unet_block_sizes)
 
@@ -37,7 +37,8 @@ def _run(unet, seed=0):
 def _snapshot(unet):
     return {
         "keys": list(unet.state_dict().keys()),
-        "params": [(n, id(p), p.data_ptr(), p.device, p.dtype) for n, p in unet.named_parameters()],
+        # not data_ptr: the streamer moves a streamed tensor's host data into its own (pinned) buffer for good
+        "params": [(n, id(p), p.device, p.dtype, p.shape, p.stride()) for n, p in unet.named_parameters()],
         "values": {n: p.detach().clone() for n, p in unet.named_parameters()},
         "hooks": [(n, len(m._forward_pre_hooks), len(m._forward_hooks)) for n, m in unet.named_modules()],
     }
@@ -95,15 +96,74 @@ def test_streamed_tensors_live_in_the_ring_while_installed(unet):
     names = _names(unet)
     blocks = dict(stream_units(unet))
     p = next(blocks["middle_block.0"][0].parameters())
-    host = p.data_ptr()
     s = BlockStreamer(unet, names, prefetch_depth=1, device="cpu").install()
     try:
         lo = s.ring.data_ptr()
         assert lo <= p.data_ptr() < lo + s.ring_bytes
         assert all((q.data_ptr() - lo) % 256 == 0 for q in unet.parameters())   # every place aligned
+        flat = s._state["middle_block.0"].host_flat
     finally:
         s.remove()
-    assert p.data_ptr() == host
+    assert flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel()     # back on the host buffer
+
+
+def test_the_models_host_copies_are_freed_not_duplicated():
+    """The streamer's host buffer of a block (pinned on a GPU machine) replaces the model's own host copies of
+    the block's tensors instead of sitting beside them (SDXL at 4 GiB: ~2.3 GiB of weights were held twice).
+    A second install with the same cache reuses the buffers without copying."""
+    import gc
+    import weakref
+    unet = comfy_inproc.tiny_unet(seed=4)
+    ref = _run(unet)
+    freed = []
+    for p in unet.parameters():
+        weakref.finalize(p.untyped_storage(), freed.append, 1)
+    n_params = len(list(unet.parameters()))
+    cache = {}
+    s = BlockStreamer(unet, _names(unet), prefetch_depth=1, device="cpu", pinned_cache=cache).install()
+    gc.collect()
+    assert len(freed) == n_params                  # every original storage gone once the streamer installed
+    flats = {n: b.host_flat for n, b in s._state.items()}
+    s.remove()
+    by_range = sorted((f.data_ptr(), f.data_ptr() + f.numel()) for f in flats.values())
+    for q in unet.parameters():                    # every tensor's host data now lies in one of the buffers
+        assert any(lo <= q.data_ptr() < hi for lo, hi in by_range)
+    assert torch.equal(_run(unet), ref)
+    s2 = BlockStreamer(unet, _names(unet), prefetch_depth=1, device="cpu", pinned_cache=cache).install()
+    try:
+        assert all(s2._state[n].host_flat is f for n, f in flats.items())    # reused, not rebuilt
+        assert torch.equal(_run(unet), ref)
+    finally:
+        s2.remove()
+
+
+def test_host_writes_and_replaced_tensors_between_installs_reach_the_ring():
+    """Between runs a host patches weights: in place (which now writes the streamer's buffer itself, so it is
+    reused) or by giving a tensor new data (that block's buffer is rebuilt from it, the others reused)."""
+    unet = comfy_inproc.tiny_unet(seed=5)
+    cache, names = {}, _names(unet)
+    blocks = dict(stream_units(unet))
+
+    def install_run():
+        s = BlockStreamer(unet, names, prefetch_depth=1, device="cpu", pinned_cache=cache).install()
+        try:
+            return _run(unet), {n: b.host_flat for n, b in s._state.items()}
+        finally:
+            s.remove()
+
+    _, flats = install_run()
+    p = owned_tensors(blocks["middle_block.0"])[0][1]
+    with torch.no_grad():
+        p.add_(1.0)
+    expect = _run(unet)                              # eager, from the written host data
+    out, again = install_run()
+    assert torch.equal(out, expect) and all(again[n] is flats[n] for n in names)
+    q = owned_tensors(blocks["out"])[0][1]
+    q.data = q.data * 0.5                            # new data for one tensor (what set_attr_param amounts to)
+    expect = _run(unet)
+    out, third = install_run()
+    assert torch.equal(out, expect)
+    assert third["out"] is not flats["out"] and third["middle_block.0"] is flats["middle_block.0"]
 
 
 def test_channels_last_weights_keep_their_strides():
