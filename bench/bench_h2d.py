@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Host-to-device copy bandwidth on the GPU machine: the ceiling of lowvram block streaming (issue 4).
 
-Copies 1.5 GiB (about what SD1.5 @1 GiB streams per step) from pinned and from pageable host memory, as one
+Copies 1.5 GiB (about what SD1.5 @1 GiB streams per step) from pinned (torch's allocator, and SD Accel's
+exactly sized page-locked buffers) and from pageable host memory, as one
 tensor and as per-tensor copies with SD1.5 UNet-like sizes (a few large weights, many small biases and
 norms), on a side stream, and prints GB/s. No ComfyUI; nothing is recorded in results.jsonl (it compares
 no stock path), the numbers go to the run's log.
@@ -13,9 +14,15 @@ alternating places, on a side stream) captured in a CUDA graph and replayed, alo
 the compute stream alongside.
 """
 import argparse
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_timing  # noqa: E402,F401  (registers the repo as the package sd_accel)
+from sd_accel.engine import pinned_memory  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--gib", type=float, default=1.5)
@@ -47,13 +54,21 @@ def timed(fn, reps=5):
     return best
 
 
+def host_buffer(n_elems, kind):
+    """fp16 host memory: torch's pinned allocator ("pinned"), SD Accel's exactly sized page-locked buffers
+    (engine/pinned_memory.py, "pinned exact"), or pageable."""
+    if kind == "pinned exact":
+        return pinned_memory.empty_pinned(n_elems * 2).view(torch.float16)
+    return torch.empty(n_elems, dtype=torch.float16, pin_memory=kind == "pinned")
+
+
 stream = torch.cuda.Stream()
 rows = []
-for pinned in (True, False):
-    big = torch.empty(total, dtype=torch.float16, pin_memory=pinned)
+for kind in ("pinned", "pinned exact", "pageable"):
+    big = host_buffer(total, kind)
     dst = torch.empty(total, dtype=torch.float16, device=dev)
     sizes = unet_like_sizes(total)
-    parts = [torch.empty(s, dtype=torch.float16, pin_memory=pinned) for s in sizes]
+    parts = [host_buffer(s, kind) for s in sizes]
     nbytes = sum(p.numel() for p in parts) * 2
 
     def one():
@@ -65,7 +80,7 @@ for pinned in (True, False):
             [torch.empty_like(p, device=dev).copy_(p, non_blocking=True) for p in parts]
 
     t1, tm = timed(one), timed(many)
-    rows.append(("pinned" if pinned else "pageable", total * 2 / t1 / 1e9, len(parts), nbytes / tm / 1e9))
+    rows.append((kind, total * 2 / t1 / 1e9, len(parts), nbytes / tm / 1e9))
     del big, dst, parts
 
 # The lowvram ring's case: copies of whole blocks (SD1.5-like sizes, one pinned buffer each) on a side stream,
