@@ -2,7 +2,7 @@
 """Host-to-device copy bandwidth on the GPU machine: the ceiling of lowvram block streaming (issue 4).
 
 Copies 1.5 GiB (about what SD1.5 @1 GiB streams per step) from pinned (torch's allocator, and SD Accel's
-exactly sized page-locked buffers) and from pageable host memory, as one
+views of packed pinned slabs) and from pageable host memory, as one
 tensor and as per-tensor copies with SD1.5 UNet-like sizes (a few large weights, many small biases and
 norms), on a side stream, and prints GB/s. No ComfyUI; nothing is recorded in results.jsonl (it compares
 no stock path), the numbers go to the run's log.
@@ -54,21 +54,21 @@ def timed(fn, reps=5):
     return best
 
 
-def host_buffer(n_elems, kind):
-    """fp16 host memory: torch's pinned allocator ("pinned"), SD Accel's exactly sized page-locked buffers
-    (engine/pinned_memory.py, "pinned exact"), or pageable."""
-    if kind == "pinned exact":
-        return pinned_memory.empty_pinned(n_elems * 2).view(torch.float16)
-    return torch.empty(n_elems, dtype=torch.float16, pin_memory=kind == "pinned")
+def host_buffers(sizes, kind):
+    """fp16 host tensors of `sizes` elements: torch's pinned allocator, one allocation each ("pinned"), SD
+    Accel's views of packed pinned slabs (engine/pinned_memory.py, "pinned slabs"), or pageable."""
+    if kind == "pinned slabs":
+        return [b.view(torch.float16) for b in pinned_memory.host_buffers([2 * n for n in sizes], True)]
+    return [torch.empty(n, dtype=torch.float16, pin_memory=kind == "pinned") for n in sizes]
 
 
 stream = torch.cuda.Stream()
 rows = []
-for kind in ("pinned", "pinned exact", "pageable"):
-    big = host_buffer(total, kind)
+for kind in ("pinned", "pinned slabs", "pageable"):
+    big = host_buffers([total], kind)[0]
     dst = torch.empty(total, dtype=torch.float16, device=dev)
     sizes = unet_like_sizes(total)
-    parts = [host_buffer(s, kind) for s in sizes]
+    parts = host_buffers(sizes, kind)
     nbytes = sum(p.numel() for p in parts) * 2
 
     def one():

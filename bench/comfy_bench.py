@@ -163,10 +163,9 @@ def pair_record(env_info, opt, tag, stock, ours):
 def host_memory(env, patcher, caches=()):
     """Host memory held for a model's UNet weights after a run (GiB): `unet_host` = its tensors' distinct host
     storages plus the buffers in `caches` (dicts of host buffers, e.g. the VRAM Pool's pinned caches) that no
-    tensor shares, `pinned` = page-locked bytes (torch's pinned allocator, rounded to powers of two, plus SD
-    Accel's exactly sized buffers), `rss` = the process's resident set."""
+    tensor shares, `pinned` = page-locked bytes (torch's pinned allocator: its blocks, in use or cached),
+    `rss` = the process's resident set."""
     torch = env.torch
-    from sd_accel.engine import pinned_memory
     seen = {}
     unet = patcher.model.diffusion_model
     tensors = [t for t in list(unet.parameters()) + list(unet.buffers()) if t.device.type == "cpu"]
@@ -175,10 +174,10 @@ def host_memory(env, patcher, caches=()):
     for t in tensors:
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
-    pinned = pinned_memory.registered_bytes()
+    pinned = 0
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if env.cuda and stats is not None:
-        pinned += stats().get("allocated_bytes.current", 0)
+        pinned = stats().get("allocated_bytes.current", 0)
     rss = 0
     with open("/proc/self/status") as f:
         for line in f:

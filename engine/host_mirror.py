@@ -22,8 +22,7 @@ import weakref
 
 import torch
 
-from .offload import _nbytes, _view
-from .pinned_memory import empty_host
+from .pinned_memory import host_buffers, nbytes as _nbytes, view_as
 
 _MIRRORS = weakref.WeakKeyDictionary()   # module -> HostMirror, while it is armed
 _ALIVE = [0]                              # how many were armed at the last release_freed()
@@ -31,12 +30,6 @@ _ALIVE = [0]                              # how many were armed at the last rele
 
 def _on_host(t):
     return t.device.type == "cpu"
-
-
-def _host_like(t, pin):
-    """An empty host tensor with t's shape, dtype and (dense) strides; pinned (exactly sized: a 26 MB weight
-    would take 32 MB from torch's pinned allocator) when `pin` and possible."""
-    return _view(empty_host(_nbytes(t), pin), 0, t)
 
 
 class HostMirror:
@@ -54,10 +47,11 @@ class HostMirror:
 
     def offload(self, module, on_host=None):
         """Points every parameter of `module` that is off the host at its host copy (made now, pinned, for
-        the ones without a valid one). Returns the bytes copied. `on_host(tensor)`: where a tensor is (tests
-        on a machine without a GPU say which host tensors stand for device ones)."""
+        the ones without a valid one; those made together share a few pinned slabs: engine/pinned_memory.py).
+        Returns the bytes copied. `on_host(tensor)`: where a tensor is (tests on a machine without a GPU say
+        which host tensors stand for device ones)."""
         on_host = on_host or _on_host
-        copied = 0
+        fresh = []
         with torch.no_grad():
             for m in module.modules():
                 for p in m._parameters.values():
@@ -68,16 +62,19 @@ class HostMirror:
                         p.data = host
                         self.stats["reused"] += 1
                         self.stats["reused_bytes"] += _nbytes(host)
-                        continue
-                    host = _host_like(p, self.pin)
-                    host.copy_(p.data)
-                    p.data = host
-                    self.copies[id(p)] = (weakref.ref(p), host)
-                    self.stats["copied"] += 1
-                    self.stats["copied_bytes"] += _nbytes(host)
-                    copied += _nbytes(host)
+                    else:
+                        fresh.append(p)
+            seen = set()
+            fresh = [p for p in fresh if not (id(p) in seen or seen.add(id(p)))]
+            for p, buf in zip(fresh, host_buffers([_nbytes(p) for p in fresh], self.pin)):
+                host = view_as(buf, 0, p)
+                host.copy_(p.data)
+                p.data = host
+                self.copies[id(p)] = (weakref.ref(p), host)
+                self.stats["copied"] += 1
+                self.stats["copied_bytes"] += _nbytes(host)
         self._forget_dead()
-        return copied
+        return sum(_nbytes(p) for p in fresh)
 
     def _forget_dead(self):
         dead = [k for k, (ref, _) in self.copies.items() if ref() is None]
@@ -143,6 +140,16 @@ def release_freed():
     if freed and empty is not None and torch.cuda.is_available():
         empty()
     return freed
+
+
+def adopt(param, old_host, new_host):
+    """`param`'s host data moved from `old_host` to `new_host` (equal values, e.g. a lowvram streamer's pinned
+    buffer): a mirror whose copy of `param` is `old_host` keeps `new_host` instead, so the two are not both
+    held. A mirror holding anything else for it (another copy, a replaced Parameter's) is left alone."""
+    for mirror in list(_MIRRORS.values()):
+        rec = mirror.copies.get(id(param))
+        if rec is not None and rec[0]() is param and rec[1].data_ptr() == old_host.data_ptr():
+            mirror.copies[id(param)] = (rec[0], new_host)
 
 
 def mirror_of(module):

@@ -40,11 +40,9 @@ import contextlib
 import torch
 
 from .cuda_graph import WEIGHTS_TOKEN
-from .pinned_memory import empty_host
+from . import host_mirror
+from .pinned_memory import aligned as _aligned, host_buffers, nbytes as _nbytes, view_as as _view
 from .vram_plan import ring_layout, stream_units
-
-ALIGN = 256          # each tensor's and block's place starts at a multiple of this many bytes
-
 
 def _modules(unit):
     """Every module under a unit (a module or a list of them), each once."""
@@ -68,10 +66,6 @@ def owned_tensors(unit):
     return out
 
 
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
 def off_device_bytes(unet, device):
     """{unit name: bytes of its tensors not on `device`} for the stream units, execution order."""
     device = torch.device(device)
@@ -86,10 +80,6 @@ def on_device_bytes(module, device):
 
 def _on(t, device):
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
-
-
-def _aligned(n):
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class _Block:
@@ -153,13 +143,13 @@ class BlockStreamer:
         self._apos = {n: i for i, n in enumerate(self._active)}
         places, ring = ring_layout([self._state[n].nbytes for n in self._active], self.depth)
         new_cache = {}
-        for n, place in zip(self._active, places):
-            b = self._state[n]
-            b.place = place
-            # the block's tensors in one host buffer with the ring's layout (pinned when streaming to a GPU);
-            # their host data become views of it, so the model's own host copies are freed, not duplicated
-            b.host_flat, b.hosts = host_flat(b.hosts, b.offsets, b.nbytes, self.pin, self.pinned_cache,
-                                             new_cache)
+        active = [self._state[n] for n in self._active]
+        # each block's tensors in one host buffer with the ring's layout (pinned when streaming to a GPU); their
+        # host data become views of it, so the model's own host copies are freed, not duplicated
+        flats = host_flats([(b.tensors, b.hosts, b.offsets, b.nbytes) for b in active], self.pin,
+                           self.pinned_cache, new_cache)
+        for b, place, (flat, views) in zip(active, places, flats):
+            b.place, b.host_flat, b.hosts = place, flat, views
         self.pinned_cache.clear()
         self.pinned_cache.update(new_cache)
         self.ring = torch.empty(ring, dtype=torch.uint8, device=self.device)
@@ -308,26 +298,41 @@ class BlockStreamer:
             torch.cuda.current_stream(self.device).wait_event(done)
 
 
-def host_flat(hosts, offsets, nbytes, pin, cache, new_cache):
-    """`hosts` (host tensors) in one uint8 host buffer of `nbytes`, each at its offset in `offsets` (pinned when
-    `pin`, exactly sized: engine/pinned_memory.py). Returns (buffer, views): `views[i]` holds hosts[i]'s values
-    in the buffer (hosts[i] itself where a block has device tensors), for the caller to use as the host data
-    from now on (the model's own copies are freed rather than kept beside the pinned ones). The buffer is taken from `cache` when `hosts` are these very views
-    (keyed by their pointers, which stay valid as long as the cache or a view keeps the buffer alive),
-    else built; entered in `new_cache` (the caller swaps caches, so buffers no longer used are dropped)."""
-    # a device tensor (the tests' stream-every-block switch) keeps its own data, and its pointer may be reused
-    # with other contents: such a block's buffer is built afresh every time
-    on_host = all(h.device.type == "cpu" for h in hosts)
-    flat = cache.get(_key(hosts)) if on_host else None
-    if flat is None or flat.numel() != nbytes:
-        flat = empty_host(nbytes, pin)
-        for host, off in zip(hosts, offsets):
+def host_flats(blocks, pin, cache, new_cache):
+    """Each block's host tensors in one uint8 host buffer. `blocks`: [(tensors, hosts, offsets, nbytes)] with
+    `hosts[i]` the current host data of `tensors[i]` (a Parameter or buffer), placed at byte `offsets[i]` of a
+    buffer of `nbytes`. Returns [(buffer, views)] per block: `views[i]` holds hosts[i]'s values in the
+    buffer, for the caller to use as the tensor's host data from now on, so the model's own copies are freed
+    rather than kept beside the pinned ones (a block with device tensors, the tests' stream-every-block
+    switch, keeps its hosts). The buffers built here are allocated together (pinned and packed when `pin`:
+    engine/pinned_memory.py); a block whose hosts are already views of a buffer in `cache` (keyed by their
+    pointers, valid while the cache or a view keeps the buffer alive) reuses it. Every buffer used is entered
+    in `new_cache` (the caller swaps caches, so buffers no longer used are dropped)."""
+    out, build = [None] * len(blocks), []
+    for k, (_, hosts, _, nbytes) in enumerate(blocks):
+        on_host = all(h.device.type == "cpu" for h in hosts)
+        flat = cache.get(_key(hosts)) if on_host else None
+        if flat is not None and flat.numel() == nbytes:
+            out[k] = flat
+        else:
+            build.append(k)
+    for k, flat in zip(build, host_buffers([blocks[k][3] for k in build], pin)):
+        for host, off in zip(blocks[k][1], blocks[k][2]):
             _view(flat, off, host).copy_(host)
-    if not on_host:
-        return flat, list(hosts)
-    views = [_view(flat, off, host) for host, off in zip(hosts, offsets)]
-    new_cache[_key(views)] = flat
-    return flat, views
+        out[k] = flat
+    result = []
+    for (tensors, hosts, offsets, _), flat in zip(blocks, out):
+        if not all(h.device.type == "cpu" for h in hosts):
+            # a device tensor's pointer may be reused with other contents: such a block is built every time
+            result.append((flat, list(hosts)))
+            continue
+        views = [_view(flat, off, host) for host, off in zip(hosts, offsets)]
+        for t, host, view in zip(tensors, hosts, views):
+            if view.data_ptr() != host.data_ptr():
+                host_mirror.adopt(t, host, view)       # a mirror's copy of the same values is dropped too
+        new_cache[_key(views)] = flat
+        result.append((flat, views))
+    return result
 
 
 def _key(hosts):
@@ -346,32 +351,27 @@ def resident_blocks(device, unet, names, pinned_cache=None):
     convert again, keep the layout."""
     moved = []
     blocks = dict(stream_units(unet))
-    new_cache = {}
+    per_block = [[t for _, t in owned_tensors(blocks[name]) if not _on(t, device)] for name in names]
+    per_block = [ts for ts in per_block if ts]
     try:
-        for name in names:
-            tensors = [t for _, t in owned_tensors(blocks[name]) if not _on(t, device)]
-            if not tensors:
-                continue
-            flat = offsets = None
-            if pinned_cache is not None and torch.device(device).type == "cuda":
+        if pinned_cache is not None and torch.device(device).type == "cuda":
+            new_cache, items = {}, []
+            for tensors in per_block:
                 offsets, n = [], 0
                 for t in tensors:
                     offsets.append(n)
                     n += _aligned(_nbytes(t))
-                flat, views = host_flat([t.data for t in tensors], offsets, n, True, pinned_cache, new_cache)
-            for i, t in enumerate(tensors):
-                # the pinned view is the host data from now on (the model's own copy is freed, not duplicated)
-                host = t.data if flat is None else views[i]
-                moved.append((t, host))       # first: an out-of-memory below still puts it back
-                if flat is None:
-                    t.data = host.to(device, non_blocking=host.is_pinned())
-                else:
-                    src = _view(flat, offsets[i], host)
-                    t.data = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device=device)
-                    t.data.copy_(src, non_blocking=True)
-        if pinned_cache is not None:
+                items.append((tensors, [t.data for t in tensors], offsets, n))
+            # the pinned views are the host data from now on (the model's own copies freed, not duplicated)
+            hosts = [views for _, views in host_flats(items, True, pinned_cache, new_cache)]
             pinned_cache.clear()
             pinned_cache.update(new_cache)
+        else:
+            hosts = [[t.data for t in tensors] for tensors in per_block]
+        for tensors, views in zip(per_block, hosts):
+            for t, host in zip(tensors, views):
+                moved.append((t, host))       # first: an out-of-memory below still puts it back
+                t.data = host.to(device, non_blocking=host.is_pinned())    # keeps a dense host's strides
         yield len(moved)
     finally:
         for t, host in moved:
@@ -392,12 +392,3 @@ class _Installed:
 
     def __init__(self, streamer):
         self.streamer = streamer
-
-
-def _view(flat, offset, like):
-    """A tensor of `like`'s shape, dtype and (dense) strides over `flat` (uint8) from byte `offset`: channels_last
-    conv weights stay channels_last; any other layout becomes contiguous."""
-    typed = flat[offset:offset + _nbytes(like)].view(like.dtype)
-    if like.is_contiguous() or like.is_contiguous(memory_format=torch.channels_last):
-        return typed.as_strided(like.shape, like.stride())
-    return typed.view(like.shape)

@@ -1,89 +1,83 @@
-"""Page-locked host buffers of exactly the size asked for. Host-agnostic (no ComfyUI import).
+"""Host buffers for weights that travel to the GPU: pinned, packed into few allocations. Host-agnostic.
 
-`torch.empty(n, pin_memory=True)` goes through torch's caching host allocator, which rounds every request up
-to the next power of two: an SDXL transformer block's 70 MB of weights pins 128 MB, and the pinned copies of
-a streamed SDXL UNet took ~1.6x their size. Here a large buffer is ordinary (pageable) host memory from
-torch's CPU allocator, a few pages larger than asked, whose whole pages are then registered with the CUDA
-driver (`cudaHostRegister`): transfers from it run at pinned speed and CUDA graphs can capture them, and the
-host memory it takes is its size. The registration is undone when the buffer's storage is freed (the last
-tensor viewing it gone: torch keeps a storage's Python object alive as long as its memory is, so a
-finalizer on it runs then), as torch's own checkpoint stager does.
+torch's pinned allocator (`pin_memory=True`) rounds every request up to the next power of two: an SDXL
+transformer block's 70 MB of weights pinned 128 MB, a 26 MB weight 32 MB. Here the buffers asked for together
+(a streamer's blocks, a model's weights on their way off the GPU) are packed, largest first, into slabs, each
+one pinned allocation whose size is already a power of two (no hidden rounding): SLAB_MIN bytes or the
+largest buffer's power of two, the last slabs shrunk to the power of two their contents need. A buffer is a
+view of its slab, so the slab lives as long as any of its buffers does; copies from a view are copies from
+pinned memory (torch checks a tensor's storage, the slab), full speed and capturable in a CUDA graph.
 
-As with any pinned buffer, a caller must not drop the last view of one while a copy from it is in flight
-(torch's caching allocator would delay the reuse; here the memory goes back to the CPU allocator at once).
-The streamer's buffers are read only by its own copies, which `remove()` waits for.
-
-Small buffers (< EXACT_MIN_BYTES), where rounding costs little, and hosts where registering fails (no CUDA
-driver, a locked-memory limit) take torch's pinned allocator, and pageable memory after that: a slower copy,
-never an error.
+(Exactly sized buffers through `cudaHostRegister` were tried first, device run 61: torch 2.11 does not count
+registered memory as pinned, so a CUDA graph refused to capture copies from it.)
 """
 import logging
-import threading
-import weakref
 
 import torch
 
 log = logging.getLogger("sd_accel")
 
-EXACT_MIN_BYTES = 1 << 20       # below this, torch's rounding wastes at most 1 MiB per buffer
-PAGE = 4096
-_REGISTER_PORTABLE = 1          # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own
-
-_lock = threading.Lock()
-_registered = {"bytes": 0, "buffers": 0}
+SLAB_MIN = 64 << 20     # a slab holds many small buffers; a larger buffer gets a slab of its power of two
+ALIGN = 256             # every buffer starts at a multiple of this many bytes in its slab
 _warned = []
 
 
-def registered_bytes():
-    """Host bytes currently page-locked through this module (for reports and tests)."""
-    return _registered["bytes"]
+def nbytes(t):
+    return t.numel() * t.element_size()
 
 
-def _unregister(ptr, nbytes):
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001 - interpreter shutdown or a lost driver: the OS reclaims it anyway
-        pass
-    with _lock:
-        _registered["bytes"] -= nbytes
-        _registered["buffers"] -= 1
+def aligned(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _register(ptr, nbytes):
-    """True when [ptr, ptr + nbytes) is now page-locked."""
-    try:
-        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
-    except Exception as e:  # noqa: BLE001 - no CUDA runtime here
-        rc = repr(e)
-    if rc == 0:
-        return True
-    if not _warned:
-        _warned.append(rc)
-        log.warning("SD Accel: page-locking host memory failed (cudaHostRegister: %s); large pinned buffers "
-                    "come from torch's pinned allocator (rounded up to a power of two) instead", rc)
-    return False
+def view_as(flat, offset, like):
+    """A tensor of `like`'s shape, dtype and (dense) strides over `flat` (uint8) from byte `offset`:
+    channels_last conv weights stay channels_last; any other layout becomes contiguous."""
+    typed = flat[offset:offset + nbytes(like)].view(like.dtype)
+    if like.is_contiguous() or like.is_contiguous(memory_format=torch.channels_last):
+        return typed.as_strided(like.shape, like.stride())
+    return typed.view(like.shape)
 
 
-def empty_pinned(nbytes):
-    """A uint8 host tensor of exactly `nbytes`, page-locked where possible (see the module doc)."""
-    nbytes = int(nbytes)
-    if nbytes >= EXACT_MIN_BYTES and torch.cuda.is_available() and not _warned:
-        raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE               # the first page boundary inside raw
-        locked = (nbytes + PAGE - 1) // PAGE * PAGE  # whole pages only: no page is shared with another buffer
-        ptr = raw.data_ptr() + start
-        if _register(ptr, locked):
-            with _lock:
-                _registered["bytes"] += locked
-                _registered["buffers"] += 1
-            weakref.finalize(raw.untyped_storage(), _unregister, ptr, locked)
-            return raw[start:start + nbytes]
-    try:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    except RuntimeError:            # the pinned-memory limit of this host: pageable
-        return torch.empty(nbytes, dtype=torch.uint8)
+def _pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def empty_host(nbytes, pin):
-    """`empty_pinned(nbytes)` when `pin`, else pageable host memory."""
-    return empty_pinned(nbytes) if pin else torch.empty(int(nbytes), dtype=torch.uint8)
+def _allocate(n, pin):
+    if pin:
+        try:
+            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:      # no CUDA driver, or the host's pinned-memory limit: pageable, slower
+            if not _warned:
+                _warned.append(str(e))
+                log.warning("SD Accel: pinned host memory unavailable (%s); using pageable memory "
+                            "(slower copies to the GPU)", str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def host_buffers(sizes, pin):
+    """One uint8 host buffer per entry of `sizes` (bytes), in that order: views of pinned slabs when `pin`
+    (see the module doc), else plain pageable tensors of their own."""
+    sizes = [int(n) for n in sizes]
+    if not pin:
+        return [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    if not sizes:
+        return []
+    slab = max(SLAB_MIN, _pow2(aligned(max(sizes))))
+    bins = []                                   # [bytes used, [(index, offset)]]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        need = aligned(sizes[i])
+        for b in bins:
+            if b[0] + need <= slab:
+                b[1].append((i, b[0]))
+                b[0] += need
+                break
+        else:
+            bins.append([need, [(i, 0)]])
+    out = [None] * len(sizes)
+    for _, items in bins:
+        end = max(off + sizes[i] for i, off in items)      # the last buffer needs no alignment padding
+        buf = _allocate(_pow2(end), pin)
+        for i, off in items:
+            out[i] = buf[off:off + sizes[i]]
+    return out
