@@ -142,15 +142,5 @@ def release_freed():
     return freed
 
 
-def adopt(param, old_host, new_host):
-    """`param`'s host data moved from `old_host` to `new_host` (equal values, e.g. a lowvram streamer's pinned
-    buffer): a mirror whose copy of `param` is `old_host` keeps `new_host` instead, so the two are not both
-    held. A mirror holding anything else for it (another copy, a replaced Parameter's) is left alone."""
-    for mirror in list(_MIRRORS.values()):
-        rec = mirror.copies.get(id(param))
-        if rec is not None and rec[0]() is param and rec[1].data_ptr() == old_host.data_ptr():
-            mirror.copies[id(param)] = (rec[0], new_host)
-
-
 def mirror_of(module):
     return _MIRRORS.get(module)

@@ -40,7 +40,6 @@ import contextlib
 import torch
 
 from .cuda_graph import WEIGHTS_TOKEN
-from . import host_mirror
 from .pinned_memory import aligned as _aligned, host_buffers, nbytes as _nbytes, view_as as _view
 from .vram_plan import ring_layout, stream_units
 
@@ -146,7 +145,7 @@ class BlockStreamer:
         active = [self._state[n] for n in self._active]
         # each block's tensors in one host buffer with the ring's layout (pinned when streaming to a GPU); their
         # host data become views of it, so the model's own host copies are freed, not duplicated
-        flats = host_flats([(b.tensors, b.hosts, b.offsets, b.nbytes) for b in active], self.pin,
+        flats = host_flats([(b.hosts, b.offsets, b.nbytes) for b in active], self.pin,
                            self.pinned_cache, new_cache)
         for b, place, (flat, views) in zip(active, places, flats):
             b.place, b.host_flat, b.hosts = place, flat, views
@@ -299,37 +298,34 @@ class BlockStreamer:
 
 
 def host_flats(blocks, pin, cache, new_cache):
-    """Each block's host tensors in one uint8 host buffer. `blocks`: [(tensors, hosts, offsets, nbytes)] with
-    `hosts[i]` the current host data of `tensors[i]` (a Parameter or buffer), placed at byte `offsets[i]` of a
-    buffer of `nbytes`. Returns [(buffer, views)] per block: `views[i]` holds hosts[i]'s values in the
-    buffer, for the caller to use as the tensor's host data from now on, so the model's own copies are freed
-    rather than kept beside the pinned ones (a block with device tensors, the tests' stream-every-block
-    switch, keeps its hosts). The buffers built here are allocated together (pinned and packed when `pin`:
-    engine/pinned_memory.py); a block whose hosts are already views of a buffer in `cache` (keyed by their
-    pointers, valid while the cache or a view keeps the buffer alive) reuses it. Every buffer used is entered
-    in `new_cache` (the caller swaps caches, so buffers no longer used are dropped)."""
+    """Each block's host tensors in one uint8 host buffer. `blocks`: [(hosts, offsets, nbytes)] with `hosts[i]`
+    the current host data of one of the block's tensors, placed at byte `offsets[i]` of a buffer of `nbytes`.
+    Returns [(buffer, views)] per block: `views[i]` holds hosts[i]'s values in the buffer, for the caller to use
+    as the tensor's host data from now on, so the model's own copies are freed rather than kept beside the
+    pinned ones (a block with device tensors, the tests' stream-every-block switch, keeps its hosts). The
+    buffers built here are allocated together (pinned and packed when `pin`: engine/pinned_memory.py); a
+    block whose hosts are already views of a buffer in `cache` (keyed by their pointers, valid while the cache
+    or a view keeps the buffer alive) reuses it. Every buffer used is entered in `new_cache` (the caller swaps
+    caches, so buffers no longer used are dropped)."""
     out, build = [None] * len(blocks), []
-    for k, (_, hosts, _, nbytes) in enumerate(blocks):
+    for k, (hosts, _, nbytes) in enumerate(blocks):
         on_host = all(h.device.type == "cpu" for h in hosts)
         flat = cache.get(_key(hosts)) if on_host else None
         if flat is not None and flat.numel() == nbytes:
             out[k] = flat
         else:
             build.append(k)
-    for k, flat in zip(build, host_buffers([blocks[k][3] for k in build], pin)):
-        for host, off in zip(blocks[k][1], blocks[k][2]):
+    for k, flat in zip(build, host_buffers([blocks[k][2] for k in build], pin)):
+        for host, off in zip(blocks[k][0], blocks[k][1]):
             _view(flat, off, host).copy_(host)
         out[k] = flat
     result = []
-    for (tensors, hosts, offsets, _), flat in zip(blocks, out):
+    for (hosts, offsets, _), flat in zip(blocks, out):
         if not all(h.device.type == "cpu" for h in hosts):
             # a device tensor's pointer may be reused with other contents: such a block is built every time
             result.append((flat, list(hosts)))
             continue
         views = [_view(flat, off, host) for host, off in zip(hosts, offsets)]
-        for t, host, view in zip(tensors, hosts, views):
-            if view.data_ptr() != host.data_ptr():
-                host_mirror.adopt(t, host, view)       # a mirror's copy of the same values is dropped too
         new_cache[_key(views)] = flat
         result.append((flat, views))
     return result
@@ -361,7 +357,7 @@ def resident_blocks(device, unet, names, pinned_cache=None):
                 for t in tensors:
                     offsets.append(n)
                     n += _aligned(_nbytes(t))
-                items.append((tensors, [t.data for t in tensors], offsets, n))
+                items.append(([t.data for t in tensors], offsets, n))
             # the pinned views are the host data from now on (the model's own copies freed, not duplicated)
             hosts = [views for _, views in host_flats(items, True, pinned_cache, new_cache)]
             pinned_cache.clear()
