@@ -47,34 +47,40 @@ class HostMirror:
 
     def offload(self, module, on_host=None):
         """Points every parameter of `module` that is off the host at its host copy (made now, pinned, for
-        the ones without a valid one; those made together share a few pinned slabs: engine/pinned_memory.py).
-        Returns the bytes copied. `on_host(tensor)`: where a tensor is (tests on a machine without a GPU say
-        which host tensors stand for device ones)."""
+        the ones without a valid one). Returns the bytes copied. `on_host(tensor)`: where a tensor is (tests
+        on a machine without a GPU say which host tensors stand for device ones).
+
+        The copies made together are packed into pinned slabs (engine/pinned_memory.py) group by group, a
+        group being the parameters under one numbered child (`input_blocks.4`, `encoder.layers.7`): a slab
+        is freed only once all its copies are, and a lowvram streamer that takes over a block's copies
+        (`adopt`) takes over whole groups."""
         on_host = on_host or _on_host
-        fresh = []
+        groups, seen = {}, set()
         with torch.no_grad():
-            for m in module.modules():
-                for p in m._parameters.values():
-                    if p is None or on_host(p):
+            for mname, m in module.named_modules():
+                for pname, p in m._parameters.items():
+                    if p is None or id(p) in seen or on_host(p):
                         continue
+                    seen.add(id(p))
                     host = self._valid(p)
                     if host is not None:
                         p.data = host
                         self.stats["reused"] += 1
                         self.stats["reused_bytes"] += _nbytes(host)
                     else:
-                        fresh.append(p)
-            seen = set()
-            fresh = [p for p in fresh if not (id(p) in seen or seen.add(id(p)))]
-            for p, buf in zip(fresh, host_buffers([_nbytes(p) for p in fresh], self.pin)):
-                host = view_as(buf, 0, p)
-                host.copy_(p.data)
-                p.data = host
-                self.copies[id(p)] = (weakref.ref(p), host)
-                self.stats["copied"] += 1
-                self.stats["copied_bytes"] += _nbytes(host)
+                        groups.setdefault(_group_of(mname + "." + pname), []).append(p)
+            copied = 0
+            for fresh in groups.values():
+                for p, buf in zip(fresh, host_buffers([_nbytes(p) for p in fresh], self.pin)):
+                    host = view_as(buf, 0, p)
+                    host.copy_(p.data)
+                    p.data = host
+                    self.copies[id(p)] = (weakref.ref(p), host)
+                    self.stats["copied"] += 1
+                    self.stats["copied_bytes"] += _nbytes(host)
+                    copied += _nbytes(host)
         self._forget_dead()
-        return sum(_nbytes(p) for p in fresh)
+        return copied
 
     def _forget_dead(self):
         dead = [k for k, (ref, _) in self.copies.items() if ref() is None]
@@ -83,6 +89,16 @@ class HostMirror:
 
     def host_bytes(self):
         return sum(_nbytes(h) for _, h in self.copies.values())
+
+
+def _group_of(name):
+    """A parameter's packing group: its path up to the first numbered component (`input_blocks.4.1.proj_in
+    .weight` -> `input_blocks.4`), or its module's path where none is numbered."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1])
 
 
 def _to_host_target(args, kwargs):
@@ -140,6 +156,16 @@ def release_freed():
     if freed and empty is not None and torch.cuda.is_available():
         empty()
     return freed
+
+
+def adopt(param, old_host, new_host):
+    """`param`'s host data moved from `old_host` to `new_host` (equal values: a lowvram streamer's buffer): a
+    mirror whose copy of `param` is `old_host` keeps `new_host` instead, so both are not held (its slab is
+    freed once every copy in it is adopted or dead). A mirror holding anything else for it is left alone."""
+    for mirror in list(_MIRRORS.values()):
+        rec = mirror.copies.get(id(param))
+        if rec is not None and rec[0]() is param and rec[1].data_ptr() == old_host.data_ptr():
+            mirror.copies[id(param)] = (rec[0], new_host)
 
 
 def mirror_of(module):

@@ -40,6 +40,7 @@ import contextlib
 import torch
 
 from .cuda_graph import WEIGHTS_TOKEN
+from . import host_mirror
 from .pinned_memory import aligned as _aligned, host_buffers, nbytes as _nbytes, view_as as _view
 from .vram_plan import ring_layout, stream_units
 
@@ -148,6 +149,7 @@ class BlockStreamer:
         flats = host_flats([(b.hosts, b.offsets, b.nbytes) for b in active], self.pin,
                            self.pinned_cache, new_cache)
         for b, place, (flat, views) in zip(active, places, flats):
+            _adopt(b.tensors, b.hosts, views)
             b.place, b.host_flat, b.hosts = place, flat, views
         self.pinned_cache.clear()
         self.pinned_cache.update(new_cache)
@@ -331,6 +333,14 @@ def host_flats(blocks, pin, cache, new_cache):
     return result
 
 
+def _adopt(tensors, hosts, views):
+    """A host mirror's copy of a tensor the buffer now holds is dropped (engine/host_mirror.adopt): after a
+    full load the mirror copied every weight off the GPU, the streamed ones included."""
+    for t, host, view in zip(tensors, hosts, views):
+        if view is not host and view.data_ptr() != host.data_ptr():
+            host_mirror.adopt(t, host, view)
+
+
 def _key(hosts):
     # no version counters: a cache hit means `hosts` are views of that very buffer, so a host's in-place
     # write (a weight patch) is already in it; a replaced tensor has another pointer and rebuilds the buffer
@@ -360,6 +370,8 @@ def resident_blocks(device, unet, names, pinned_cache=None):
                 items.append(([t.data for t in tensors], offsets, n))
             # the pinned views are the host data from now on (the model's own copies freed, not duplicated)
             hosts = [views for _, views in host_flats(items, True, pinned_cache, new_cache)]
+            for tensors, (old, _, _), views in zip(per_block, items, hosts):
+                _adopt(tensors, old, views)
             pinned_cache.clear()
             pinned_cache.update(new_cache)
         else:

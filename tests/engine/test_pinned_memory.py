@@ -42,13 +42,22 @@ def test_buffers_are_exact_aligned_disjoint_and_packed_into_power_of_two_slabs(u
     slabs = _slabs(bufs)
     assert all(n & (n - 1) == 0 for n in slabs.values())                          # torch would round anyway
     assert all((b.data_ptr() - b.untyped_storage().data_ptr()) % pinned_memory.ALIGN == 0 for b in bufs)
-    largest = max(SLAB_MIN, 1 << (max(sizes) - 1).bit_length())
-    assert all(n <= largest for n in slabs.values())
+    smallest = max(SLAB_MIN, 1 << (max(sizes) - 1).bit_length())
+    assert all(n <= 16 * smallest for n in slabs.values())
     # the point of packing: much less than one power of two per buffer
     separate = sum(1 << max(0, (n - 1).bit_length()) for n in sizes)
     assert sum(slabs.values()) <= separate
     if len(sizes) > 3:
-        assert sum(slabs.values()) < 1.25 * sum(sizes), (sum(slabs.values()) / sum(sizes))
+        assert sum(slabs.values()) < 1.1 * sum(sizes), (sum(slabs.values()) / sum(sizes))
+
+
+def test_blocks_just_over_half_a_slab_get_larger_slabs(unpinned):
+    """SDXL's ~70 MB transformer blocks: one per 128 MiB slab would pin 1.8x their size."""
+    sizes = [70 * MIB + 4096] * 30 + [62 * MIB] * 6
+    bufs = host_buffers(sizes, pin=True)
+    slabs = _slabs(bufs)
+    assert sum(slabs.values()) < 1.1 * sum(sizes), sum(slabs.values()) / sum(sizes)
+    assert max(slabs.values()) > 128 * MIB
 
 
 def test_writing_one_buffer_leaves_its_neighbours(unpinned):
