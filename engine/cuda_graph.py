@@ -25,6 +25,7 @@ capture after a graph's output was freed outside the graph fails), at most `max_
 and dropping one drops the whole pool, so graph memory is bounded and freed as a unit.
 """
 import contextlib
+import ctypes
 import enum
 import gc
 import logging
@@ -254,6 +255,16 @@ def _capturing_on_side_stream(graph, pool):
 
 _NO_EPOCH = object()
 _FAILED_CAPTURES = []     # what failed captures allocated, kept alive (see StepGraphs._capture)
+
+
+def _keep_until_exit(item):
+    """Keeps `item` (what a failed capture allocated) alive for good, interpreter teardown included: freeing it
+    at exit aborted the process just the same (device run 61, after a failed capture's prompt had completed).
+    The list gets one reference no one drops, so Python's finalization never frees it; the OS and the CUDA
+    driver reclaim the memory when the process ends."""
+    if not _FAILED_CAPTURES:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FAILED_CAPTURES))
+    _FAILED_CAPTURES.append(item)
 _running = threading.local()   # depth of StepGraphs calls running their function (warm-up or capture)
 
 
@@ -396,7 +407,7 @@ class StepGraphs:
             # and its pool. Under cudaMallocAsync, freeing an allocation of an invalidated capture aborted the
             # process ("invalid argument" in free_impl, device run 19): all of it is kept instead (one entry
             # per key that failed, and a failed key is never captured again)
-            _FAILED_CAPTURES.append((e, graph, self.pool, entry.static_in))
+            _keep_until_exit((e, graph, self.pool, entry.static_in))
             self.clear()
             if retry_after_warmup:
                 self.warm.add(key)
