@@ -11,7 +11,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_timing import graph_us  # noqa: E402  (also registers sd_accel)
+from kernel_timing import graph_us, save_lines  # noqa: E402  (also registers sd_accel)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -66,10 +66,7 @@ def main():
             "   %-9s %.1e" % (best[1], errs[best[1]])
         print(row, flush=True)
         lines.append(row)
-    if opt.out:
-        os.makedirs(opt.out, exist_ok=True)
-        with open(os.path.join(opt.out, "attention.txt"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+    save_lines(opt.out, "attention.txt", lines)
 
 
 if __name__ == "__main__":

@@ -33,3 +33,11 @@ def graph_us(fn, calls=10):
 
 def eager_us(fn):
     return do_bench(fn, return_mode="median") * 1e3
+
+
+def save_lines(out_dir, name, lines):
+    """The printed table's lines to `out_dir`/`name` (the device run's $OUT), when a folder was given."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write("\n".join(lines) + "\n")

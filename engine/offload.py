@@ -12,10 +12,10 @@ Fixed places. Each streamed block gets a fixed place in one ring buffer (vram_pl
 tensors' `.data` point there for as long as the streamer is installed; the host copy of a block is one
 pinned buffer with the same layout, so a block is one host-to-device copy. That buffer becomes the tensors'
 host data for good (their `.data` views it after `remove()`): the model's own host copies are freed rather than
-kept beside it, and it is pinned at its exact size (engine/pinned_memory.py), so streaming takes no more
-host memory than the weights do. Because the addresses never
-change, a CUDA graph captured over a step replays the copies too: the step then costs max(compute,
-transfer) instead of the eager step's Python time plus whatever transfer it does not hide.
+kept beside it, and the buffers are packed into pinned slabs (engine/pinned_memory.py), so streaming holds about
+the weights' own size in host memory. Because the addresses never change, a CUDA graph captured over a
+step replays the copies too: the step then costs max(compute, transfer) instead of the eager step's Python
+time plus whatever transfer it does not hide.
 
 A step (s = the streamed blocks that have something off the device, d = prefetch depth):
   * the UNet's forward pre-hook starts the step: copies of s[0..d] are issued;
@@ -95,8 +95,9 @@ class BlockStreamer:
 
     streamed: block names (any order; execution order is used). On a CUDA device only the tensors of those
     blocks that are not already on the device move (the host decides placement), unless `every_tensor`
-    (tests); on CPU all of them are copied, so the logic can be tested. pinned_cache: a dict reused across installs so a block's host
-    buffer is built (and pinned) once, keyed by its tensors' pointers (views of it), shapes, strides and dtypes.
+    (tests); on CPU all of them are copied, so the logic can be tested. pinned_cache: a dict reused across
+    installs so a block's host buffer is built (and pinned) once, keyed by its tensors' pointers (views of it),
+    shapes, strides and dtypes.
     `prefetch_log`: [(issued block, block computing then | None at the step's start)].
     """
 
