@@ -221,10 +221,17 @@ def _sample(patcher, seed=3):
 
 
 def _unet_state(model):
+    """Parameter objects and hooks (not data pointers: a streamed tensor's host data moves into the streamer's
+    buffer for good), and every parameter's values."""
     from sd_accel.hosts.comfyui_memory import diffusion_model
     unet = diffusion_model(model)
-    return ([(n, id(p), p.data_ptr()) for n, p in unet.named_parameters()],
-            sum(len(m._forward_pre_hooks) for m in unet.modules()))
+    return ([(n, id(p), p.device, p.dtype, tuple(p.shape)) for n, p in unet.named_parameters()],
+            sum(len(m._forward_pre_hooks) for m in unet.modules()),
+            {n: p.detach().clone() for n, p in unet.named_parameters()})
+
+
+def _same_state(a, b):
+    return a[:2] == b[:2] and a[2].keys() == b[2].keys() and all(torch.equal(a[2][k], b[2][k]) for k in a[2])
 
 
 def test_lowvram_on_cpu_says_streaming_is_off(model, mm):
@@ -259,8 +266,13 @@ def test_lowvram_streams_every_block_inside_a_real_sampling_run(model, mm):
     before = _unet_state(clone)
     out = _sample(clone)
     assert torch.equal(out, ref)
-    assert _unet_state(clone) == before                       # Parameters, data and hooks as they were
+    assert _same_state(_unet_state(clone), before)            # Parameters, values and hooks as they were
     streamer = settings.last_streamer
+    # the host data of the streamed weights now lives in the pool's buffers, not beside them
+    spans = [(f.data_ptr(), f.data_ptr() + f.numel()) for f in settings.pinned_cache.values()]
+    from sd_accel.hosts.comfyui_memory import diffusion_model
+    assert spans and all(any(lo <= p.data_ptr() < hi for lo, hi in spans)
+                         for p in diffusion_model(clone).parameters())
     n = len(streamer.blocks)
     assert not streamer.installed and streamer.stats["steps"] >= 2
     assert ("lowvram: %d of %d blocks streamed" % (n, n)) in " ".join(settings.last_notes)
