@@ -265,6 +265,8 @@ def _keep_until_exit(item):
     if not _FAILED_CAPTURES:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FAILED_CAPTURES))
     _FAILED_CAPTURES.append(item)
+
+
 _running = threading.local()   # depth of StepGraphs calls running their function (warm-up or capture)
 
 
