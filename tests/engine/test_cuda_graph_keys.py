@@ -64,6 +64,35 @@ def test_weights_fingerprint_sees_replaced_inplace_and_inference_tensors():
     assert not all_cuda and a == fpi.read(None)[0]
 
 
+def test_within_a_run_objects_and_versions_are_checked_and_data_swaps_wait_for_the_next_run():
+    """The per-step read within one run (epoch) compares tensor objects and version counters only: a replaced
+    Parameter or buffer and an in-place write are seen at once; a `.data` swap of the same Parameter (which
+    hosts do at load time, before a run) is seen at the next run's first read."""
+    with torch.inference_mode():
+        lin = torch.nn.Linear(4, 4)                # ComfyUI's weights: inference tensors, no version counter
+    lin.register_buffer("table", torch.zeros(3))
+    fp = cg.WeightsFingerprint(lin)
+    e = object()
+    f0, _ = fp.read(e)
+    assert fp.read(e)[0] == f0
+    lin.bias = torch.nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+    f1, _ = fp.read(e)
+    assert f1 != f0                                 # replaced object: seen within the run
+    lin.table.add_(1)                               # in place on a tensor with a version counter
+    f2, _ = fp.read(e)
+    assert f2 != f1
+    lin.table = None                                # a buffer dropped
+    f3, _ = fp.read(e)
+    assert f3 != f2
+    plain = torch.nn.Linear(4, 4)
+    fpp = cg.WeightsFingerprint(plain)
+    g0, _ = fpp.read(e)
+    plain.weight.data = plain.weight.data.clone()  # same Parameter, new data (its version counter stays)
+    assert fpp.read(e)[0] == g0, "within the run: not read again"
+    assert fpp.read(object())[0] != g0, "the next run's first read sees it"
+    assert fpp.read(None)[0] == fpp.read(None)[0]
+
+
 def test_tree_is_reread_when_the_epoch_changes():
     seq = torch.nn.Sequential(torch.nn.Linear(2, 2))
     fp = cg.WeightsFingerprint(seq)
