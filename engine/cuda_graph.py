@@ -203,9 +203,9 @@ class WeightsFingerprint:
         last = self._last
         if last is not None and ids == last[0] and all(tensors[i]._version == v for i, v in last[1]):
             return last[2]
-        out = []
+        out, versioned = [], []
         all_cuda = True
-        for t in tensors:
+        for i, t in enumerate(tensors):
             if t is None:
                 out.append(None)
                 continue
@@ -213,10 +213,13 @@ class WeightsFingerprint:
                 all_cuda = False
             # inference tensors (ComfyUI loads weights under inference_mode) have no version counter;
             # for them an in-place update is caught by the host's own patch state (`host_state`)
-            out.append((id(t), t.data_ptr(), 0 if t.is_inference() else t._version))
+            version = 0
+            if not t.is_inference():
+                version = t._version
+                versioned.append((i, version))
+            out.append((id(t), t.data_ptr(), version))
         result = (tuple(out), all_cuda)
         if epoch is not None:
-            versioned = [(i, t._version) for i, t in enumerate(tensors) if t is not None and not t.is_inference()]
             self._last = (ids, versioned, result)
         return result
 

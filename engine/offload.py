@@ -132,13 +132,9 @@ class BlockStreamer:
             if name not in self.streamed:
                 continue
             b = _Block(name)
-            for _, t in owned_tensors(mod):
-                if not self.every_tensor and _on(t, self.device):
-                    continue
-                b.tensors.append(t)
-                b.hosts.append(t.data)
-                b.offsets.append(b.nbytes)
-                b.nbytes += _aligned(_nbytes(t))
+            b.tensors = [t for _, t in owned_tensors(mod) if self.every_tensor or not _on(t, self.device)]
+            b.hosts = [t.data for t in b.tensors]
+            b.offsets, b.nbytes = _layout(b.tensors)
             self._state[name] = b
         self._active = [n for n in self.streamed if self._state[n].tensors]
         self._apos = {n: i for i, n in enumerate(self._active)}
@@ -310,10 +306,10 @@ def host_flats(blocks, pin, cache, new_cache):
     block whose hosts are already views of a buffer in `cache` (keyed by their pointers, valid while the cache
     or a view keeps the buffer alive) reuses it. Every buffer used is entered in `new_cache` (the caller swaps
     caches, so buffers no longer used are dropped)."""
+    on_host = [all(h.device.type == "cpu" for h in hosts) for hosts, _, _ in blocks]
     out, build = [None] * len(blocks), []
     for k, (hosts, _, nbytes) in enumerate(blocks):
-        on_host = all(h.device.type == "cpu" for h in hosts)
-        flat = cache.get(_key(hosts)) if on_host else None
+        flat = cache.get(_key(hosts)) if on_host[k] else None
         if flat is not None and flat.numel() == nbytes:
             out[k] = flat
         else:
@@ -323,8 +319,8 @@ def host_flats(blocks, pin, cache, new_cache):
             _view(flat, off, host).copy_(host)
         out[k] = flat
     result = []
-    for (hosts, offsets, _), flat in zip(blocks, out):
-        if not all(h.device.type == "cpu" for h in hosts):
+    for (hosts, offsets, _), flat, host_only in zip(blocks, out, on_host):
+        if not host_only:
             # a device tensor's pointer may be reused with other contents: such a block is built every time
             result.append((flat, list(hosts)))
             continue
@@ -338,8 +334,18 @@ def _adopt(tensors, hosts, views):
     """A host mirror's copy of a tensor the buffer now holds is dropped (engine/host_mirror.adopt): after a
     full load the mirror copied every weight off the GPU, the streamed ones included."""
     for t, host, view in zip(tensors, hosts, views):
-        if view is not host and view.data_ptr() != host.data_ptr():
+        if view.data_ptr() != host.data_ptr():
             host_mirror.adopt(t, host, view)
+
+
+def _layout(tensors):
+    """(byte offset of each tensor, total bytes) of `tensors` laid out one after another, each place aligned:
+    a block's layout in its host buffer and in its ring place alike."""
+    offsets, n = [], 0
+    for t in tensors:
+        offsets.append(n)
+        n += _aligned(_nbytes(t))
+    return offsets, n
 
 
 def _key(hosts):
@@ -362,13 +368,8 @@ def resident_blocks(device, unet, names, pinned_cache=None):
     per_block = [ts for ts in per_block if ts]
     try:
         if pinned_cache is not None and torch.device(device).type == "cuda":
-            new_cache, items = {}, []
-            for tensors in per_block:
-                offsets, n = [], 0
-                for t in tensors:
-                    offsets.append(n)
-                    n += _aligned(_nbytes(t))
-                items.append(([t.data for t in tensors], offsets, n))
+            new_cache = {}
+            items = [([t.data for t in tensors], *_layout(tensors)) for tensors in per_block]
             # the pinned views are the host data from now on (the model's own copies freed, not duplicated)
             hosts = [views for _, views in host_flats(items, True, pinned_cache, new_cache)]
             for tensors, (old, _, _), views in zip(per_block, items, hosts):
