@@ -32,7 +32,7 @@ os.makedirs(opt.out, exist_ok=True)
 for variant in opt.variants.split(","):
     sub_out = os.path.join(opt.out, variant)
     os.makedirs(sub_out, exist_ok=True)
-    # the defaults (cuDNN autotuning off, engine/cuda_graph.CUDNN_AUTOTUNE) unless the variant names it:
+    # the defaults (cuDNN autotuning off, engine/graphs/eager.CUDNN_AUTOTUNE) unless the variant names it:
     # "parallel-autotune" turns it on ("parallel-noautotune", session 7's name, is the default "parallel")
     autotune = variant.endswith("-autotune")
     env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton_cold_"),

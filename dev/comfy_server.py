@@ -182,7 +182,6 @@ def load_api_workflow(path, **overrides):
     """An API-format workflow from workflows/, with `{node_id: {input: value}}` overrides."""
     with open(path) as f:
         wf = json.load(f)
-    wf = {k: v for k, v in wf.items() if not k.startswith("_")}
     for node_id, inputs in overrides.items():
         wf[str(node_id)]["inputs"].update(inputs)
     return wf

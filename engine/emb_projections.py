@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_modules as fm
-from .cuda_graph import WEIGHTS_TOKEN
+from .graphs.fingerprint import WEIGHTS_TOKEN
 
 
 def batchable(block):

@@ -13,12 +13,13 @@ the module for it (ComfyUI's low-VRAM and manual-cast modes set `comfy_cast_weig
 import functools
 import inspect
 
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.geglu import geglu
 from ..kernels.group_norm_silu import group_norm_silu
 from ..kernels.layer_norm import layer_norm
-from . import kernel_report
+from . import kernel_report, stock_path
 
 _host_cast = None   # host hook: fn(module, input) -> (weight, bias), set by the host adapter
 
@@ -46,6 +47,9 @@ class FusedGroupNorm:
     sdaccel_kind = "group_norm"
 
     def forward(self, x):
+        if stock_path.active():
+            out = original_class(self).forward(self, x)
+            return F.silu(out) if self.sdaccel_act == "silu" else out
         w, b = weights_of(self, x)
         out = group_norm_silu(x, self.num_groups, w, b, self.eps, activation=self.sdaccel_act)
         kernel_report.record("group_norm_silu" if self.sdaccel_act else "group_norm", group_norm_silu)
@@ -56,6 +60,8 @@ class FusedLayerNorm:
     sdaccel_kind = "layer_norm"
 
     def forward(self, x):
+        if stock_path.active():
+            return original_class(self).forward(self, x)
         w, b = weights_of(self, x) if self.weight is not None else (None, None)
         out = layer_norm(x, self.normalized_shape, w, b, self.eps)
         kernel_report.record("layer_norm", layer_norm)
@@ -68,6 +74,8 @@ class FusedGEGLU:
     sdaccel_kind = "geglu"
 
     def forward(self, x):
+        if stock_path.active():
+            return original_class(self).forward(self, x)
         h = self.proj(x)
         out = geglu(h)
         kernel_report.record("geglu", geglu)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_modules as fm
+from . import stock_path
 
 _SIGNATURE = ("self", "x", "context", "transformer_options")
 
@@ -33,6 +34,8 @@ class ChannelsLastSpatialTransformer:
     sdaccel_kind = "layout"
 
     def forward(self, x, context=None, transformer_options={}):  # noqa: B006 - the host's own signature
+        if stock_path.active():
+            return super().forward(x, context=context, transformer_options=transformer_options)
         blocks = self.transformer_blocks
         if not isinstance(context, list):
             context = [context] * len(blocks)

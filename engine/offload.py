@@ -28,7 +28,7 @@ keeps a block's place clear of the d blocks before it, which are computing or in
 
 Swapping is `tensor.data = view`: Parameter objects, names and state_dict keys stay as they were (LoRA and
 weight patches keep working); `remove()` puts every tensor's original data back and frees the ring. The
-unet carries `sd_accel_weights_token` (engine/cuda_graph.py reads it) while installed, a new object per
+unet carries `sd_accel_weights_token` (engine/graphs/step_graphs.py reads it) while installed, a new object per
 install: graphs captured against another ring or other host buffers are never replayed. Through it, a
 host that converts conv weights to channels_last in place reaches `relayout` for the streamed ones.
 
@@ -39,7 +39,7 @@ import contextlib
 
 import torch
 
-from .cuda_graph import WEIGHTS_TOKEN
+from .graphs.fingerprint import WEIGHTS_TOKEN
 from . import host_mirror
 from .pinned_memory import aligned as _aligned, host_buffers, nbytes as _nbytes, view_as as _view
 from .vram_plan import ring_layout, stream_units

@@ -126,7 +126,7 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
     around each convolution. Stock ComfyUI's --force-channels-last does the same to the whole model.
     Returns how many weights changed. Weights a block streamer (engine/offload.py) holds in its GPU ring are
     converted through it: their host copies change layout, and the ring view follows."""
-    from .cuda_graph import WEIGHTS_TOKEN
+    from .graphs.fingerprint import WEIGHTS_TOKEN
     streamer = getattr(getattr(root, WEIGHTS_TOKEN, None), "streamer", None)
     n = 0
     for m in root.modules():

@@ -48,13 +48,21 @@ def build(steps, timer, kernels, graphs, options, notes=()):
             ran.append("%s x%d" % (op, e["fused"]))
         if e["fallback"]:
             fell_back[op] = "; ".join(e["reasons"]) or "not eligible"
-    if options.get("fused_kernels") and not kernels:
+    stock_calls = (graphs or {}).get("stock_path", 0)
+    if options.get("fused_kernels") and stock_calls:
+        fell_back["fused kernels (some calls)" if kernels else "fused kernels"] = (
+            "%d step call%s ran the stock modules: faster than the fused ones where no graph runs (%s)"
+            % (stock_calls, "" if stock_calls == 1 else "s", (graphs or {}).get("eager_reason") or "eager"))
+    elif options.get("fused_kernels") and not kernels:
         fell_back["fused kernels"] = "no fused module was called (no eligible module found)"
     if graphs:
+        refused = graphs.get("refused") or {}
         if graphs.get("replays"):
             ran.append("cuda_graph (%d replays, %d captures)" % (graphs["replays"], graphs["captures"]))
+            if refused:
+                fell_back["cuda_graph (some calls)"] = _refusals(refused)
         elif options.get("cuda_graph"):
-            fell_back["cuda_graph"] = graphs.get("eager_reason") or "no replay"
+            fell_back["cuda_graph"] = _refusals(refused) if refused else (graphs.get("eager_reason") or "no replay")
     for k in ("fused_kernels", "cuda_graph", "channels_last"):
         if not options.get(k):
             fell_back.setdefault(k, "off")
@@ -63,6 +71,12 @@ def build(steps, timer, kernels, graphs, options, notes=()):
             "steps": steps,
             "peak_vram_gib": round(timer.peak_bytes / 2 ** 30, 3) if timer.peak_bytes is not None else None,
             "ran": ran, "fell_back": fell_back, "graphs": graphs, "notes": list(notes)}
+
+
+def _refusals(refused):
+    """One line: why calls ran without graphs, most frequent first."""
+    parts = sorted(refused.items(), key=lambda kv: -kv[1])
+    return "; ".join("%s (%d call%s, eager)" % (why, n, "" if n == 1 else "s") for why, n in parts)
 
 
 def one_line(r):

@@ -13,7 +13,7 @@ A1111 has no object patches, so the UNet's leaves are swapped in place and swapp
 * CUDA graphs: through A1111's own UNet hook, an `sd_unet.SdUnetOption` listed by `on_list_unets`
   (what the TensorRT extension uses). With "SD Unet" = Automatic (A1111's default) it is picked for
   the loaded checkpoint while the toggle is on; A1111 deactivates it before every weight reload. Its
-  forward calls the stock UNet forward through `engine.cuda_graph.StepGraphs`. The UNet's own
+  forward calls the stock UNet forward through `engine.graphs.step_graphs.StepGraphs`. The UNet's own
   `forward` is never rebound.
 * Forge (`sd_model.forge_objects.unet`, a ComfyUI-style ModelPatcher): per sampling run on a clone
   (`forge_accelerate`), through `hosts.comfyui.accelerate` for the wrapper. Untested: see README.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..engine import fused_modules, kernel_report, patching
-from ..engine.cuda_graph import StepGraphs
+from ..engine.graphs.step_graphs import StepGraphs
 
 log = logging.getLogger("sd_accel")
 

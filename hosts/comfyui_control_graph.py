@@ -31,7 +31,8 @@ import threading
 
 import torch
 
-from ..engine.cuda_graph import WeightsFingerprint
+from ..engine.graphs.fingerprint import WeightsFingerprint
+from ..engine.graphs.tokens import Token
 
 _tls = threading.local()
 _MARK = "_sdaccel_one_graph"      # on each converted link: (stats, epoch)
@@ -240,7 +241,8 @@ def _weights_version(link):
 def _describe(link, weights_version):
     m = link.control_model
     get = lambda name, default=None: getattr(link, name, default)  # noqa: E731 - attributes vary by version
-    return (type(link).__name__, id(m), weights_version, id(m.__dict__.get("forward")), float(link.strength),
-            str(get("strength_type")), bool(get("global_average_pooling", False)), str(get("manual_cast_dtype")),
-            id(get("model_sampling_current")), tuple(get("extra_conds", ())),
-            repr(sorted(get("extra_args", {}).items())))
+    forward, sampling = m.__dict__.get("forward"), get("model_sampling_current")
+    return (type(link).__name__, Token(m), weights_version, forward if forward is None else Token(forward),
+            float(link.strength), str(get("strength_type")), bool(get("global_average_pooling", False)),
+            str(get("manual_cast_dtype")), sampling if sampling is None else Token(sampling),
+            tuple(get("extra_conds", ())), repr(sorted(get("extra_args", {}).items())))

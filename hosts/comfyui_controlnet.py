@@ -7,7 +7,7 @@ What gets patched, as data (`{attribute path: replacement}` from the engine, rel
     per sampling run instead of on every step. Lossless; same child modules and parameter names.
     Not with CUDA graphs: a replay cannot take a Python-side cache decision, and inside the graph the
     block costs ~1% of the ControlNet's GPU time;
-  * `forward` -> `engine.graphed_forward.GraphedForward` when cuda_graph or channels_last is on: the
+  * `forward` -> `engine.graphs.graphed_forward.GraphedForward` when cuda_graph or channels_last is on: the
     whole ControlNet forward replayed from CUDA graphs (one per shape, kept on the cldm module so they
     survive from one prompt to the next, dropped when its weights change or leave the GPU), and its
     conv weights in channels_last. Strength, start/end percent and the merge with the previous
@@ -54,7 +54,7 @@ import types
 from dataclasses import dataclass
 
 from ..engine import hint_cache
-from ..engine.graphed_forward import GraphedForward
+from ..engine.graphs.graphed_forward import GraphedForward
 from . import comfyui_control_graph as control_graph
 from . import comfyui_object_patches as object_patches
 

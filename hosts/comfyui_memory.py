@@ -32,7 +32,8 @@ import os
 
 import torch
 
-from ..engine import cuda_graph, host_mirror, offload as block_offload, vram_plan, vram_report
+from ..engine import host_mirror, offload as block_offload, vram_plan, vram_report
+from ..engine.graphs import eager
 
 log = logging.getLogger("sd_accel")
 
@@ -227,7 +228,7 @@ def _attempt(settings, patcher, run, mm, total_bytes, device, offload, budget, r
                     reserve = activation_bytes(mm) if hasattr(mm, "minimum_inference_memory") else None
                     loader = loader_budget(settings.plan, budget, reserve) if stream else budget
                     stack.enter_context(budget_scope(mm, loader, total))
-                    stack.enter_context(cuda_graph.under_vram_budget())
+                    stack.enter_context(eager.under_vram_budget())
                     notes.append("budget %.2f GiB of %.2f GiB" % (budget / GIB, total / GIB)
                                  + (" (loader %.2f GiB, the rest for streaming)" % (loader / GIB) if stream else ""))
             else:
@@ -498,6 +499,7 @@ def _outer_sample_wrapper(settings):
                 guider.conds = {k: [c.copy() for c in v] for k, v in saved.items()}
         return run_in_pool(settings, patcher, lambda: executor(*args, **kwargs), before_retry=before_retry)
     wrapper.sd_accel_pool = settings
+    wrapper.sd_accel_inert = ("vram pool", "outer sample")   # around sampling: no part of a step's graph
     return wrapper
 
 
@@ -512,6 +514,7 @@ def _sampler_sample_wrapper(settings):
                           getattr(noise, "shape", None)):
             return executor(*args, **kwargs)
     wrapper.sd_accel_pool = settings
+    wrapper.sd_accel_inert = ("vram pool", "sampler sample")
     return wrapper
 
 

@@ -23,6 +23,8 @@ folded on both.
 """
 import logging
 
+import torch
+
 from ..engine import layout_modules, patch_folding, patching
 from ..engine import fused_modules as fm
 
@@ -31,13 +33,43 @@ _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child
 CALLBACK_KEY = "sd_accel_patch_order"
 
 
+_DEVICE_COPY = "sdaccel_device_copy_of"   # on our device copy of a patched model_sampling: the original
+
+
+def model_sampling_on_device(clone, device):
+    """A ModelSampling* node's object patch (v-prediction, zero-SNR, EDM...) is built on the CPU and ComfyUI
+    loads only modules with weights, so its sigma tables stay there and every step sends its timestep to the
+    CPU and back: a wait for the GPU that no graph can hold. The clone gets a copy with the tables on the
+    device (same values), as its own object patch: the node's object is untouched. Returns True when added."""
+    ms = clone.object_patches.get("model_sampling")
+    if ms is None:
+        return False
+    tables = [b for m in ms.modules() for b in m._buffers.values() if b is not None]
+    device = torch.device(device)
+    if not tables or all(b.device.type == device.type and device.index in (None, b.device.index) for b in tables):
+        return False
+    original = ms.__dict__.get(_DEVICE_COPY, ms)
+    copies = {}
+    for m in original.modules():
+        new = copies[id(m)] = m.__class__.__new__(m.__class__)
+        new.__dict__.update(m.__dict__)
+        new.__dict__["_buffers"] = {n: None if b is None else b.to(device) for n, b in m._buffers.items()}
+    for m in original.modules():
+        copies[id(m)].__dict__["_modules"] = {n: copies[id(c)] for n, c in m._modules.items()}
+    top = copies[id(original)]
+    top.__dict__[_DEVICE_COPY] = original
+    clone.add_object_patch("model_sampling", top)
+    return True
+
+
 def is_folded(module):
     """True for a folded copy of a top-level block made here."""
     return getattr(module, "__dict__", {}).get(_BASE) is not None
 
 
 def _is_ours(module):
-    return fm.is_fused(module) or isinstance(module, fm.SiLUFolded) or is_folded(module)
+    return (fm.is_fused(module) or isinstance(module, fm.SiLUFolded) or is_folded(module)
+            or getattr(module, "__dict__", {}).get(_DEVICE_COPY) is not None)
 
 
 def _original(module):
@@ -59,9 +91,14 @@ def _touches(path, group):
 
 
 def drop_ours(clone):
-    """Removes SD Accel's own object patches from `clone` (re-applying SD Accel replaces them)."""
+    """Removes SD Accel's own object patches from `clone` (re-applying SD Accel replaces them); the
+    model_sampling copy goes back to the object it copied."""
     for k in [k for k, m in clone.object_patches.items() if _is_ours(m)]:
-        del clone.object_patches[k]
+        original = clone.object_patches[k].__dict__.get(_DEVICE_COPY)
+        if original is not None:
+            clone.object_patches[k] = original
+        else:
+            del clone.object_patches[k]
 
 
 def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True):
@@ -117,6 +154,9 @@ def _restore_ours_last(patcher):
         for g in folded:
             if g in backup:
                 backup[g] = backup.pop(g)
+
+
+_restore_ours_last.sd_accel_inert = ("restore order",)
 
 
 def can_keep_restore_order(clone):

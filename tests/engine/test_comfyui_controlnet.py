@@ -203,7 +203,7 @@ def test_graphed_forward_matches_stock_survives_prompts_and_unpatches(comfy_cn):
     where no graph can be captured), the output is stock's, the hint block is not cached (a replay cannot
     take that Python-side decision), the stand-in is the same object on the next prompt (its graphs
     survive) and loading the stock ControlNet puts the class's own forward back."""
-    from sd_accel.engine.graphed_forward import GraphedForward
+    from sd_accel.engine.graphs.graphed_forward import GraphedForward
     load, host_cn = comfy_cn
     stock = load().copy().set_cond_hint(_hint(2), 0.7)
     cm = stock.control_model
@@ -331,7 +331,7 @@ def test_cond_only_runs_the_cond_rows_and_leaves_the_uncond_rows_without_control
 
 def test_cond_only_with_the_graphed_forward(comfy_cn):
     """cond_only over the CUDA-graph stand-in (eager on CPU): the half batch goes through the stand-in."""
-    from sd_accel.engine.graphed_forward import GraphedForward
+    from sd_accel.engine.graphs.graphed_forward import GraphedForward
     load, host_cn = comfy_cn
     stock = _chain(load)
     x, t, ctx = _inputs()

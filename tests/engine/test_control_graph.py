@@ -107,13 +107,12 @@ def test_deferred_chain_gives_stocks_latent(env, links, monkeypatch):
 
 def _step_key(cns, links, monkeypatch, model):
     """The graph key and the hint inputs of the first deferred step of one prompt."""
-    from sd_accel.engine import cuda_graph
+    from sd_accel.engine.graphs import keys
     seen = _spy_inputs(monkeypatch)
     acc, pos, neg, _ = _accelerated(model, *_conds(cns, links))
     _sample(acc, pos, neg)
-    tensors, key = [], []
-    cuda_graph._flatten(seen[0], tensors, key)
-    return tuple(key), seen[0]["hints"]
+    key = keys.flatten(seen[0]).key
+    return key, seen[0]["hints"]
 
 
 def test_graph_key_follows_what_a_replay_bakes_in(env, monkeypatch):

@@ -167,7 +167,7 @@ def test_emb_projections_of_all_blocks_equal_each_blocks_own_and_step_aside_whil
     """The shared projection gives each ResBlock what its emb_layers + conv bias give, computed once per emb
     tensor; while a block streamer's token is on the model (weights arrive block by block), none is made."""
     from sd_accel.engine import emb_projections
-    from sd_accel.engine.cuda_graph import WEIGHTS_TOKEN
+    from sd_accel.engine.graphs.fingerprint import WEIGHTS_TOKEN
     standins = list(fused_resblock.plan_resblocks(unet).values())
     shared = standins[0].sdaccel_emb_projections
     assert all(s.sdaccel_emb_projections is shared for s in standins) and len(shared.blocks) == len(standins)

@@ -152,15 +152,15 @@ def test_run_in_pool_restores_globals_on_error_and_records_the_stage(model, mm):
     s = PoolSettings(4 * GIB, "none", "after_run", False, None)
     seen = []
 
-    from sd_accel.engine import cuda_graph
+    from sd_accel.engine.graphs import eager
 
     def run():
-        seen.append((mm.EXTRA_RESERVED_VRAM, mm.minimum_inference_memory(), cuda_graph._under_budget[0]))
+        seen.append((mm.EXTRA_RESERVED_VRAM, mm.minimum_inference_memory(), eager._under_budget[0]))
         raise RuntimeError("CUDA out of memory (simulated)")
     with pytest.raises(RuntimeError, match="simulated"):
         run_in_pool(s, model, run, mm=mm, total_bytes=16 * GIB)
     assert seen[0][0] == 12 * GIB and seen[0][1] >= 12 * GIB   # the loader's reserve saw the budget
-    assert seen[0][2] >= 1 and cuda_graph._under_budget[0] == 0   # no autotuning or compiling ahead under it
+    assert seen[0][2] >= 1 and eager._under_budget[0] == 0   # no autotuning or compiling ahead under it
     assert mm.EXTRA_RESERVED_VRAM == old
     (stage,) = s.last_report["stages"]
     assert stage["stage"] == "sampling" and stage["error"] == "RuntimeError"

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
-from sd_accel.engine.cuda_graph import WEIGHTS_TOKEN  # noqa: E402
+from sd_accel.engine.graphs.fingerprint import WEIGHTS_TOKEN  # noqa: E402
 from sd_accel.engine.offload import BlockStreamer, off_device_bytes, owned_tensors  # noqa: E402
 from sd_accel.engine.vram_plan import (min_budget, plan_residency, ring_layout, stream_units,  # noqa: E402
                                       unet_block_sizes)

@@ -1,5 +1,5 @@
 """GPU only: on a cold Triton cache, a step's fused kernels are compiled in parallel ahead of their first
-launch (`_triton.run_compiling_ahead`, what every eager step goes through: engine/cuda_graph.eager_call),
+launch (`_triton.run_compiling_ahead`, what every eager step goes through: engine/graphs/eager.eager_call),
 the pass that compiled them ran the references, and the next pass runs every kernel, equal to them.
 A subprocess with its own empty TRITON_CACHE_DIR, so nothing is compiled when it starts."""
 import os

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import sys
+import urllib.error
 import uuid
 import zlib
 
@@ -40,8 +41,7 @@ def write_photo(input_dir, name, mark=None, size=128, flip=False):
 
 def load(path):
     with open(path) as f:
-        wf = json.load(f)
-    return {k: v for k, v in wf.items() if not k.startswith("_")}
+        return json.load(f)
 
 
 def at_test_size(wf, models, photo, steps=2, fused_kernels=False, prefix=None):
@@ -79,13 +79,14 @@ def photo(comfy):
 def test_workflows_are_found_and_documented():
     assert len(API_FILES) >= 2, API_FILES
     for path in API_FILES:
-        with open(path) as f:
-            meta = json.load(f)["_meta"]
-        assert meta["title"] and meta["description"], path
+        assert all("class_type" in node for node in load(path).values()), "only nodes in an API file: %s" % path
         ui = path.replace(".api.json", ".json")
         assert os.path.exists(ui), "no UI twin (dev/workflow_ui.py) for %s" % path
         with open(ui) as f:
-            types_ui = sorted(n["type"] for n in json.load(f)["nodes"])
+            twin = json.load(f)
+        meta = twin["extra"]["sd_accel"]
+        assert meta["title"] and meta["description"], ui
+        types_ui = sorted(n["type"] for n in twin["nodes"])
         assert types_ui == sorted(n["class_type"] for n in load(path).values()), ui
 
 
@@ -99,13 +100,14 @@ def test_ui_twin_is_fresh(comfy, path):
     info = comfy.object_info()
     with open(path) as f:
         api = json.load(f)
-    want = workflow_ui.api_to_ui(api, info)
-    defaults = workflow_ui.api_to_ui(
-        {k: v if k.startswith("_") else dict(v, inputs={n: x for n, x in v["inputs"].items() if isinstance(x, list)
-                                                           or n not in info[v["class_type"]]["input"].get("optional", {})})
-         for k, v in api.items()}, info)
     with open(path.replace(".api.json", ".json")) as f:
         have = json.load(f)
+    meta = have["extra"]["sd_accel"]
+    want = workflow_ui.api_to_ui(api, info, meta)
+    defaults = workflow_ui.api_to_ui(
+        {k: dict(v, inputs={n: x for n, x in v["inputs"].items() if isinstance(x, list)
+                            or n not in info[v["class_type"]]["input"].get("optional", {})})
+         for k, v in api.items()}, info, meta)
     assert have["links"] == want["links"]
     for h, w, d in zip(have["nodes"], want["nodes"], defaults["nodes"]):
         assert h["type"] == w["type"]
@@ -140,3 +142,45 @@ def test_richest_workflow_with_its_shipped_accelerations(comfy, models, photo):
             report = entry["outputs"][node_id]["sdaccel_report"][0]
             ran = " ".join(report["ran"])
             assert "group_norm_silu x" in ran and "geglu x" in ran, report
+
+
+SHIPPED_NAMES = {"ckpt_name": ("checkpoints", "sd15"), "control_net_name": ("controlnet", "cn15")}
+
+
+def _provide_shipped_names(comfy, models):
+    """The files the shipped workflows name, as a user has them: links to the random fixtures under those names
+    in the server's model folders (ComfyUI validates every name against its lists), the photo in its input."""
+    import shutil
+    from conftest import MODELS, FIXTURES
+    by_kind = {kind: (folder, name) for name, (kind, folder) in FIXTURES.items()}
+    for path in API_FILES:
+        for node in load(path).values():
+            for k, v in node["inputs"].items():
+                if k in SHIPPED_NAMES:
+                    folder, fixture = by_kind[SHIPPED_NAMES[k][1]]
+                    link = os.path.join(MODELS, folder, v)
+                    if not os.path.lexists(link):
+                        os.symlink(os.path.join(MODELS, folder, fixture), link)
+                elif k == "image" and node["class_type"] == "LoadImage":
+                    shutil.copy(os.path.join(comfy.input_dir, write_photo(comfy.input_dir, "tmp_photo.png")),
+                                os.path.join(comfy.input_dir, v))
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=[os.path.basename(p) for p in API_FILES])
+def test_the_shipped_file_is_accepted_byte_for_byte(comfy, models, path):
+    """What the README tells users: POST the file's contents as the prompt. ComfyUI validates the whole prompt
+    before queueing it; the full-size run it then starts is interrupted."""
+    import urllib.request
+    _provide_shipped_names(comfy, models)
+    with open(path, "rb") as f:
+        body = b'{"prompt": ' + f.read() + b', "client_id": "byte-for-byte"}'
+    req = urllib.request.Request(comfy.url + "/prompt", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        pytest.fail("ComfyUI refused %s: %s" % (os.path.basename(path), e.read().decode()[:1500]))
+    assert answer.get("prompt_id") and not answer.get("node_errors"), answer
+    comfy.post("/interrupt", {})
+    comfy.wait(answer["prompt_id"], timeout=600)
+    assert comfy.object_info()["SDAccelKSampler"], "the server is up"

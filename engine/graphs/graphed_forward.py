@@ -10,15 +10,15 @@ called inside that graph's warm-up or capture and runs eagerly there (StepGraphs
 there first) through the host's reversible mechanism (a ComfyUI object patch on path "forward"); it
 calls the class's own forward, so removing the attribute restores the module exactly. One per module
 and options, kept on the module itself (`for_module`), so its graphs survive from one prompt to the
-next; `StepGraphs` does the keying, static buffers and stale-weight checks (see cuda_graph.py).
+next; `StepGraphs` does the keying, static buffers and stale-weight checks (see step_graphs.py).
 
-channels_last: the module's conv weights are converted in place on its first GPU call (values
-unchanged), as the UNet's are, so its convolutions need no layout transforms either.
+channels_last: the module's conv weights are converted in place before its first capture (values unchanged),
+as the UNet's are, so its convolutions need no layout transforms inside the graphs either.
 """
 import logging
 
-from . import patching
-from .cuda_graph import StepGraphs
+from .. import patching
+from .step_graphs import StepGraphs
 
 log = logging.getLogger("sd_accel")
 _ATTR = "_sd_accel_forwards"
@@ -48,15 +48,18 @@ class GraphedForward:
         self.epoch = object()
 
     def __call__(self, *args, **kwargs):
-        x = args[0] if args else kwargs.get("x")
-        on_gpu = getattr(x, "is_cuda", False)
-        if self.channels_last and on_gpu and not self.channels_last_done:
-            n = patching.convert_conv_weights(self.module)
-            self.channels_last_done = True
-            log.info("[SD Accel] channels_last: %d conv weights of %s converted", n, self.graphs.name)
         if self.cuda_graph:
-            return self.graphs.run(self._eager, args, kwargs, epoch=self.epoch)
+            return self.graphs.run(self._eager, args, kwargs, epoch=self.epoch, before_capture=self._to_channels_last)
         return self._eager(*args, **kwargs)
+
+    def _to_channels_last(self):
+        """Before the first capture (see hosts/comfyui.py): conv weights to channels_last, values unchanged."""
+        if not self.channels_last or self.channels_last_done:
+            return False
+        n = patching.convert_conv_weights(self.module)
+        self.channels_last_done = True
+        log.info("[SD Accel] channels_last: %d conv weights of %s converted", n, self.graphs.name)
+        return n > 0
 
     def _eager(self, *args, **kwargs):
         return self.forward(self.module, *args, **kwargs)
