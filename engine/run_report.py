@@ -55,6 +55,12 @@ def build(steps, timer, kernels, graphs, options, notes=()):
             ran.append("cuda_graph (%d replays, %d captures)" % (graphs["replays"], graphs["captures"]))
         elif options.get("cuda_graph"):
             fell_back["cuda_graph"] = graphs.get("eager_reason") or "no replay"
+    if options.get("channels_last"):
+        # the host converts conv weights only for a model on a GPU; on the CPU its own layout runs
+        if timer.cuda:
+            ran.append("channels_last")
+        else:
+            fell_back["channels_last"] = "CPU run: conv weights are converted on a GPU only"
     for k in ("fused_kernels", "cuda_graph", "channels_last"):
         if not options.get(k):
             fell_back.setdefault(k, "off")

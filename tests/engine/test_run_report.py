@@ -1,0 +1,40 @@
+"""The run report names every option that was on: what ran, or what fell back and why."""
+from types import SimpleNamespace
+
+import pytest
+
+from sd_accel.engine import run_report
+
+ALL_ON = {"fused_kernels": True, "cuda_graph": True, "channels_last": True, "attention": "auto"}
+FUSED = {"group_norm_silu": {"fused": 90, "fallback": 0, "reasons": []}}
+
+
+def _timer(cuda):
+    """What build reads of a finished RunTimer (a CUDA one cannot run on the CPU machine)."""
+    return SimpleNamespace(cuda=cuda, seconds=0.5, peak_bytes=2 ** 30 if cuda else None)
+
+
+def test_channels_last_is_listed_as_ran_on_a_gpu():
+    r = run_report.build(10, _timer(True), FUSED, {"captures": 1, "replays": 9, "eager": 1}, ALL_ON)
+    assert r["ran"] == ["group_norm_silu x90", "cuda_graph (9 replays, 1 captures)", "channels_last"]
+    assert r["fell_back"] == {}
+    assert "ran: group_norm_silu x90, cuda_graph (9 replays, 1 captures), channels_last |" in run_report.one_line(r)
+
+
+def test_channels_last_on_the_cpu_falls_back_and_says_why():
+    with run_report.RunTimer() as timer:   # a real timer: no CUDA device on this machine
+        pass
+    if timer.cuda:
+        pytest.skip("a CUDA device is present")
+    r = run_report.build(4, timer, {}, {"captures": 0, "replays": 0, "eager": 4, "eager_reason": "no CUDA device"},
+                         dict(ALL_ON, fused_kernels=False))
+    assert "channels_last" not in r["ran"]
+    assert r["fell_back"] == {"cuda_graph": "no CUDA device", "fused_kernels": "off",
+                              "channels_last": "CPU run: conv weights are converted on a GPU only"}
+    assert "channels_last: CPU run" in run_report.one_line(r)
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["gpu", "cpu"])
+def test_channels_last_off_is_reported_off(cuda):
+    r = run_report.build(4, _timer(cuda), {}, {}, dict(ALL_ON, channels_last=False))
+    assert "channels_last" not in r["ran"] and r["fell_back"]["channels_last"] == "off"
