@@ -39,6 +39,14 @@ def say(msg):
     print("[demo] %s" % msg, flush=True)
 
 
+class RunFailed(Exception):
+    """A failure of the run, as one line for the user, and the log that has the rest."""
+
+    def __init__(self, message, log=None):
+        super().__init__(message)
+        self.log = log
+
+
 def cache_home():
     """Read at each call, not at import: the tests point it at a temporary folder."""
     return os.environ.get("SDACCEL_HOME") or os.path.expanduser("~/.cache/sd_accel")
@@ -154,7 +162,7 @@ def linked_checkpoint(ckpt, ckpt_dir):
         yield name     # already there (the file itself, or someone's link to it): theirs, left as it is
         return
     if os.path.lexists(dst) and not os.path.islink(dst):
-        raise FileExistsError("%s is another file with the name of your checkpoint; rename one of them" % dst)
+        raise RunFailed("%s is another file with the name of your checkpoint; rename one of them" % dst)
     if os.path.islink(dst):
         os.unlink(dst)
     os.symlink(ckpt, dst)
@@ -178,19 +186,28 @@ def pack_unlinked_after(comfy_dir):
 
 
 def random_checkpoint(comfy_dir, preset, ckpt_dir):
+    """The name of the cached random-weight checkpoint, built the first time in a child process whose
+    output (ComfyUI's start-up lines) goes to a log. A failed build leaves no partial file."""
     name = "sdaccel_random_sd15_%s.safetensors" % preset
     path = os.path.join(ckpt_dir, name)
-    if not os.path.exists(path):
-        say("building %s once (a random-weight SD1.5 model; later runs reuse it)" % path)
-    fixtures.ensure(path, fixtures.build_checkpoint, comfy_dir, "sd15", preset, path)
+    if os.path.exists(path):
+        return name
+    log = os.path.join(cache_home(), "build_checkpoint.log")
+    say("building %s once (a random-weight SD1.5 model, about a minute on a CPU; log: %s)" % (path, log))
+    cmd = [sys.executable, os.path.join(HERE, "fixtures.py"), "--comfy-dir", comfy_dir, "--kind", "sd15",
+           "--preset", preset, "--out", path]
+    with open(log, "w") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp")   # fixtures writes there first, then renames
+        with open(log) as f:
+            last = (f.read().strip().splitlines() or ["(empty log)"])[-1]
+        raise RunFailed("building the random checkpoint failed: %s" % last, log)
     return name
 
 
 # -- the run ------------------------------------------------------------------------------------------------
-class RunFailed(Exception):
-    """A failure of the run with a message for the user (the server's log has the rest)."""
-
-
 def _rejection(err):
     """ComfyUI's 400 answer to a workflow it will not queue, as one line."""
     try:
@@ -221,9 +238,9 @@ def generate(srv, name, size, steps, seed):
     try:
         entry = srv.run(wf, expect_success=False)
     except comfy_server.PromptRejected as e:
-        raise RunFailed("ComfyUI rejected the workflow: %s" % _rejection(e)) from None
+        raise RunFailed("ComfyUI rejected the workflow: %s" % _rejection(e), srv.log_path) from None
     if entry.get("status", {}).get("status_str") != "success":
-        raise RunFailed("the prompt failed: %s" % _execution_error(entry))
+        raise RunFailed("the prompt failed: %s" % _execution_error(entry), srv.log_path)
     return entry, time.time() - t0
 
 
@@ -232,8 +249,11 @@ def print_report(srv, entry, wall, size, steps):
     out = entry["outputs"]["3"]
     report = out["sdaccel_report"][0]
     dst = os.path.abspath(OUTPUT)
-    shutil.copy(images[0], dst)
-    say("image: %s (ComfyUI saved it as %s)" % (dst, images[0]))
+    try:
+        shutil.copy(images[0], dst)
+        say("image: %s (ComfyUI saved it as %s)" % (dst, images[0]))
+    except OSError as e:   # a read-only current folder: the image is still in the run's output folder
+        say("image: %s (not copied to %s: %s)" % (images[0], dst, e.strerror))
     say("Accelerated KSampler: %s" % out["text"][0])
     say("it/s: %.2f   prompt wall time: %.1fs   %dx%d, %d steps" % (report["it_s"], wall, size, size, steps))
     print(json.dumps(report, indent=1))
@@ -246,7 +266,8 @@ def start(srv):
     except (RuntimeError, OSError) as e:
         why = str(e).splitlines()[0].rstrip(":")
         last = srv.log_tail(1).strip() if srv.proc is not None else ""
-        raise RunFailed("ComfyUI did not start: %s%s" % (why, "; its log ends with: " + last if last else "")) from None
+        raise RunFailed("ComfyUI did not start: %s%s" % (why, "; its log ends with: " + last if last else ""),
+                        srv.log_path) from None
 
 
 def serve_and_generate(a, comfy_dir, models, name, gpu, size, steps):
@@ -294,9 +315,10 @@ def run(a):
                 say("checkpoint: %s  <-- RANDOM WEIGHTS (the image is coloured noise, not a picture)" % name)
             stack.enter_context(pack_unlinked_after(comfy_dir))
             serve_and_generate(a, comfy_dir, models, name, gpu, size, steps)
-    except (RunFailed, FileExistsError) as e:
+    except RunFailed as e:
         print("[demo] failed: %s" % e, file=sys.stderr)
-        print("[demo] ComfyUI's log: %s" % os.path.join(cache_home(), "demo_run", "server.log"), file=sys.stderr)
+        if e.log:
+            print("[demo] the log: %s" % e.log, file=sys.stderr)
         return 1
     return 0
 

@@ -145,6 +145,15 @@ def test_a_failed_run_leaves_no_link_and_the_same_run_again_fails_the_same_way(
     assert ckpt.read_bytes() == b"not really a model"
 
 
+def test_a_failed_build_of_the_random_checkpoint_leaves_no_partial_file(capsys, home, broken_comfyui):
+    """The random checkpoint is built with the ComfyUI's own classes: one it cannot import fails the build."""
+    assert demo.run(demo.parse_args(["--comfyui", str(broken_comfyui)])) == 1
+    err = capsys.readouterr().err
+    assert "[demo] failed: building the random checkpoint failed: ModuleNotFoundError: No module named 'comfy." in err
+    assert "[demo] the log: %s" % (home / "build_checkpoint.log") in err
+    assert _left_behind(home, broken_comfyui) == ([], [])
+
+
 def test_a_stale_link_of_an_older_demo_is_replaced_for_the_run_and_removed(home, ckpt, tmp_path):
     ckpt_dir = tmp_path / "checkpoints"
     ckpt_dir.mkdir()
@@ -160,7 +169,7 @@ def test_a_cached_file_of_the_same_name_is_never_replaced(home, ckpt, tmp_path):
     ckpt_dir.mkdir()
     theirs = ckpt_dir / ckpt.name
     theirs.write_bytes(b"another model")
-    with pytest.raises(FileExistsError, match="rename one of them"):
+    with pytest.raises(demo.RunFailed, match="rename one of them"):
         with demo.linked_checkpoint(str(ckpt), str(ckpt_dir)):
             pass
     assert theirs.read_bytes() == b"another model"
