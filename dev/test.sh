@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 VPY=$(bash dev/setup_env.sh | tail -n 1)
 bash dev/setup_chromium.sh   # never fails: without Chromium the browser tests say why they cannot run
 export OMP_NUM_THREADS=1
-exec "$VPY" -m pytest tests -q "$@"
+# no path: pyproject's testpaths (tests/); paths given (bash dev/test.sh tests/dev) run only those
+exec "$VPY" -m pytest -q "$@"
