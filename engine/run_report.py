@@ -55,6 +55,9 @@ def build(steps, timer, kernels, graphs, options, notes=()):
             ran.append("cuda_graph (%d replays, %d captures)" % (graphs["replays"], graphs["captures"]))
         elif options.get("cuda_graph"):
             fell_back["cuda_graph"] = graphs.get("eager_reason") or "no replay"
+    backend = options.get("attention", "auto")
+    if backend != "auto" and "attention_" + backend not in kernels:   # "auto" is the host's own attention
+        fell_back["attention_" + backend] = "no attention call went through it"
     if options.get("channels_last"):
         # the host converts conv weights only for a model on a GPU; on the CPU its own layout runs
         if timer.cuda:

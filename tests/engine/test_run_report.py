@@ -38,3 +38,13 @@ def test_channels_last_on_the_cpu_falls_back_and_says_why():
 def test_channels_last_off_is_reported_off(cuda):
     r = run_report.build(4, _timer(cuda), {}, {}, dict(ALL_ON, channels_last=False))
     assert "channels_last" not in r["ran"] and r["fell_back"]["channels_last"] == "off"
+
+
+def test_a_chosen_attention_backend_is_named_whether_or_not_it_was_called():
+    called = {"attention_sdpa": {"fused": 32, "fallback": 0, "reasons": []}}
+    r = run_report.build(2, _timer(False), called, {}, dict(ALL_ON, attention="sdpa"))
+    assert "attention_sdpa x32" in r["ran"] and "attention_sdpa" not in r["fell_back"]
+    r = run_report.build(2, _timer(False), {}, {}, dict(ALL_ON, attention="sdpa"))
+    assert r["fell_back"]["attention_sdpa"] == "no attention call went through it"
+    r = run_report.build(2, _timer(False), {}, {}, ALL_ON)   # auto: the host's own, nothing of ours to name
+    assert not [k for k in list(r["fell_back"]) + r["ran"] if k.startswith("attention")]
