@@ -94,7 +94,6 @@ def int_in(lo, hi, multiple=1):
         if n % multiple:
             raise argparse.ArgumentTypeError("%d is not a multiple of %d" % (n, multiple))
         return n
-    parse.__name__ = "integer"
     return parse
 
 
@@ -113,7 +112,8 @@ def build_parser():
                     help="sampler steps, %d to %d (default 20 on GPU, 4 on CPU)" % STEPS_RANGE)
     ap.add_argument("--seed", type=int_in(*SEED_RANGE), default=42, metavar="N",
                     help="noise seed, %d to %d (default 42)" % SEED_RANGE)
-    ap.add_argument("--gpu", action="store_true", help="let ComfyUI use the GPU (default: --cpu unless CUDA is present)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="let ComfyUI use the GPU (default: --cpu unless CUDA is present)")
     ap.add_argument("--keep-running", action="store_true", help="leave the server up until Ctrl-C")
     return ap
 
