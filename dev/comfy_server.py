@@ -28,8 +28,11 @@ def free_port():
 
 
 def link_pack(comfy_dir, repo=REPO):
-    """Symlink the repo into custom_nodes; replaces only a symlink of ours, never a real folder."""
+    """Symlink the repo into custom_nodes; replaces only a symlink of ours, never a real folder. A repo
+    cloned there under that name (the README's install) is already in place."""
     dst = os.path.join(comfy_dir, "custom_nodes", PACK_DIR_NAME)
+    if os.path.isdir(dst) and not os.path.islink(dst) and os.path.samefile(dst, repo):
+        return dst
     if os.path.islink(dst):
         if os.path.realpath(dst) == os.path.realpath(repo):
             return dst

@@ -63,6 +63,18 @@ def build(steps, timer, kernels, graphs, options, notes=()):
                 fell_back["cuda_graph (some calls)"] = _refusals(refused)
         elif options.get("cuda_graph"):
             fell_back["cuda_graph"] = _refusals(refused) if refused else (graphs.get("eager_reason") or "no replay")
+    backend = options.get("attention", "auto")
+    if backend != "auto" and "attention_" + backend not in kernels:   # "auto" is the host's own attention
+        fell_back["attention_" + backend] = "no attention call went through it"
+    if options.get("channels_last"):
+        # conv weights go to channels_last before a model's first capture, on a GPU only: eager steps keep
+        # the layout stock's modules are fastest on
+        if not timer.cuda:
+            fell_back["channels_last"] = "CPU run: conv weights are converted on a GPU only"
+        elif (graphs or {}).get("replays"):
+            ran.append("channels_last")
+        else:
+            fell_back["channels_last"] = "used inside CUDA graphs only, and none ran"
     for k in ("fused_kernels", "cuda_graph", "channels_last"):
         if not options.get(k):
             fell_back.setdefault(k, "off")
