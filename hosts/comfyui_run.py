@@ -43,7 +43,7 @@ class AcceleratedRun:
         self._before = (kernel_report.snapshot(), host.graph_counts(self.info),
                         host_cn.graph_stats(self.cn_info), run_report.compile_snapshot())
         try:
-            with run_report.RunTimer() as self.timer:
+            with run_report.RunTimer(getattr(self.patched, "load_device", None)) as self.timer:
                 return sampler(self.patched, self.cn_positive, self.cn_negative)
         except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
             if not self.accelerated() or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
@@ -64,7 +64,7 @@ class AcceleratedRun:
             st.graphs.clear("error during an accelerated run")
         host_cn.release(self.cn_info)
         self.info, self.cn_info = {"options": {}}, None
-        with run_report.RunTimer() as self.timer:
+        with run_report.RunTimer(getattr(self.model, "load_device", None)) as self.timer:
             return sampler(self.model, self.positive, self.negative)
 
     def _finish_controlnets(self):

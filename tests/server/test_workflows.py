@@ -144,34 +144,35 @@ def test_richest_workflow_with_its_shipped_accelerations(comfy, models, photo):
             assert "group_norm_silu x" in ran and "geglu x" in ran, report
 
 
-SHIPPED_NAMES = {"ckpt_name": ("checkpoints", "sd15"), "control_net_name": ("controlnet", "cn15")}
+SHIPPED_FOLDERS = {"ckpt_name": "checkpoints", "control_net_name": "controlnet"}
 
 
-def _provide_shipped_names(comfy, models):
-    """The files the shipped workflows name, as a user has them: links to the random fixtures under those names
-    in the server's model folders (ComfyUI validates every name against its lists), the photo in its input."""
+def _provide_shipped_names(comfy):
+    """The files the shipped workflows name, so that ComfyUI's validation (every name against its lists) can pass:
+    model files that fail to load, so the full-size run the accepted prompt starts ends at its first loader (on
+    this CPU a 512-pixel run would take hours), and the photo LoadImage names, in the server's input folder."""
     import shutil
-    from conftest import MODELS, FIXTURES
-    by_kind = {kind: (folder, name) for name, (kind, folder) in FIXTURES.items()}
+    from conftest import MODELS
     for path in API_FILES:
         for node in load(path).values():
             for k, v in node["inputs"].items():
-                if k in SHIPPED_NAMES:
-                    folder, fixture = by_kind[SHIPPED_NAMES[k][1]]
-                    link = os.path.join(MODELS, folder, v)
-                    if not os.path.lexists(link):
-                        os.symlink(os.path.join(MODELS, folder, fixture), link)
+                if k in SHIPPED_FOLDERS:
+                    stand_in = os.path.join(MODELS, SHIPPED_FOLDERS[k], v)
+                    if not os.path.exists(stand_in):
+                        with open(stand_in, "wb") as f:
+                            f.write(b"not a model: stands for the user's file in test_workflows.py")
                 elif k == "image" and node["class_type"] == "LoadImage":
                     shutil.copy(os.path.join(comfy.input_dir, write_photo(comfy.input_dir, "tmp_photo.png")),
                                 os.path.join(comfy.input_dir, v))
 
 
 @pytest.mark.parametrize("path", API_FILES, ids=[os.path.basename(p) for p in API_FILES])
-def test_the_shipped_file_is_accepted_byte_for_byte(comfy, models, path):
+def test_the_shipped_file_is_accepted_byte_for_byte(comfy, path):
     """What the README tells users: POST the file's contents as the prompt. ComfyUI validates the whole prompt
-    before queueing it; the full-size run it then starts is interrupted."""
+    before queueing it (a top-level key that is not a node is refused); the run then stops at the stand-in
+    model file, and the server stays up."""
     import urllib.request
-    _provide_shipped_names(comfy, models)
+    _provide_shipped_names(comfy)
     with open(path, "rb") as f:
         body = b'{"prompt": ' + f.read() + b', "client_id": "byte-for-byte"}'
     req = urllib.request.Request(comfy.url + "/prompt", data=body, headers={"Content-Type": "application/json"})
@@ -181,6 +182,6 @@ def test_the_shipped_file_is_accepted_byte_for_byte(comfy, models, path):
     except urllib.error.HTTPError as e:
         pytest.fail("ComfyUI refused %s: %s" % (os.path.basename(path), e.read().decode()[:1500]))
     assert answer.get("prompt_id") and not answer.get("node_errors"), answer
-    comfy.post("/interrupt", {})
-    comfy.wait(answer["prompt_id"], timeout=600)
+    entry = comfy.wait(answer["prompt_id"], timeout=300)
+    assert entry["status"]["status_str"] == "error", entry["status"]     # stopped at the stand-in model file
     assert comfy.object_info()["SDAccelKSampler"], "the server is up"
