@@ -31,7 +31,7 @@ ENV = cb.boot(OPT, ("checkpoints",))
 torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
 CUDA, DEV = ENV.cuda, ENV.dev
 say, psnr = cb.say, cb.psnr
-from sd_accel.engine import layout_modules, patching  # noqa: E402
+from sd_accel.engine.patches import layout_modules, patching  # noqa: E402
 
 GEOM = {"sd15_512_b1": ("sd15", 512, 1), "sd15_512_b4": ("sd15", 512, 4), "sd15_768_b1": ("sd15", 768, 1),
         "sdxl_1024_b1": ("sdxl", 1024, 1)}
@@ -85,7 +85,7 @@ def unet_rel_err(model, size, batch, profile_tag=None):
     with torch.inference_mode():
         mm.load_models_gpu([model])
         ref = dm(x, t, context=ctx, **kw).float()
-        # the host's patch set (hosts/comfyui.py): the channels_last SpatialTransformer stand-ins first,
+        # the host's patch set (hosts/comfyui/accelerate.py): the channels_last SpatialTransformer stand-ins first,
         # then the fused modules and ResBlock stand-ins (COMFY_OPS) set through them
         backups = []
         try:

@@ -37,7 +37,7 @@ OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 torch, mm = ENV.torch, ENV.mm
 say = cb.say
-from sd_accel.engine import host_mirror  # noqa: E402
+from sd_accel.engine.memory import host_mirror  # noqa: E402
 from sd_accel.engine.graphs import step_graphs  # noqa: E402
 
 LOADED = {}
@@ -379,7 +379,7 @@ def main():
         mm.soft_empty_cache()
         settings = None
         if budget is not None:
-            from sd_accel.hosts.comfyui_memory import pool_settings
+            from sd_accel.hosts.comfyui.memory import pool_settings
             model = SDAccelVRAMPool().apply(model, budget_gib=budget, offload="lowvram")["result"][0]
             settings = pool_settings(model)
 

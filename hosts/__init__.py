@@ -1,1 +1,7 @@
-"""Host adapters: how each host (ComfyUI, A1111) applies the engine's patches its own reversible way."""
+"""Hosts: how each UI applies the engine's patches its own reversible way.
+
+  comfyui/   ComfyUI: object patches and wrappers on cloned ModelPatchers, the per-run AcceleratedRun, the
+             ControlNets, the VRAM Pool, the VAE and condition-map nodes' glue
+  a1111.py   AUTOMATIC1111 WebUI: in-place module swaps with a way back, graphs through its sd_unet hook
+May import engine/ and kernels/; nodes/ and scripts/ import hosts, never the other way round.
+"""

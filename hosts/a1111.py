@@ -30,7 +30,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..engine import fused_modules, kernel_report, patching
+from ..engine.patches import fused_modules, patching
+from ..engine.reports import kernel_report
 from ..engine.graphs.step_graphs import StepGraphs
 
 log = logging.getLogger("sd_accel")
@@ -472,7 +473,7 @@ def forge_accelerate(unet_patcher, options):
     `process_before_every_sampling` to assign back. Fused GroupNorm/LayerNorm/GEGLU as object patches
     (no SiLU folding: Forge's `group_norm_wrapper` calls the norm alone), skipping modules Forge casts
     on the fly; CUDA graphs and channels_last through `hosts.comfyui.accelerate`'s model wrapper."""
-    from . import comfyui
+    from .comfyui import accelerate as comfyui
     clone = unet_patcher.clone()
     info = {"patched": {}}
     if options.want("fused_kernels"):

@@ -357,7 +357,7 @@ def eligible(x, num_groups, weight=None, bias=None):
 
 def _add_operand(x, add):
     """`add` as the kernel reads it: fp32 [N, C] with contiguous channels and any row stride (a [C] add is
-    read with stride 0; a column slice of a wider [N, *] tensor, as engine/emb_projections.py hands out, is
+    read with stride 0; a column slice of a wider [N, *] tensor, as engine/patches/emb_projections.py hands out, is
     read in place); None if it is not one value per (n, c)."""
     if add.dim() == 1:
         add = add.unsqueeze(0).expand(x.shape[0], -1)

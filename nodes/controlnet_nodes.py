@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..engine import condition_cache as cc
+from ..engine.preprocess import condition_cache as cc
 from ..engine import preprocess as pp
 from ..engine.preprocess.canny import BLUR_SIZES
 from ..engine.preprocess.depth import DEFAULT_DEPTH_MODEL, list_depth_models

@@ -1,7 +1,7 @@
 """VRAM Pool node: a VRAM budget and memory hygiene for the sampling runs of one model. A thin node over
-hosts/comfyui_memory.py, which says what each setting does and how it goes through ComfyUI's model_management."""
-from ..hosts import comfyui_memory as host
-from ..hosts.comfyui_memory import OFFLOAD, RELEASE
+hosts/comfyui/memory.py, which says what each setting does and how it goes through ComfyUI's model_management."""
+from ..hosts.comfyui import memory as host
+from ..hosts.comfyui.memory import OFFLOAD, RELEASE
 
 INPUTS = {
     "model": ("MODEL", {"tooltip": "The model whose sampling runs the pool governs. Passed through on a clone: "

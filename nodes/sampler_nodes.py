@@ -1,10 +1,10 @@
-"""Accelerated KSampler and Apply SD Accel: thin ComfyUI nodes over hosts/comfyui.py."""
+"""Accelerated KSampler and Apply SD Accel: thin ComfyUI nodes over hosts/comfyui/accelerate.py."""
 import importlib
 import logging
 
-from ..engine import attention
-from ..hosts import comfyui as host
-from ..hosts import comfyui_run as host_run
+from ..engine.patches import attention
+from ..hosts.comfyui import accelerate as host
+from ..hosts.comfyui import run as host_run
 
 log = logging.getLogger("sd_accel")
 

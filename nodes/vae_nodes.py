@@ -2,14 +2,15 @@
 
 Stock ComfyUI tries a whole decode and falls back to fixed 512 px tiles only after an out-of-memory error;
 under a VRAM budget (a small card, the VRAM Pool's budget, another program on the card) this node plans the
-decode first (engine/vae_plan.py) from ComfyUI's own estimate of the decode's memory and the VAE's weights,
+decode first (engine/memory/vae_plan.py) from ComfyUI's own estimate of the decode's memory and the VAE's weights,
 and reports the stage's peak memory.
 """
 import logging
 
 import torch
 
-from ..engine import vae_plan, vram_report
+from ..engine.memory import vae_plan
+from ..engine.reports import vram_report
 
 log = logging.getLogger("sd_accel")
 GIB = 2 ** 30

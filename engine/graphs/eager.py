@@ -19,7 +19,8 @@ from collections import OrderedDict
 import torch
 
 from ...kernels import _triton
-from .. import kernel_report, stock_path
+from ..reports import kernel_report
+from ..patches import stock_path
 
 # Off by default; SDACCEL_CUDNN_AUTOTUNE=1 turns it on. torch keeps one cuDNN plan per convolution shape
 # whichever way it was chosen, so no gain was measured, while a cold process's first run took about three

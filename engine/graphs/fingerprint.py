@@ -13,7 +13,7 @@ a Parameter replaced mid-run or an in-place write to a tensor with a version cou
 seen at once; a `.data` swap of the same Parameter mid-run, which no host does, is seen at the next run's first
 step. Without an epoch (None) every read is full.
 
-Weights a block streamer keeps in fixed GPU places (engine/offload.py) change where the fingerprint cannot see
+Weights a block streamer keeps in fixed GPU places (engine/memory/offload.py) change where the fingerprint cannot see
 them: the streamer's token (`WEIGHTS_TOKEN` on the module) is part of the fingerprint.
 """
 import weakref

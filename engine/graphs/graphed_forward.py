@@ -3,7 +3,7 @@
 For models the host calls once per step outside the UNet's own wrapper: a ControlNet (ComfyUI calls
 `control_model(x=, hint=, timesteps=, context=, ...)` before the UNet). Issuing one SD1.5 ControlNet
 eagerly costs ~15 ms of CPU per step for ~5 ms of GPU work; a replay costs the GPU time. Where the host
-runs the ControlNets inside the UNet's own graph (hosts/comfyui_control_graph.py), this stand-in is
+runs the ControlNets inside the UNet's own graph (hosts/comfyui/control_graph.py), this stand-in is
 called inside that graph's warm-up or capture and runs eagerly there (StepGraphs: no graphs of its own).
 
 `GraphedForward(module)` is set as the instance attribute `forward` (nn.Module.__call__ looks it up
@@ -17,7 +17,7 @@ as the UNet's are, so its convolutions need no layout transforms inside the grap
 """
 import logging
 
-from .. import patching
+from ..patches import patching
 from .step_graphs import StepGraphs
 
 log = logging.getLogger("sd_accel")
@@ -53,7 +53,7 @@ class GraphedForward:
         return self._eager(*args, **kwargs)
 
     def _to_channels_last(self):
-        """Before the first capture (see hosts/comfyui.py): conv weights to channels_last, values unchanged."""
+        """Before the first capture (see hosts/comfyui/accelerate.py): conv weights to channels_last, values unchanged."""
         if not self.channels_last or self.channels_last_done:
             return False
         n = patching.convert_conv_weights(self.module)

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from .. import kernel_report
+from ..reports import kernel_report
 from . import eager, rng, tokens
 from .host_reads import HostReads
 from .waits import Waits

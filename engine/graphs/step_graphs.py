@@ -27,7 +27,7 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from .. import kernel_report
+from ..reports import kernel_report
 from ...kernels.errors import first_line
 from . import capture, eager, keys, probe
 from .fingerprint import WeightsFingerprint

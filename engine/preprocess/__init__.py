@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..condition_cache import ConditionCache, MapReport, map_batch
+from .condition_cache import ConditionCache, MapReport, map_batch
 
 # Bump when the output of a preprocessor changes for the same inputs (part of every cache key).
 PREPROCESS_CODE_VERSION = 1

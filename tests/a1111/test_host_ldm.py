@@ -1,7 +1,8 @@
 """hosts/a1111.py on the real ldm UNetModel (the class A1111 v1.10.1 runs for SD1.x)."""
 import torch
 
-from sd_accel.engine import fused_modules, kernel_report
+from sd_accel.engine.patches import fused_modules
+from sd_accel.engine.reports import kernel_report
 from sd_accel.hosts import a1111
 
 from unet_util import make_unet, unet_inputs

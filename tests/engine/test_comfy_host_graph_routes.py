@@ -1,5 +1,5 @@
 """Where the ComfyUI host puts a step's graph when other packs' code runs around the UNet call, and the device
-copy of a ModelSampling node's tables (hosts/comfyui.py, hosts/comfyui_object_patches.py). In-process, CPU."""
+copy of a ModelSampling node's tables (hosts/comfyui/accelerate.py, hosts/comfyui/object_patches.py). In-process, CPU."""
 import os
 import sys
 
@@ -18,7 +18,7 @@ def model(tmp_path_factory):
 def test_another_packs_diffusion_model_wrapper_puts_our_graph_inside_it():
     """EasyCache wraps the UNet call (DIFFUSION_MODEL) and decides on GPU values there: our graph then covers the
     UNet call alone, as the innermost wrapper, and the caller's dicts are not changed."""
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
 
     def easycache(executor, *args, **kwargs):
         return executor(*args, **kwargs)
@@ -43,7 +43,7 @@ def test_a_model_sampling_nodes_tables_get_a_device_copy_on_the_clone_only(model
     untouched, and re-applying SD Accel starts again from the node's object."""
     import nodes as comfy_nodes  # noqa: F401  ComfyUI's, imported by comfy_inproc's loader
     from comfy_extras.nodes_model_advanced import ModelSamplingDiscrete
-    from sd_accel.hosts import comfyui_object_patches as op
+    from sd_accel.hosts.comfyui import object_patches as op
     patched = ModelSamplingDiscrete().patch(model, "v_prediction", False)[0]
     node_ms = patched.object_patches["model_sampling"]
     clone = patched.clone()

@@ -10,8 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sd_accel.engine import fused_modules as fm  # noqa: E402
-from sd_accel.engine import hint_cache, kernel_report  # noqa: E402
+from sd_accel.engine.patches import fused_modules as fm  # noqa: E402
+from sd_accel.engine.patches import hint_cache  # noqa: E402
+from sd_accel.engine.reports import kernel_report  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
@@ -39,7 +40,7 @@ def comfy_cn(tmp_path_factory):
     import fixtures
     fixtures._import_comfy(COMFY)
     import comfy.controlnet
-    from sd_accel.hosts import comfyui_controlnet as host_cn
+    from sd_accel.hosts.comfyui import controlnet as host_cn
     path = str(tmp_path_factory.mktemp("cn") / "cn15_tiny.safetensors")
     fixtures.build_controlnet(COMFY, "tiny", path, seed=3)
 

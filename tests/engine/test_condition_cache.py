@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from sd_accel.engine import condition_cache as cc
-from sd_accel.engine.condition_cache import ConditionCache, frame_key, map_batch, maps_to_image
+from sd_accel.engine.preprocess import condition_cache as cc
+from sd_accel.engine.preprocess.condition_cache import ConditionCache, frame_key, map_batch, maps_to_image
 
 SPEC = {"preprocessor": "test", "implementation": "unit", "params": {"a": 1, "b": 0.5}}
 

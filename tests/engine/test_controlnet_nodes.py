@@ -9,7 +9,7 @@ import pytest
 import skimage.data
 import torch
 
-from sd_accel.engine import condition_cache as cc
+from sd_accel.engine.preprocess import condition_cache as cc
 from sd_accel.engine import preprocess as pp
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

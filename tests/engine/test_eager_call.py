@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from sd_accel.engine import kernel_report
+from sd_accel.engine.reports import kernel_report
 from sd_accel.engine.graphs import eager
 from sd_accel.kernels import _triton
 

@@ -2,7 +2,7 @@
 (engine/graphs/eager.EagerPaths), measured with CUDA events per key; the CPU runs the stock modules."""
 import torch
 
-from sd_accel.engine import stock_path
+from sd_accel.engine.patches import stock_path
 from sd_accel.engine.graphs import eager
 
 

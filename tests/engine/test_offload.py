@@ -1,4 +1,4 @@
-"""engine/offload.py (BlockStreamer) on ComfyUI's real openaimodel UNetModel, on CPU: the same output as
+"""engine/memory/offload.py (BlockStreamer) on ComfyUI's real openaimodel UNetModel, on CPU: the same output as
 without streaming, install/remove leaves the module exactly as it was (Parameter objects, names, data,
 hooks), the prefetch order and the ring are vram_plan's, and places shared by several blocks never hand a
 block another's weights."""
@@ -12,8 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
 from sd_accel.engine.graphs.fingerprint import WEIGHTS_TOKEN  # noqa: E402
-from sd_accel.engine.offload import BlockStreamer, off_device_bytes, owned_tensors  # noqa: E402
-from sd_accel.engine.vram_plan import (min_budget, plan_residency, ring_layout, stream_units,  # noqa: E402
+from sd_accel.engine.memory.offload import BlockStreamer, off_device_bytes, owned_tensors  # noqa: E402
+from sd_accel.engine.memory.vram_plan import (min_budget, plan_residency, ring_layout, stream_units,  # noqa: E402
                                       unet_block_sizes)
 
 
@@ -290,7 +290,7 @@ def test_channels_last_conversion_of_streamed_conv_weights_goes_through_the_ring
     may come after the streamer installed: a plain `.data =` there would give the weight a copy of whatever
     its ring place held then (device run 18: a wrong image). Through the streamer the host copy and the
     ring view change layout together and the output stays the same."""
-    from sd_accel.engine import patching
+    from sd_accel.engine.patches import patching
     unet = comfy_inproc.tiny_unet(seed=6)
     ref = _run(unet)
     values = {n: p.detach().clone() for n, p in unet.named_parameters()}

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sd_accel.engine import run_report
+from sd_accel.engine.reports import run_report
 
 ALL_ON = {"fused_kernels": True, "cuda_graph": True, "channels_last": True, "attention": "auto"}
 FUSED = {"group_norm_silu": {"fused": 90, "fallback": 0, "reasons": []}}

@@ -1,5 +1,5 @@
 """Inside `stock_path.stock_modules()` every SD Accel stand-in computes exactly what the module it replaced
-computes (engine/stock_path.py): the eager path of a step that runs without graphs, at stock's speed.
+computes (engine/patches/stock_path.py): the eager path of a step that runs without graphs, at stock's speed.
 ComfyUI's real UNet (tiny preset, CPU), every patch the ComfyUI host plans, compared bit for bit."""
 import os
 import sys
@@ -10,7 +10,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
-from sd_accel.engine import kernel_report, layout_modules, patching, stock_path  # noqa: E402
+from sd_accel.engine.reports import kernel_report  # noqa: E402
+from sd_accel.engine.patches import layout_modules, patching, stock_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")

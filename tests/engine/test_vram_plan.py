@@ -1,4 +1,4 @@
-"""engine/vram_plan.py: which blocks stay resident for a budget, the prefetch order, the minimum budget and
+"""engine/memory/vram_plan.py: which blocks stay resident for a budget, the prefetch order, the minimum budget and
 its error message, the ring layout, and unet_block_sizes on ComfyUI's real UNetModel."""
 import os
 import sys
@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 import torch  # noqa: E402
 
-from sd_accel.engine.vram_plan import (BudgetTooSmall, min_budget, plan_residency, ring_layout,  # noqa: E402
+from sd_accel.engine.memory.vram_plan import (BudgetTooSmall, min_budget, plan_residency, ring_layout,  # noqa: E402
                                       stream_units, unet_block_sizes)
 
 MB = 2 ** 20

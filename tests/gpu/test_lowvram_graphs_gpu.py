@@ -10,7 +10,7 @@ from test_graphs_gpu import _rel, _sample, comfy_env  # noqa: F401  (the shared 
 
 def _pool(env):
     import comfy.patcher_extension as pe
-    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
+    from sd_accel.hosts.comfyui.memory import WRAPPER_KEY
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
     clone = SDAccelVRAMPool().apply(env.model, budget_gib=0.0, offload="lowvram")["result"][0]
     settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
@@ -43,7 +43,7 @@ def test_promoted_blocks_come_from_one_pinned_buffer_kept_across_runs():
     """resident_blocks (the pool's promoted blocks): exact GPU copies for the scope, host data back after (as
     views of the pinned buffers, the pageable originals freed), and the second run reuses the first run's
     pinned buffer instead of copying from pageable memory again."""
-    from sd_accel.engine.offload import resident_blocks
+    from sd_accel.engine.memory.offload import resident_blocks
 
     class Net(torch.nn.Module):
         def __init__(self):

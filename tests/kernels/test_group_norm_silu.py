@@ -118,7 +118,7 @@ def test_add_per_sample_and_channel_is_folded_into_the_norm(shape, channels_last
     y1 = group_norm_silu(x, 32, w, b, 1e-5, add=add[0])          # a [C] add, the same for every sample
     _check(y1, x, group_norm_silu_reference(x.float(), 32, w.float(), b.float(), 1e-5, "silu",
                                             add[0].float()), atol, rtol, plan)
-    # the columns of a wider tensor (engine/emb_projections.py hands each ResBlock its slice): read in place
+    # the columns of a wider tensor (engine/patches/emb_projections.py hands each ResBlock its slice): read in place
     wide = torch.zeros(shape[0], shape[1] + 40, device=device)
     wide[:, 17:17 + shape[1]] = add
     y2 = group_norm_silu(x, 32, w, b, 1e-5, add=wide[:, 17:17 + shape[1]])

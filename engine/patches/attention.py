@@ -14,7 +14,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from . import kernel_report
+from ..reports import kernel_report
 
 BACKENDS = ("auto", "sdpa", "xformers", "sage")
 SAGE_HEAD_DIMS = (64, 96, 128)

@@ -16,9 +16,10 @@ them, so their own patches (fused norms, GEGLU, attention backends) apply.
 """
 from torch import nn
 
-from ..kernels.add_layer_norm import add_layer_norm
+from ...kernels.add_layer_norm import add_layer_norm
 from . import fused_modules as fm
-from . import kernel_report, stock_path
+from ..reports import kernel_report
+from . import stock_path
 
 _STEPS = ("n = self.norm1(x)", "n = self.norm2(x)", "x = self.ff(self.norm3(x))",
           "self.attn1(n, context=context_attn1, value=value_attn1", "self.attn2(n, context=context_attn2, "
@@ -47,7 +48,7 @@ class FusedTransformerBlock:
 
     def _attention(self, which, n, context, to):
         """The host's attention call, or its replace-patch steps where SD Accel's own attention backend is
-        set for this block (hosts/comfyui.py sets one on every block when `attention` is not auto)."""
+        set for this block (hosts/comfyui/accelerate.py sets one on every block when `attention` is not auto)."""
         attn = getattr(self, which)
         patch = _replace_patch(to, which)       # SD Accel's own when set: _plain_call passed this block
         if patch is None:

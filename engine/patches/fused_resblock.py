@@ -13,7 +13,7 @@ Conv2d, `out_layers` = [GroupNorm, SiLU, Dropout (or Identity), Conv2d], and a h
 source has the expected steps. The convolution's weights are read through the host's casting (`weights_of`).
 
 The timestep-embedding projections of all the model's ResBlocks are computed together, once per forward, by
-the first ResBlock that runs (engine/emb_projections.py), where their weights are all on the device.
+the first ResBlock that runs (engine/patches/emb_projections.py), where their weights are all on the device.
 
 The block's end, `skip_connection(x) + out_layers(h)`, is folded the same way: the last convolution runs
 without its bias (and so does a 1x1 skip convolution), and `kernels.bias_residual_add` adds both biases
@@ -23,11 +23,12 @@ add: up to two passes fewer per ResBlock. Only when the Dropout between is the i
 """
 from torch import nn
 
-from ..kernels.bias_residual_add import bias_residual_add
-from ..kernels.group_norm_silu import group_norm_silu
+from ...kernels.bias_residual_add import bias_residual_add
+from ...kernels.group_norm_silu import group_norm_silu
 from . import emb_projections
 from . import fused_modules as fm
-from . import kernel_report, stock_path
+from ..reports import kernel_report
+from . import stock_path
 
 _STEPS = ("self.in_layers(x)", "self.emb_layers(emb)", "h = h + emb_out", "self.out_layers(h)",
           "self.skip_connection(x) + h", "use_scale_shift_norm")

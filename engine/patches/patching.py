@@ -14,9 +14,9 @@ Targets, matched by structure rather than by class name where possible:
   * LayerNorm over the last dim (transformer blocks' norm1/2/3) -> fused LayerNorm;
   * GEGLU (`ff.net.0`) -> fused GEGLU that keeps its `proj` Linear;
   * with the op "resblock_add_norm" (ComfyUI host): plain ResBlocks -> a stand-in that folds the first
-    conv's bias and the timestep embedding into the following GroupNorm (engine/fused_resblock.py);
+    conv's bias and the timestep embedding into the following GroupNorm (engine/patches/fused_resblock.py);
   * with the op "transformer_add_norm" (ComfyUI host): BasicTransformerBlocks -> a stand-in whose residual
-    adds run inside norm2 and norm3 (engine/fused_transformer_block.py). Planned first: ComfyUI sets the
+    adds run inside norm2 and norm3 (engine/patches/fused_transformer_block.py). Planned first: ComfyUI sets the
     patches of a block's children (its fused norms) through the block's path, so onto the stand-in.
 """
 from dataclasses import dataclass, field
@@ -49,7 +49,7 @@ def _join(prefix, name):
 def plan_patches(root, ops=ALL_OPS, prefix="", owner=None):
     """`root`: the UNet/ControlNet module; `prefix`: prepended to every path as is
     (ComfyUI's object patches are relative to BaseModel: "diffusion_model."). `owner`: the live module when
-    `root` is a stand-in view of it (hosts/comfyui_object_patches.py plans on the unpatched blocks), which
+    `root` is a stand-in view of it (hosts/comfyui/object_patches.py plans on the unpatched blocks), which
     the ResBlocks' shared projection reads a block streamer's token from."""
     plan = PatchPlan()
     handled = set()
@@ -124,9 +124,9 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
     """Stores every 4-D conv weight of `root` in `memory_format`, in place (values unchanged, the
     Parameter objects kept): with channels_last activations cuDNN then needs no NCHW<->NHWC transform
     around each convolution. Stock ComfyUI's --force-channels-last does the same to the whole model.
-    Returns how many weights changed. Weights a block streamer (engine/offload.py) holds in its GPU ring are
+    Returns how many weights changed. Weights a block streamer (engine/memory/offload.py) holds in its GPU ring are
     converted through it: their host copies change layout, and the ring view follows."""
-    from .graphs.fingerprint import WEIGHTS_TOKEN
+    from ..graphs.fingerprint import WEIGHTS_TOKEN
     streamer = getattr(getattr(root, WEIGHTS_TOKEN, None), "streamer", None)
     n = 0
     for m in root.modules():

@@ -6,7 +6,7 @@ copies the ControlNet's inputs into its graph, replays it, clones its outputs ou
 and merge as eager kernels, then copies the residuals into the UNet graph's static buffers and replays
 that. Here the chain's forwards, strength and merge are captured in the UNet's graph instead.
 
-How: each link of our converted chain (hosts/comfyui_controlnet.py, `one_graph`) gets an instance
+How: each link of our converted chain (hosts/comfyui/controlnet.py, `one_graph`) gets an instance
 attribute `get_control` (the class's method is untouched; the links are our per-run copies). Called by
 the sampler, outside any capture, it takes every Python-side decision of ComfyUI's get_control at once:
   * which links are inside their start/end percent at this step: ComfyUI's own test,
@@ -15,7 +15,7 @@ the sampler, outside any capture, it takes every Python-side decision of ComfyUI
   * each active link's hint prepared for this shape and batch: ComfyUI's own get_control runs for that,
     with every link's ControlNet model stood in by a no-op (`_HintOnly`), so only the hint code runs;
 and returns a `DeferredControl`: what the chain needs, not its result. The UNet's step
-(hosts/comfyui.py) turns it into graph inputs (`graph_inputs`: x, t, the conds, each hint, plus a
+(hosts/comfyui/accelerate.py) turns it into graph inputs (`graph_inputs`: x, t, the conds, each hint, plus a
 by-value description of each link: ControlNet module, strength, on/off...) and calls `evaluate` inside the
 captured function, before the UNet: ComfyUI's own get_control on the graph's static inputs, with the
 decisions taken: active links have no timestep range and their hint set to the static buffer, inactive
@@ -31,8 +31,8 @@ import threading
 
 import torch
 
-from ..engine.graphs.fingerprint import WeightsFingerprint
-from ..engine.graphs.tokens import Token
+from ...engine.graphs.fingerprint import WeightsFingerprint
+from ...engine.graphs.tokens import Token
 
 _tls = threading.local()
 _MARK = "_sdaccel_one_graph"      # on each converted link: (stats, epoch)

@@ -3,14 +3,14 @@ one model, through ComfyUI's own model_management (its loader sees the budget an
 the way --lowvram does).
 
 What is wired now, and how (the VAE decode under a budget is the separate VAE Decode (SD Accel) node, nodes/vae_nodes.py):
-- budget_gib: checked against the model before sampling (engine/vram_plan.py); during each sampling run of
+- budget_gib: checked against the model before sampling (engine/memory/vram_plan.py); during each sampling run of
   the returned model, `comfy.model_management.EXTRA_RESERVED_VRAM` is raised so the loader sees only the
   budget of the card, and restored afterwards. Needs a ComfyUI with keyed sampler wrappers and
   EXTRA_RESERVED_VRAM (0.3.x); on older ComfyUI the node says the budget is not enforced.
 - offload=medvram: before sampling every other model is unloaded from the GPU, after sampling the model.
 - offload=lowvram: ComfyUI partially loads the UNet under the budget minus the planner's streaming ring;
   once it has (a SAMPLER_SAMPLE wrapper, inside the run), what it left on the CPU is streamed unit by unit
-  (vram_plan.stream_units) into fixed places of a GPU ring (engine/offload.py, one copy per unit, prefetch on a
+  (vram_plan.stream_units) into fixed places of a GPU ring (engine/memory/offload.py, one copy per unit, prefetch on a
   side stream) instead of being copied layer by layer at every use. Its cast path (`comfy_cast_weights`) then finds the weight
   already on the GPU and does not copy. Fixed places let the Accelerated KSampler's CUDA graphs capture the
   copies with the step. Removed after the run, on error too. CUDA only; elsewhere the run is offload=none
@@ -18,7 +18,7 @@ What is wired now, and how (the VAE decode under a budget is the separate VAE De
 - out of memory during a run: memory is freed and the run retried once with more offload (lowvram where it
   can run, and half the budget); a second one is an error naming the budget and what to change.
 - host copies (offload medvram or lowvram, CUDA): before each run, the pooled model and every model ComfyUI
-  has loaded on its device (text encoders, VAE) are mirrored (engine/host_mirror.py): ComfyUI's moves off
+  has loaded on its device (text encoders, VAE) are mirrored (engine/memory/host_mirror.py): ComfyUI's moves off
   the GPU then point the weights back at pinned host copies instead of copying them out, and its moves to
   the GPU read from pinned memory. The models keep their copies (host memory of their size) while loaded.
 - clip (optional): the pool's clip output encodes under the same budget, measured as the "text encode" stage;
@@ -32,8 +32,9 @@ import os
 
 import torch
 
-from ..engine import host_mirror, offload as block_offload, vram_plan, vram_report
-from ..engine.graphs import eager
+from ...engine.memory import host_mirror, offload as block_offload, vram_plan
+from ...engine.reports import vram_report
+from ...engine.graphs import eager
 
 log = logging.getLogger("sd_accel")
 

@@ -16,10 +16,11 @@ import inspect
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.geglu import geglu
-from ..kernels.group_norm_silu import group_norm_silu
-from ..kernels.layer_norm import layer_norm
-from . import kernel_report, stock_path
+from ...kernels.geglu import geglu
+from ...kernels.group_norm_silu import group_norm_silu
+from ...kernels.layer_norm import layer_norm
+from ..reports import kernel_report
+from . import stock_path
 
 _host_cast = None   # host hook: fn(module, input) -> (weight, bias), set by the host adapter
 

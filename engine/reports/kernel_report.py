@@ -10,7 +10,7 @@ import logging
 import threading
 from collections import Counter
 
-from ..kernels import _triton
+from ...kernels import _triton
 
 log = logging.getLogger("sd_accel")
 _lock = threading.Lock()

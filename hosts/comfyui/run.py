@@ -1,7 +1,7 @@
 """One Accelerated KSampler run on ComfyUI, as an object the node drives: prepare, sample, report.
 
 `prepare(model, positive, negative, options, controlnet, cond_only)` patches a clone of the model
-(hosts/comfyui.py) and copies of the ControlNets in the conds (hosts/comfyui_controlnet.py), and decides
+(hosts/comfyui/accelerate.py) and copies of the ControlNets in the conds (hosts/comfyui/controlnet.py), and decides
 whether the ControlNet chain runs inside the UNet's graph. `AcceleratedRun.sample(sampler)` runs
 `sampler(model, positive, negative)` on the patched objects; if the accelerated path itself raises, the
 error is logged and the stock sampler's result is returned instead (an interrupt still interrupts;
@@ -12,11 +12,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from ..engine import kernel_report, run_report, vram_report
-from ..kernels.errors import first_line
-from . import comfyui as host
-from . import comfyui_controlnet as host_cn
-from . import comfyui_memory as host_memory
+from ...engine.reports import kernel_report, run_report, vram_report
+from ...kernels.errors import first_line
+from . import accelerate as host
+from . import controlnet as host_cn
+from . import memory as host_memory
 
 log = logging.getLogger("sd_accel")
 

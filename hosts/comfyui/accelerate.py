@@ -1,7 +1,7 @@
 """ComfyUI host: applies the engine's patches to a cloned ModelPatcher, ComfyUI's own reversible way.
 
 * fused kernels: `add_object_patch(path, module)`, undone by ComfyUI on unpatch, folded into one patch per
-  top-level block (hosts/comfyui_object_patches.py); replacements honour `comfy.ops.cast_bias_weight` for
+  top-level block (hosts/comfyui/object_patches.py); replacements honour `comfy.ops.cast_bias_weight` for
   low-VRAM and manual-cast modules;
 * channels_last: conv weights converted in place before the first capture (values unchanged);
 * CUDA graphs: an APPLY_MODEL wrapper under our key where the host has keyed wrappers (current
@@ -14,11 +14,11 @@ import logging
 from dataclasses import dataclass
 
 
-from ..engine import attention, fused_modules, patching
-from ..engine.graphs import step_graphs
-from ..engine.graphs.step_graphs import StepGraphs
-from . import comfyui_control_graph as control_graph
-from . import comfyui_object_patches as object_patches
+from ...engine.patches import attention, fused_modules, patching
+from ...engine.graphs import step_graphs
+from ...engine.graphs.step_graphs import StepGraphs
+from . import control_graph
+from . import object_patches
 
 log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
@@ -101,7 +101,7 @@ def _make_step(st, options, base_model):
 
 def _with_deferred_control(apply_model, args, kwargs):
     """(fn, args, kwargs) for the graph: a ControlNet chain deferred into this step
-    (hosts/comfyui_control_graph.py) becomes graph inputs, and `fn` runs the chain on them before the UNet,
+    (hosts/comfyui/control_graph.py) becomes graph inputs, and `fn` runs the chain on them before the UNet,
     so both are captured in one graph. Anything else is passed through unchanged."""
     at = 4 if len(args) > 4 else "control"   # keyed wrapper: positional; ComfyUI 2024: a keyword of the cond
     control = args[at] if at == 4 else kwargs.get(at)

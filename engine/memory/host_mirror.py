@@ -50,7 +50,7 @@ class HostMirror:
         the ones without a valid one). Returns the bytes copied. `on_host(tensor)`: where a tensor is (tests
         on a machine without a GPU say which host tensors stand for device ones).
 
-        The copies made together are packed into pinned slabs (engine/pinned_memory.py) group by group, a
+        The copies made together are packed into pinned slabs (engine/memory/pinned_memory.py) group by group, a
         group being the parameters under one numbered child (`input_blocks.4`, `encoder.layers.7`): a slab
         is freed only once all its copies are, and a lowvram streamer that takes over a block's copies
         (`adopt`) takes over whole groups."""

@@ -2,7 +2,7 @@
 GPU ring buffer on a side stream just before they run, the next units' copies in flight while the current one
 computes. Host-agnostic (no ComfyUI import); the host decides which tensors are off the GPU.
 
-The unit ("block" below) is a stream unit of an ldm UNetModel in execution order (engine/vram_plan.py's
+The unit ("block" below) is a stream unit of an ldm UNetModel in execution order (engine/memory/vram_plan.py's
 `stream_units`: time_embed, label_emb, out, each ResBlock or up/downsampler of input_blocks.i, middle_block,
 output_blocks.i, each transformer block). ComfyUI runs a TimestepEmbedSequential layer by layer rather than
 through its __call__, so the trigger is a forward pre-hook on every module of a unit that owns tensors: the
@@ -12,7 +12,7 @@ Fixed places. Each streamed block gets a fixed place in one ring buffer (vram_pl
 tensors' `.data` point there for as long as the streamer is installed; the host copy of a block is one
 pinned buffer with the same layout, so a block is one host-to-device copy. That buffer becomes the tensors'
 host data for good (their `.data` views it after `remove()`): the model's own host copies are freed rather than
-kept beside it, and the buffers are packed into pinned slabs (engine/pinned_memory.py), so streaming holds about
+kept beside it, and the buffers are packed into pinned slabs (engine/memory/pinned_memory.py), so streaming holds about
 the weights' own size in host memory. Because the addresses never change, a CUDA graph captured over a
 step replays the copies too: the step then costs max(compute, transfer) instead of the eager step's Python
 time plus whatever transfer it does not hide.
@@ -39,7 +39,7 @@ import contextlib
 
 import torch
 
-from .graphs.fingerprint import WEIGHTS_TOKEN
+from ..graphs.fingerprint import WEIGHTS_TOKEN
 from . import host_mirror
 from .pinned_memory import aligned as _aligned, host_buffers, nbytes as _nbytes, view_as as _view
 from .vram_plan import ring_layout, stream_units
@@ -302,7 +302,7 @@ def host_flats(blocks, pin, cache, new_cache):
     Returns [(buffer, views)] per block: `views[i]` holds hosts[i]'s values in the buffer, for the caller to use
     as the tensor's host data from now on, so the model's own copies are freed rather than kept beside the
     pinned ones (a block with device tensors, the tests' stream-every-block switch, keeps its hosts). The
-    buffers built here are allocated together (pinned and packed when `pin`: engine/pinned_memory.py); a
+    buffers built here are allocated together (pinned and packed when `pin`: engine/memory/pinned_memory.py); a
     block whose hosts are already views of a buffer in `cache` (keyed by their pointers, valid while the cache
     or a view keeps the buffer alive) reuses it. Every buffer used is entered in `new_cache` (the caller swaps
     caches, so buffers no longer used are dropped)."""

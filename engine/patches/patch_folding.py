@@ -88,7 +88,7 @@ def _apply_copy_on_write(base, items):
             # applying patch by patch would show it the children set so far under that original (the
             # ResBlocks' fused norms come before the ResBlock stand-ins in the plan): it gets a copy of what
             # stands there now. In place: the plan's object keeps its identity, which
-            # engine/emb_projections.py indexes the ResBlocks by.
+            # engine/patches/emb_projections.py indexes the ResBlocks by.
             here = parent._modules[parts[-1]]
             was = origin.get(id(here), here)
             src = here if module._modules is was._modules else module

@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from ..kernels import _triton
+from ...kernels import _triton
 
 
 class RunTimer:

@@ -15,13 +15,13 @@ What gets patched, as data (`{attribute path: replacement}` from the engine, rel
   * with `one_graph` (Accelerated KSampler, when the UNet's step takes it): each link's `get_control`
     defers the chain into the UNet's own CUDA graph, so forwards, strength and merge replay with the UNet
     as one graph per step; start/end percent and hint preparation are decided outside the graph on every
-    step (hosts/comfyui_control_graph.py). Inside that capture the forward stand-in above runs eagerly.
+    step (hosts/comfyui/control_graph.py). Inside that capture the forward stand-in above runs eagerly.
 
 How it is applied, on both ComfyUI versions (2024-03 and current): a `comfy.controlnet.ControlNet` holds
 its cldm module in a ModelPatcher, `control_model_wrapped`, which the sampler loads with the UNet
 (`get_models()`). `accelerate_controlnet(cn)` returns `cn.copy()` whose `control_model_wrapped` is a
 `clone()` of cn's patcher with one `add_object_patch(path, module)` per plan entry (the fused modules
-folded into one per top-level block, planned once per cldm module: hosts/comfyui_object_patches.py). ComfyUI sets the
+folded into one per top-level block, planned once per cldm module: hosts/comfyui/object_patches.py). ComfyUI sets the
 patches when it loads that patcher for sampling and restores the original modules when it unloads it or
 loads another clone (stock ControlNet, another prompt). `cn` itself, its patcher and its cldm module are
 never modified. (The copy is needed on both versions: 2024's `copy()` builds a fresh patcher, and
@@ -53,10 +53,10 @@ import logging
 import types
 from dataclasses import dataclass
 
-from ..engine import hint_cache
-from ..engine.graphs.graphed_forward import GraphedForward
-from . import comfyui_control_graph as control_graph
-from . import comfyui_object_patches as object_patches
+from ...engine.patches import hint_cache
+from ...engine.graphs.graphed_forward import GraphedForward
+from . import control_graph
+from . import object_patches
 
 log = logging.getLogger("sd_accel")
 
@@ -68,7 +68,7 @@ class ControlNetOptions:
     cuda_graph: bool = False
     channels_last: bool = False
     cond_only: bool = False   # lossy, opt-in: the ControlNets skip the uncond rows (see the module doc)
-    # the chain runs inside the UNet's CUDA graph (hosts/comfyui_control_graph.py); only where the UNet's
+    # the chain runs inside the UNet's CUDA graph (hosts/comfyui/control_graph.py); only where the UNet's
     # step takes it (hosts/comfyui.runs_controlnets_in_graph), and not with cond_only
     one_graph: bool = False
 
@@ -82,7 +82,7 @@ def _comfy_controlnet():
 
 
 def _register_weight_caster():
-    from . import comfyui
+    from . import accelerate as comfyui
     comfyui._register_weight_caster()
 
 
@@ -92,7 +92,7 @@ _PLANS_ATTR = "_sd_accel_cn_plans"
 def plan_controlnet(patcher, options):
     """The engine's patch plan for the cldm ControlNet module of `patcher` (a clone of the ControlNet's own):
     (patches, counts). Never modifies the module. The fused and channels_last stand-ins, folded into one
-    patch per top-level block (hosts/comfyui_object_patches.py), are planned once per module and options and
+    patch per top-level block (hosts/comfyui/object_patches.py), are planned once per module and options and
     kept on the module: a ControlNet's patcher is a new clone every prompt, and planning its ~90 stand-ins
     anew took ~4 ms per ControlNet and prompt on this CPU."""
     control_model = patcher.model

@@ -2,8 +2,8 @@
 
 Current ComfyUI restores and re-applies a loaded model's object patches at every prompt (`partially_load`):
 one patch per swapped module would cost 4.4 ms per SD1.5 prompt on the H200's host (224 patches; device
-run 52). So the plan (engine/patching.py, engine/layout_modules.py) is folded per top-level block
-(engine/patch_folding.py): `diffusion_model.input_blocks`, `.middle_block`, `.output_blocks`, `.out` become
+run 52). So the plan (engine/patches/patching.py, engine/patches/layout_modules.py) is folded per top-level block
+(engine/patches/patch_folding.py): `diffusion_model.input_blocks`, `.middle_block`, `.output_blocks`, `.out` become
 patched copies that share every tensor and untouched module with the original, which is never modified
 (a ControlNet's: `input_blocks`, `middle_block`, ...).
 
@@ -25,8 +25,8 @@ import logging
 
 import torch
 
-from ..engine import layout_modules, patch_folding, patching
-from ..engine import fused_modules as fm
+from ...engine.patches import layout_modules, patch_folding, patching
+from ...engine.patches import fused_modules as fm
 
 log = logging.getLogger("sd_accel")
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original

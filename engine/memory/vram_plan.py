@@ -12,7 +12,7 @@ largest unit is 0.095 GiB, and what the ring no longer takes stays resident inst
 
 The model of a denoising step: the units run one after another in execution order. A *resident*
 block lives on the GPU for the whole run. A *streamed* block's weights are copied into a fixed place of one
-GPU ring buffer before it runs (engine/offload.py): with `prefetch_depth = d`, while streamed block s[i]
+GPU ring buffer before it runs (engine/memory/offload.py): with `prefetch_depth = d`, while streamed block s[i]
 computes, the copies of s[i+1..i+d] are in flight, and s[0..d] are copied at the start of each step. Fixed
 places (the same addresses at every step) are what lets a CUDA graph replay a step, copies included. Each
 block's place follows the one before it, wrapping to the ring's start when it does not fit at the end,

@@ -1,7 +1,7 @@
 """Every ResBlock's timestep-embedding projection of one UNet (or ControlNet) in one GEMM per forward.
 
 Each ResBlock computes `emb_layers(emb)` = Linear(SiLU(emb)) from the same `emb` and, in the fused ResBlock
-(engine/fused_resblock.py), adds its first conv's bias in fp32: SiLU, GEMM, two casts and an add, five
+(engine/patches/fused_resblock.py), adds its first conv's bias in fp32: SiLU, GEMM, two casts and an add, five
 launches of tiny kernels per ResBlock (110 per SD1.5 step, about 0.3 ms of the H200's 6.3 ms graph, mostly
 launch gaps: device run 26). Here the first ResBlock that sees a new `emb` computes them for all of the
 model's ResBlocks at once: one SiLU, the Linear weights and biases concatenated (read through the host's
@@ -15,7 +15,7 @@ forward, and a later forward (a new `emb` object) never sees an old one; inside 
 one more intermediate of the captured forward.
 
 Per-block path instead (`projection` returns None) where the batch could read a weight that is not there
-yet: while a block streamer holds the model's weights in its GPU ring (engine/offload.py: a block's
+yet: while a block streamer holds the model's weights in its GPU ring (engine/memory/offload.py: a block's
 weights arrive only when the block runs), or when a ResBlock's `emb_layers` is not exactly [SiLU, Linear].
 """
 import weakref
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_modules as fm
-from .graphs.fingerprint import WEIGHTS_TOKEN
+from ..graphs.fingerprint import WEIGHTS_TOKEN
 
 
 def batchable(block):
