@@ -14,11 +14,12 @@ seen at once; a `.data` swap of the same Parameter mid-run, which no host does, 
 step. Without an epoch (None) every read is full.
 
 Weights a block streamer keeps in fixed GPU places (engine/memory/offload.py) change where the fingerprint cannot see
-them: the streamer's token (`WEIGHTS_TOKEN` on the module) is part of the fingerprint.
+them: the module's residency token (engine/memory/residency.py) is part of the fingerprint.
 """
 import weakref
 
-WEIGHTS_TOKEN = "sd_accel_weights_token"
+from ..memory import residency
+
 _NO_EPOCH = object()
 
 
@@ -44,7 +45,7 @@ class WeightsFingerprint:
             self._last = None
         tensors = [d.get(name) for d, name in self.slots]
         last = self._last
-        token = getattr(self.token_module, WEIGHTS_TOKEN, None)
+        token = residency.token_of(self.token_module)
         if (last is not None and _same_objects(last[0], tensors) and all(tensors[i]._version == v for i, v in last[1])
                 and last[2][0][2] is token):
             return last[2]
@@ -63,7 +64,7 @@ class WeightsFingerprint:
                 versioned.append((i, version))
             refs.append(weakref.ref(t))
             out.append((t.data_ptr(), version, t.dtype))
-        result = (_Identity(self.tree + tuple(refs)), tuple(out), getattr(self.token_module, WEIGHTS_TOKEN, None)), all_cuda
+        result = (_Identity(self.tree + tuple(refs)), tuple(out), residency.token_of(self.token_module)), all_cuda
         if epoch is not None:
             self._last = (refs, versioned, result)
         return result

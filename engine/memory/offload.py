@@ -27,10 +27,11 @@ place before the kernels issued so far (the place's previous reader among them) 
 keeps a block's place clear of the d blocks before it, which are computing or in flight then.
 
 Swapping is `tensor.data = view`: Parameter objects, names and state_dict keys stay as they were (LoRA and
-weight patches keep working); `remove()` puts every tensor's original data back and frees the ring. The
-unet carries `sd_accel_weights_token` (engine/graphs/step_graphs.py reads it) while installed, a new object per
-install: graphs captured against another ring or other host buffers are never replayed. Through it, a
-host that converts conv weights to channels_last in place reaches `relayout` for the streamed ones.
+weight patches keep working); `remove()` puts every tensor's original data back and frees the ring. While
+installed the unet carries a residency token (engine/memory/residency.py), a new one per install, which the
+weights fingerprint reads: graphs captured against another ring or other host buffers are never replayed.
+Through it, a host that converts conv weights to channels_last in place reaches `relayout` for the streamed
+ones.
 
 With device=cpu the same logic runs with real copies into a CPU ring and no streams: the order, the
 aliasing of places and the swaps are testable without a GPU.
@@ -39,8 +40,7 @@ import contextlib
 
 import torch
 
-from ..graphs.fingerprint import WEIGHTS_TOKEN
-from . import host_mirror
+from . import host_mirror, residency
 from .pinned_memory import aligned as _aligned, host_buffers, nbytes as _nbytes, view_as as _view
 from .vram_plan import ring_layout, stream_units
 
@@ -166,7 +166,7 @@ class BlockStreamer:
                     self._handles.append(m.register_forward_pre_hook(hook))
         self._handles.append(self.unet.register_forward_pre_hook(lambda m, a: self._step_start()))
         self._handles.append(self.unet.register_forward_hook(lambda m, a, o: self._step_end()))
-        setattr(self.unet, WEIGHTS_TOKEN, _Installed(self))
+        residency.mark(self.unet, self)
         self.installed, self._current, self._issued = True, None, {}
         return self
 
@@ -184,8 +184,7 @@ class BlockStreamer:
                 torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
             except RuntimeError:   # the copy stream was left in a failed capture: it copies nothing any more
                 pass
-        if hasattr(self.unet, WEIGHTS_TOKEN):
-            delattr(self.unet, WEIGHTS_TOKEN)
+        residency.clear(self.unet)
         self._state, self._current, self._active, self._issued, self.installed = {}, None, [], {}, False
         self._open, self._where = False, {}
         self._copy_stream, self.ring = None, None
@@ -395,10 +394,3 @@ def put_back(t, host):
         host = host.contiguous(memory_format=torch.channels_last)
     t.data = host
 
-
-class _Installed:
-    """What the unet carries as WEIGHTS_TOKEN while a streamer is installed: a new object per install."""
-    __slots__ = ("streamer",)
-
-    def __init__(self, streamer):
-        self.streamer = streamer

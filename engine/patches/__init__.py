@@ -4,5 +4,6 @@ The plan is data, `{attribute path: replacement module}` (patching.plan_patches,
 patch_folding); each host applies it its own reversible way. Stand-ins keep their host class (isinstance holds)
 and its parameter names (LoRA and weight patches find them), read weights through the host's casting, and run
 their host class's own forward inside `stock_path.stock_modules()`.
-May import kernels/ and engine/reports; never graphs/, memory/ or a host.
+May import kernels/, engine/reports and engine/memory/residency (the token of weights a fingerprint cannot see);
+never graphs/, the rest of memory/ or a host.
 """

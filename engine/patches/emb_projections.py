@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_modules as fm
-from ..graphs.fingerprint import WEIGHTS_TOKEN
+from ..memory import residency
 
 
 def batchable(block):
@@ -58,7 +58,7 @@ class EmbProjections:
         done = emb.__dict__.get(self.attr)
         if done is None:
             root = self.root()
-            if root is None or getattr(root, WEIGHTS_TOKEN, None) is not None:
+            if root is None or residency.token_of(root) is not None:
                 return None
             done = self._all(emb)
             setattr(emb, self.attr, done)

@@ -26,6 +26,7 @@ from torch import nn
 
 from . import fused_modules as fm
 from . import fused_resblock, fused_transformer_block
+from ..memory import residency
 
 ALL_OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
 COMFY_OPS = ALL_OPS + ("resblock_add_norm", "transformer_add_norm")
@@ -126,8 +127,7 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
     around each convolution. Stock ComfyUI's --force-channels-last does the same to the whole model.
     Returns how many weights changed. Weights a block streamer (engine/memory/offload.py) holds in its GPU ring are
     converted through it: their host copies change layout, and the ring view follows."""
-    from ..graphs.fingerprint import WEIGHTS_TOKEN
-    streamer = getattr(getattr(root, WEIGHTS_TOKEN, None), "streamer", None)
+    streamer = residency.streamer_of(root)
     n = 0
     for m in root.modules():
         if isinstance(m, nn.Conv2d) and m.weight is not None and m.weight.dim() == 4:

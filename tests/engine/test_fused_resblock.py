@@ -168,7 +168,7 @@ def test_emb_projections_of_all_blocks_equal_each_blocks_own_and_step_aside_whil
     """The shared projection gives each ResBlock what its emb_layers + conv bias give, computed once per emb
     tensor; while a block streamer's token is on the model (weights arrive block by block), none is made."""
     from sd_accel.engine.patches import emb_projections
-    from sd_accel.engine.graphs.fingerprint import WEIGHTS_TOKEN
+    from sd_accel.engine.memory import residency
     standins = list(fused_resblock.plan_resblocks(unet).values())
     shared = standins[0].sdaccel_emb_projections
     assert all(s.sdaccel_emb_projections is shared for s in standins) and len(shared.blocks) == len(standins)
@@ -181,9 +181,9 @@ def test_emb_projections_of_all_blocks_equal_each_blocks_own_and_step_aside_whil
         first = shared.projection(standins[0], emb)
         assert first.data_ptr() == shared.projection(standins[0], emb).data_ptr()     # once per emb
         assert shared.projection(standins[0], emb.clone()).data_ptr() != first.data_ptr()
-        setattr(unet, WEIGHTS_TOKEN, object())
+        residency.mark(unet)
         try:
             assert shared.projection(standins[0], emb.clone()) is None
         finally:
-            delattr(unet, WEIGHTS_TOKEN)
+            residency.clear(unet)
     assert not emb_projections.batchable(torch.nn.Linear(2, 2))

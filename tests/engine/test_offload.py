@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
-from sd_accel.engine.graphs.fingerprint import WEIGHTS_TOKEN  # noqa: E402
+from sd_accel.engine.memory import residency  # noqa: E402
 from sd_accel.engine.memory.offload import BlockStreamer, off_device_bytes, owned_tensors  # noqa: E402
 from sd_accel.engine.memory.vram_plan import (min_budget, plan_residency, ring_layout, stream_units,  # noqa: E402
                                       unet_block_sizes)
@@ -79,16 +79,17 @@ def test_streaming_every_block_gives_the_same_output(unet, depth):
 def test_install_remove_round_trip_keeps_parameters_and_state_dict(unet):
     before = _snapshot(unet)
     s = BlockStreamer(unet, _names(unet)[::2], prefetch_depth=1, device="cpu").install()
-    token = getattr(unet, WEIGHTS_TOKEN)
+    token = residency.token_of(unet)
+    assert token is not None and residency.streamer_of(unet) is s
     s.install()                       # idempotent
-    assert getattr(unet, WEIGHTS_TOKEN) is token
+    assert residency.token_of(unet) is token
     _run(unet)
     s.remove()
     s.remove()                        # idempotent
     _assert_same(before, _snapshot(unet))
-    assert not hasattr(unet, WEIGHTS_TOKEN) and s.ring_bytes == 0 and not s.installed
+    assert residency.token_of(unet) is None and s.ring_bytes == 0 and not s.installed
     s.install()                       # a new install: a new token (graphs of the old ring never replay)
-    assert getattr(unet, WEIGHTS_TOKEN) is not token
+    assert residency.token_of(unet) not in (None, token)
     s.remove()
 
 

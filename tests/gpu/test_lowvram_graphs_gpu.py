@@ -5,6 +5,7 @@ test switch `stream_every_block`: the small model would otherwise fit whole), th
 stock's, and a second prompt replays without recapturing."""
 import torch
 
+from sd_accel.engine.memory import residency
 from test_graphs_gpu import _rel, _sample, comfy_env  # noqa: F401  (the shared module fixture)
 
 
@@ -36,7 +37,7 @@ def test_streamed_blocks_replay_in_graphs_and_match_stock(comfy_env):  # noqa: F
     # the unet is left as it was: weights back on the GPU where ComfyUI put them, no token
     unet = clone.model.diffusion_model
     assert all(p.is_cuda for p in unet.parameters())
-    assert not hasattr(unet, "sd_accel_weights_token")
+    assert residency.token_of(unet) is None
 
 
 def test_promoted_blocks_come_from_one_pinned_buffer_kept_across_runs():
