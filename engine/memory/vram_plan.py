@@ -1,22 +1,12 @@
-"""Which UNet blocks stay on the GPU under a VRAM budget, and in which order the others are prefetched.
+"""The VRAM planner: which UNet blocks stay on the GPU under a budget, in which order the others are prefetched,
+and where one sampling run's weights go. Pure: block sizes, a budget and an activation estimate in, a plan
+out; no ComfyUI import (the host measures and applies it: hosts/comfyui/memory.py and lowvram.py).
 
-Host-agnostic and pure: sizes in, a plan out. No ComfyUI import; `unet_block_sizes` only walks the
-attributes an ldm `UNetModel` has (time_embed, label_emb, input_blocks, middle_block, output_blocks, out).
-
-The unit of placement (a "block" below) is a stream unit (`stream_units`): each child of a top-level block of
-ldm's UNetModel (a ResBlock, a Downsample or Upsample) and each transformer block of a SpatialTransformer, the
-transformer's own layers joining the unit that runs next to them (norm and proj_in the ResBlock before its
-blocks, proj_out its last block). Whole top-level blocks were the unit before device run 38: SDXL's largest
-(ten transformer blocks) is 0.66 GiB, so a ring holding two of them took 1.32 GiB of a 4 GiB budget; its
-largest unit is 0.095 GiB, and what the ring no longer takes stays resident instead of being copied every step.
-
-The model of a denoising step: the units run one after another in execution order. A *resident*
-block lives on the GPU for the whole run. A *streamed* block's weights are copied into a fixed place of one
-GPU ring buffer before it runs (engine/memory/offload.py): with `prefetch_depth = d`, while streamed block s[i]
-computes, the copies of s[i+1..i+d] are in flight, and s[0..d] are copied at the start of each step. Fixed
-places (the same addresses at every step) are what lets a CUDA graph replay a step, copies included. Each
-block's place follows the one before it, wrapping to the ring's start when it does not fit at the end,
-and never overlaps the d blocks before it (one computing, the others in flight): `ring_layout`. So
+The unit of placement (a "block" below) is a stream unit (engine/memory/stream_units.py). The model of a
+denoising step: the units run one after another in execution order. A *resident* block lives on the GPU for
+the whole run. A *streamed* block's weights are copied into a fixed place of one GPU ring buffer before it runs
+(engine/memory/offload.py; the places: engine/memory/ring.py): with `prefetch_depth = d`, while streamed block
+s[i] computes, the copies of s[i+1..i+d] are in flight, and s[0..d] are copied at the start of each step. So
 
     peak = activation_bytes + sum(resident) + ring(streamed)
 
@@ -27,15 +17,26 @@ blocks resident largest first (the blocks whose streaming would move the most by
 block only when the peak still fits the budget; passes repeat until nothing more fits. Streaming moves
 sum(streamed) bytes per step, so keeping the largest blocks resident is what saves the most transfer time
 for a given budget.
+
+One sampling run (`place_run`, once per attempt): ComfyUI's loader is shown the budget less the ring and the
+activations (`loader_budget`) and partially loads the model; once it has, the placement is made to fit
+(`RunPlacement.overflow`: what ComfyUI must unload more) and the room left takes the largest streamed blocks
+(`RunPlacement.after_load`, `promote_blocks`).
 """
 import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-GIB = 2 ** 30
+from .ring import ring_bytes, window_bytes
 
-# top-level children of ldm's UNetModel in the order its forward() runs them
-_UNET_ORDER = ("time_embed", "label_emb", "input_blocks", "middle_block", "output_blocks", "out")
+GIB = 2 ** 30
+PREFETCH_DEPTH = 1       # streamed blocks copied ahead of the one computing
+PROMOTE_MARGIN = 0.05    # of the budget, kept free of promoted blocks: ComfyUI's activation estimate is rough
+# ComfyUI's activation estimate for the run's shape, times this, is what a run's placement keeps free: with
+# the promoted blocks filling the room up to the margin, the estimate alone ran short (SDXL 1024² at 4 GiB
+# peaked 0.29 GiB above ComfyUI's estimate of 0.64 GiB; bench/RESULTS.md, "Device runs 36-43", has the runs
+# before and after the margin)
+ACTIVATION_SAFETY = 1.5
 
 
 class BudgetTooSmall(ValueError):
@@ -77,110 +78,6 @@ class ResidencyPlan:
                    self.peak_bytes / GIB, cap))
 
 
-def _window(sizes, depth):
-    """Largest sum of 1 + depth consecutive entries (all of them when there are fewer); not cyclic: each step
-    starts its copies afresh."""
-    k = 1 + depth
-    if len(sizes) <= k:
-        return sum(sizes)
-    return max(sum(sizes[i:i + k]) for i in range(len(sizes) - k + 1))
-
-
-def _clear(start, size, sizes, offsets, live):
-    return all(not (size and sizes[j] and start < offsets[j] + sizes[j] and offsets[j] < start + size) for j in live)
-
-
-def _place_after(sizes, depth, ring):
-    """Offsets of `sizes` placed one after another in a ring of `ring` bytes (a block that does not fit at the
-    end starts at 0), or None when a block would overlap one of the `depth` blocks before it."""
-    offsets = []
-    for i, size in enumerate(sizes):
-        start = offsets[-1] + sizes[i - 1] if i else 0
-        if start + size > ring:
-            start = 0
-        if size > ring or not _clear(start, size, sizes, offsets, range(max(0, i - depth), i)):
-            return None
-        offsets.append(start)
-    return offsets
-
-
-def _place_search(sizes, depth, ring, budget=20000):
-    """Offsets of `sizes` in `ring` bytes, each clear of the `depth` blocks before it, found by a depth-first
-    search over the addresses that can matter (0, the ring's end, and either side of each live block), or
-    None (none found within `budget` search nodes)."""
-    failed, offsets, left = set(), [], [budget]
-
-    def go(i):
-        if i == len(sizes):
-            return True
-        live = range(max(0, i - depth), i)
-        state = (i, tuple(offsets[j] for j in live))
-        if state in failed or left[0] <= 0:
-            return False
-        left[0] -= 1
-        size = sizes[i]
-        starts = {0, ring - size} | {offsets[j] + sizes[j] for j in live} | {offsets[j] - size for j in live}
-        for st in sorted(x for x in starts if 0 <= x <= ring - size):
-            if _clear(st, size, sizes, offsets, live):
-                offsets.append(st)
-                if go(i + 1):
-                    return True
-                offsets.pop()
-        failed.add(state)
-        return False
-    return list(offsets) if go(0) else None
-
-
-def ring_layout(sizes, depth):
-    """(offsets, ring bytes) for streamed blocks of `sizes` (execution order) with prefetch `depth`; see
-    `_ring_layout`. Memoized: the planner asks for the same layouts at every prompt (device run 43: planning
-    95 SDXL units took ~100 ms of every prompt before the first step)."""
-    offsets, ring = _ring_layout_cached(tuple(int(s) for s in sizes), int(depth))
-    return list(offsets), ring
-
-
-@functools.lru_cache(maxsize=4096)
-def _ring_layout_cached(sizes, depth):
-    offsets, ring = _ring_layout(list(sizes), depth)
-    return tuple(offsets), ring
-
-
-def _ring_layout(sizes, depth):
-    """(offsets, ring bytes) for streamed blocks of `sizes` (execution order) with prefetch `depth`: every
-    block clear of the `depth` blocks before it (one computing, the others in flight when its copy starts).
-    Starts from blocks placed one after another in a ring that wraps (the smallest of the window plus each
-    block size that works, else the sum of all sizes, which always does: nothing wraps), then searches for
-    the smallest ring down to the window (the largest sum of 1 + depth consecutive sizes, below which
-    nothing fits)."""
-    sizes = [int(s) for s in sizes]
-    if not sizes:
-        return [], 0
-    window = _window(sizes, depth)
-    for ring in [window + s for s in sorted(set(sizes))] + [sum(sizes)]:
-        offsets = _place_after(sizes, depth, ring)
-        if offsets is not None:
-            best = (offsets, ring)
-            break
-    if best[1] > window:
-        offsets = _place_search(sizes, depth, window)
-        if offsets is not None:
-            return offsets, window
-    lo, hi = window, best[1]                 # lo does not fit: the smallest ring found, to 1/64 of the window
-    while hi - lo > max(1, window // 64):
-        mid = (lo + hi) // 2
-        offsets = _place_search(sizes, depth, mid)
-        if offsets is None:
-            lo = mid
-        else:
-            best, hi = (offsets, mid), mid
-    return best
-
-
-def ring_bytes(sizes, depth):
-    """Bytes of the GPU ring that streams `sizes` (see `ring_layout`)."""
-    return ring_layout(sizes, depth)[1]
-
-
 def _peak(order, resident, sizes, activation_bytes, depth):
     streamed = [sizes[b] for b in order if b not in resident]
     return activation_bytes + sum(sizes[b] for b in resident) + ring_bytes(streamed, depth)
@@ -191,7 +88,7 @@ def _fits(order, resident, sizes, activation_bytes, depth, budget):
     most candidates the planner tries fail that way, and a layout is the expensive part."""
     streamed = [sizes[b] for b in order if b not in resident]
     base = activation_bytes + sum(sizes[b] for b in resident)
-    if base + _window(streamed, depth) > budget:
+    if base + window_bytes(streamed, depth) > budget:
         return False
     return base + ring_bytes(streamed, depth) <= budget
 
@@ -262,76 +159,102 @@ def _plan_residency(block_sizes, budget_bytes, activation_bytes, prefetch_depth)
         streamed_bytes=sum(sizes[b] for b in streamed), sizes=sizes)
 
 
-def _param_bytes(modules):
-    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+# -- the node's plan and one run's placement ------------------------------------------------------------------
+
+def plan_for_budget(block_sizes, budget_bytes, activation_bytes):
+    """(plan, notes): the plan at prefetch depth PREFETCH_DEPTH, or at 0 with a note where the budget holds
+    only one streamed block at a time (prefetching the next block needs room for two): slower, rather than
+    refused. Below even that: BudgetTooSmall (its minimum is the floor without prefetch)."""
+    try:
+        return plan_residency(block_sizes, budget_bytes, activation_bytes, PREFETCH_DEPTH), []
+    except BudgetTooSmall as with_prefetch:
+        plan = plan_residency(block_sizes, budget_bytes, activation_bytes, 0)
+        return plan, ["prefetch off: the budget holds one streamed block at a time (%.2f GiB needed to prefetch); "
+                      "each block's copy waits for the one before it, slower" % (with_prefetch.needed / GIB)]
 
 
-# a SpatialTransformer is split only when these are all its children, registered in the order its forward
-# runs them (ComfyUI's and ldm's): norm, proj_in, the transformer blocks, proj_out
-_TRANSFORMER_CHILDREN = {"norm", "proj_in", "transformer_blocks", "proj_out"}
+def _plan_at(plan, budget):
+    """`plan` at another budget (a retry's); `plan` itself at its own, so a run does not plan again."""
+    if int(budget) == plan.budget_bytes:
+        return plan
+    return plan_residency(list(plan.sizes.items()), budget, plan.activation_bytes, plan.prefetch_depth)
 
 
-def _split_transformer(child):
-    names = [n for n, _ in child.named_children()]
-    tb = getattr(child, "transformer_blocks", None)
-    return (tb is not None and len(tb) > 0 and set(names) <= _TRANSFORMER_CHILDREN
-            and names.index("transformer_blocks") == len([n for n in names if n in ("norm", "proj_in")]))
+def loader_budget(plan, budget, comfy_reserve=None):
+    """The budget ComfyUI's loader is shown with lowvram streaming: the budget less the planner's streaming
+    ring at that budget (where the streamed blocks take turns) and its activation estimate, plus the inference
+    reserve the loader subtracts itself (`comfy_reserve`), so it loads the planner's resident bytes."""
+    if plan is None or not budget:
+        return budget
+    try:
+        p = _plan_at(plan, budget)
+        window = p.peak_bytes - p.activation_bytes - p.resident_bytes
+    except BudgetTooSmall:
+        window = plan.min_budget_bytes - plan.activation_bytes
+    reserve = plan.activation_bytes if comfy_reserve is None else comfy_reserve
+    # ComfyUI keeps its own reserve (0.8 GiB) free of weights, more than an SD1.5 step needs besides the ring,
+    # so it is shown that much more; but never more than the budget: shown more, it loads the UNet's share
+    # while the text encoders or the VAE are still there, and the run goes over the budget (SDXL at 4 GiB
+    # peaked at 4.09 GiB: bench/RESULTS.md, "Device runs 36-43"). What room it leaves is filled after it
+    # loaded, from pinned buffers (the promoted blocks, RunPlacement.after_load)
+    return min(max(budget - window - plan.activation_bytes + reserve, 0), budget)
 
 
-def stream_units(unet):
-    """[(name, [modules])] of an ldm UNetModel in execution order, each unit's modules running one after
-    another in a step (a unit is entered once per step), together holding every parameter under the top-level
-    blocks: time_embed, label_emb, out whole; each child of input_blocks.i, middle_block, output_blocks.i
-    ("input_blocks.4.0" a ResBlock, "output_blocks.2.2" an Upsample), a SpatialTransformer cut into its
-    transformer blocks ("input_blocks.4.1.transformer_blocks.0"), its norm and proj_in joining the unit before
-    it (they run right after it), its proj_out its last block's. A top-level block that is not a sequence of
-    children (extensions) is one unit under its own name."""
-    units = []
-    for attr in _UNET_ORDER:
-        mod = getattr(unet, attr, None)
-        if mod is None:
-            continue
-        if attr in ("input_blocks", "output_blocks"):
-            blocks = [("%s.%d" % (attr, i), b) for i, b in enumerate(mod)]
-        elif attr == "middle_block":
-            blocks = [(attr, mod)]
-        else:
-            units.append((attr, [mod]))
-            continue
-        for bname, block in blocks:
-            children = list(block.named_children())
-            if not children or any(p is not None for p in block._parameters.values()):
-                units.append((bname, [block]))
-                continue
-            first = len(units)
-            for cname, child in children:
-                cpath = "%s.%s" % (bname, cname)
-                if not _split_transformer(child):
-                    units.append((cpath, [child]))
-                    continue
-                for gname, g in child.named_children():
-                    if gname == "transformer_blocks":
-                        units.extend(("%s.transformer_blocks.%d" % (cpath, k), [t]) for k, t in enumerate(g))
-                    elif len(units) > first:
-                        units[-1][1].append(g)      # norm, proj_in: the unit before; proj_out: the last block
-                    else:
-                        units.append((cpath, [g]))  # a block that starts with its transformer
-    return units
+def promote_blocks(sizes, room, depth):
+    """Of the streamed blocks [(name, bytes)] (execution order), those moved to the GPU for the run: ComfyUI's
+    loader keeps its own reserve free of weights, sized for any model, so the budget often has room left.
+    The planner's rule on what is left: largest first, while they plus the ring of the rest fit `room`."""
+    if not sizes or room <= 0:
+        return []
+    try:
+        return plan_residency(sizes, room, 0, depth).resident
+    except BudgetTooSmall:     # not even the ring of all of them fits: nothing to promote
+        return []
 
 
-def unet_block_sizes(unet):
-    """[(name, parameter bytes)] of an ldm UNetModel's stream units (`stream_units`), in execution order. Any
-    other top-level child holding parameters (extensions of the class) follows, under its attribute name, so
-    the sizes add up to the model's parameter bytes."""
-    out, seen = [], set(a for a in _UNET_ORDER if getattr(unet, a, None) is not None)
-    for name, mods in stream_units(unet):
-        out.append((name, _param_bytes(mods)))
-    for name, mod in unet.named_children():
-        if name not in seen:
-            n = _param_bytes([mod])
-            if n:
-                out.append((name, n))
-    direct = sum(p.numel() * p.element_size() for p in unet.parameters(recurse=False))
-    if direct:
-        out.append(("(own parameters)", direct))
-    return out
+@dataclass(frozen=True)
+class RunPlacement:
+    """Where one sampling run's weights go under `budget_bytes` (0: no cap), decided before ComfyUI loads the
+    model (`place_run`) and finished once it has, from what it left off the GPU (`overflow`, `after_load`)."""
+    budget_bytes: int
+    loader_bytes: int         # the budget ComfyUI's loader is shown
+    prefetch_depth: int
+    activation_bytes: int     # the node's estimate (the model's native size); 0 without a plan
+
+    def run_activation_bytes(self, estimate=None):
+        """What the placement keeps free for this run's activations: ComfyUI's estimate for the run's shape
+        (`estimate`; the node's when None) times ACTIVATION_SAFETY."""
+        return int((self.activation_bytes if estimate is None else estimate) * ACTIVATION_SAFETY)
+
+    def overflow(self, activation, allocated, off_device):
+        """Bytes by which activations + what is allocated + the ring of the units with weights off the device
+        (`off_device`: {unit: bytes}) exceed the budget: what ComfyUI is to unload more (<= 0: it fits, or no
+        cap)."""
+        if not self.budget_bytes:
+            return 0
+        ring = ring_bytes([b for b in off_device.values() if b], self.prefetch_depth)
+        return activation + allocated + ring - self.budget_bytes
+
+    def after_load(self, activation, allocated, off_device):
+        """(streamed units, promoted units, estimated peak bytes) once ComfyUI has loaded: of the units with
+        weights off the device, what room the budget has left (less PROMOTE_MARGIN, the activations and what
+        is allocated) takes the largest (`promote_blocks`), and the rest stream."""
+        budget, depth = self.budget_bytes, self.prefetch_depth
+        streamed = [n for n, b in off_device.items() if b]
+        room = int(budget * (1 - PROMOTE_MARGIN)) - activation - allocated if budget else 0
+        promoted = promote_blocks([(n, off_device[n]) for n in streamed], room, depth)
+        streamed = [n for n in streamed if n not in promoted]
+        peak = activation + allocated + sum(off_device[n] for n in promoted) + ring_bytes(
+            [off_device[n] for n in streamed], depth)
+        return streamed, promoted, peak
+
+
+def place_run(plan, budget, streaming, comfy_reserve=None):
+    """The placement of one sampling run at `budget` (the node's, or a retry's) from the node's `plan` (None:
+    a pool without one: the default prefetch depth, no activation estimate). `streaming`: lowvram streaming
+    runs, so the loader is shown `loader_budget`; otherwise the budget itself."""
+    return RunPlacement(
+        budget_bytes=budget,
+        loader_bytes=loader_budget(plan, budget, comfy_reserve) if streaming else budget,
+        prefetch_depth=plan.prefetch_depth if plan is not None else PREFETCH_DEPTH,
+        activation_bytes=plan.activation_bytes if plan is not None else 0)

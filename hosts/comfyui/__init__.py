@@ -5,6 +5,9 @@
   object_patches  the engine's module swaps as ComfyUI object patches, folded per top-level block
   controlnet      copies of the ControlNets in the conds, patched; cond-only mode
   control_graph   a step's ControlNet chain inside the UNet's CUDA graph
-  memory          the VRAM Pool's wiring into ComfyUI's model management
+  memory          the VRAM Pool's run wiring: its wrappers, one placement per attempt, the out-of-memory retry
+  memory_scopes   what the pool reads from and sets on ComfyUI's model_management around a run
+  lowvram         streaming what ComfyUI's loader left off the GPU, and the promoted blocks
+  clip_stage      the pool's clip output: the text encode under its budget
 Imported by nodes/ only. Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected.
 """

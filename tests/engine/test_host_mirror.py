@@ -157,7 +157,7 @@ def test_a_streamers_buffer_takes_over_the_mirrors_copies_and_their_slabs_are_fr
     import comfy_inproc
     from sd_accel.engine.memory import pinned_memory
     from sd_accel.engine.memory.offload import BlockStreamer
-    from sd_accel.engine.memory.vram_plan import stream_units
+    from sd_accel.engine.memory.stream_units import stream_units
     monkeypatch.setattr(pinned_memory, "_warned", ["(this test)"])          # no warning about pinning
     unet, dev = comfy_inproc.tiny_unet(seed=8), Device()
     values = {n: p.detach().clone() for n, p in unet.named_parameters()}

@@ -1,6 +1,6 @@
 """engine/memory/offload.py (BlockStreamer) on ComfyUI's real openaimodel UNetModel, on CPU: the same output as
 without streaming, install/remove leaves the module exactly as it was (Parameter objects, names, data,
-hooks), the prefetch order and the ring are vram_plan's, and places shared by several blocks never hand a
+hooks), the prefetch order and the ring are the planner's (vram_plan, ring), and places shared by several blocks never hand a
 block another's weights."""
 import os
 import sys
@@ -12,9 +12,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
 from sd_accel.engine.memory import residency  # noqa: E402
-from sd_accel.engine.memory.offload import BlockStreamer, off_device_bytes, owned_tensors  # noqa: E402
-from sd_accel.engine.memory.vram_plan import (min_budget, plan_residency, ring_layout, stream_units,  # noqa: E402
-                                      unet_block_sizes)
+from sd_accel.engine.memory.offload import BlockStreamer  # noqa: E402
+from sd_accel.engine.memory.ring import ring_layout  # noqa: E402
+from sd_accel.engine.memory.stream_units import (off_device_bytes, owned_tensors, stream_units,  # noqa: E402
+                                                 unet_block_sizes)
+from sd_accel.engine.memory.vram_plan import min_budget, plan_residency  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ def test_promoted_blocks_come_from_one_pinned_buffer_kept_across_runs():
     """resident_blocks (the pool's promoted blocks): exact GPU copies for the scope, host data back after (as
     views of the pinned buffers, the pageable originals freed), and the second run reuses the first run's
     pinned buffer instead of copying from pageable memory again."""
-    from sd_accel.engine.memory.offload import resident_blocks
+    from sd_accel.engine.memory.promoted_blocks import resident_blocks
 
     class Net(torch.nn.Module):
         def __init__(self):

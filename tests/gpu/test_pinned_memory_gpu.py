@@ -8,7 +8,7 @@ import torch
 
 from sd_accel.engine.memory import pinned_memory
 from sd_accel.engine.memory.offload import BlockStreamer
-from sd_accel.engine.memory.vram_plan import stream_units
+from sd_accel.engine.memory.stream_units import stream_units
 
 
 def test_buffers_are_pinned_views_of_slabs_and_graphs_capture_copies_from_them():
