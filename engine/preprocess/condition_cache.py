@@ -4,9 +4,8 @@ One entry is one frame: a `.pt` file holding a uint8 map (H, W) for single-chann
 (H, W, 3) for colour maps, plus plain string/int metadata. A ComfyUI IMAGE is rebuilt from it
 exactly as `u8.float() / 255`, so a hit is bit-identical to the miss that wrote it.
 
-Key: sha256 over the source pixels (exact bytes, shape, dtype) and a canonical JSON "spec" of
-everything else that changes the output (preprocessor id and implementation, every parameter,
-weight-file identity, output-affecting library major versions) and `CACHE_FORMAT_VERSION`.
+Key: sha256 over the source pixels and a "spec" of everything else that changes the output
+(engine/preprocess/cache_keys.py). A batch of frames goes through the cache in engine/preprocess/batch.py.
 
 Safety: files are written to a temp file in the cache folder and `os.replace`d into place, so a
 reader never sees a partial entry. Entries are read with `torch.load(weights_only=True)` (no code
@@ -18,9 +17,7 @@ Host-agnostic: nothing here imports ComfyUI; the node layer picks the folder.
 """
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import logging
 import os
 import re
@@ -28,13 +25,14 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
+from .cache_keys import CACHE_FORMAT_VERSION
+
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
 DEFAULT_MAX_BYTES = 2 * 1024 ** 3
 ENV_DIR = "SDACCEL_CONDITION_CACHE_DIR"
 ENV_MAX_MB = "SDACCEL_CONDITION_CACHE_MAX_MB"
@@ -44,63 +42,6 @@ _ENTRY_RE = re.compile(r"^[0-9a-f]{64}\.pt$")
 _TMP_RE = re.compile(r"^\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp$")
 _STALE_TMP_SECONDS = 3600
 _ENTRY_FIELDS = {"format", "key", "kind", "map", "height", "width", "channels"}
-
-
-# ----------------------------------------------------------------------------------------- keys
-def canonical_json(obj) -> str:
-    """Deterministic JSON: sorted keys, no whitespace, ASCII, no NaN. Tuples become lists."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-
-
-def file_identity(path: str) -> dict:
-    """Cheap identity of a weight file or model folder: name + size + mtime (ns) of each file.
-
-    A folder lists every regular file under it (hidden files and `__pycache__` skipped), so a
-    changed config.json or preprocessor_config.json changes the key as well as the weights."""
-    path = os.path.abspath(path)
-    if os.path.isfile(path):
-        st = os.stat(path)
-        return {"name": os.path.basename(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    files = []
-    for root, dirs, names in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
-        for n in sorted(names):
-            if n.startswith("."):
-                continue
-            p = os.path.join(root, n)
-            st = os.stat(p)
-            files.append([os.path.relpath(p, path).replace(os.sep, "/"), st.st_size, st.st_mtime_ns])
-    return {"name": os.path.basename(path.rstrip(os.sep)), "files": files}
-
-
-def library_majors(modules: Iterable[str]) -> dict:
-    """{module: major version} for the given importable modules ("absent" when not importable)."""
-    out = {}
-    for name in modules:
-        try:
-            mod = __import__(name)
-            out[name] = str(getattr(mod, "__version__", "?")).split(".")[0]
-        except Exception:  # noqa: BLE001 - a broken optional library must not break key building
-            out[name] = "absent"
-    return out
-
-
-def frame_key(frame: torch.Tensor, spec: Mapping) -> str:
-    """sha256 hex key of one source frame (exact pixel bytes, shape, dtype) under `spec`."""
-    t = frame.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    h = hashlib.sha256()
-    h.update(b"sd_accel.condition_cache\0")
-    h.update(str(CACHE_FORMAT_VERSION).encode())
-    h.update(b"\0")
-    h.update(canonical_json(spec).encode())
-    h.update(b"\0")
-    h.update(canonical_json({"shape": list(t.shape), "dtype": str(t.dtype)}).encode())
-    h.update(b"\0")
-    h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------- conversions
@@ -428,56 +369,3 @@ def shared_cache(directory: str, max_bytes: int | None = None) -> ConditionCache
     if max_bytes is not None and int(max_bytes) != cache.max_bytes:
         cache.set_max_bytes(max_bytes)
     return cache
-
-
-# ---------------------------------------------------------------------------- batch driver
-@dataclass
-class MapReport:
-    hits: int
-    misses: int
-    seconds: float
-    cache_bytes: int
-
-    def ui(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "seconds": round(self.seconds, 4),
-                "cache_bytes": self.cache_bytes}
-
-
-def map_batch(image: torch.Tensor, spec: Mapping, compute: Callable[[list[int]], Sequence],
-              cache: ConditionCache | None, channels: int,
-              progress: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, MapReport]:
-    """Condition maps for every frame of `image` [B, H, W, C], cached per frame.
-
-    `compute(indices)` returns uint8 maps ((H, W) or (H, W, 3)) for those frames of `image`; it is
-    called once with all the frames that missed. `cache=None` computes everything and stores nothing.
-    The result is always rebuilt from the uint8 maps, so hits and misses give identical tensors."""
-    t0 = time.perf_counter()
-    n, h, w = int(image.shape[0]), int(image.shape[1]), int(image.shape[2])
-    maps: list = [None] * n
-    keys = [None] * n
-    if cache is not None:
-        for i in range(n):
-            keys[i] = frame_key(image[i], spec)
-            maps[i] = cache.get(keys[i], expect_hw=(h, w), expect_channels=channels)
-            if progress is not None and maps[i] is not None:
-                progress(i, n)
-    todo = [i for i in range(n) if maps[i] is None]
-    if todo:
-        computed = compute(todo)
-        if len(computed) != len(todo):
-            raise RuntimeError(f"preprocessor returned {len(computed)} maps for {len(todo)} frames")
-        for i, m in zip(todo, computed):
-            m = as_u8_map(m)
-            got = 1 if m.ndim == 2 else 3
-            if tuple(m.shape[:2]) != (h, w) or got != channels:
-                raise RuntimeError(f"preprocessor returned a {tuple(m.shape)} map for a {h}x{w} frame "
-                                   f"({channels} channel(s) expected)")
-            maps[i] = m
-            if cache is not None:
-                cache.put(keys[i], m, kind=str(spec.get("preprocessor", "")))
-    out = maps_to_image(maps)
-    hits = n - len(todo) if cache is not None else 0
-    report = MapReport(hits, len(todo), time.perf_counter() - t0,
-                       cache.total_bytes() if cache is not None else 0)
-    return out, report
-
