@@ -2,7 +2,6 @@
 import importlib
 import logging
 
-from ..engine.patches import attention
 from ..hosts.comfyui import accelerate as host
 from ..hosts.comfyui import run as host_run
 
@@ -44,7 +43,7 @@ CONTROLNET_INPUTS = {
 
 
 ATTENTION_INPUTS = {
-    "attention": (list(attention.BACKENDS), {"default": "auto", "tooltip":
+    "attention": (list(host.ATTENTION_BACKENDS), {"default": "auto", "tooltip":
                   "Attention backend per call: auto keeps ComfyUI's own choice; sdpa = PyTorch SDPA; "
                   "xformers and sage (SageAttention) when installed. A call a backend cannot run (CPU, "
                   "SD1.5's head dims 40/80/160 for sage) uses SDPA and the report says why."}),

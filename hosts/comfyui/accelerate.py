@@ -11,9 +11,7 @@
 Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
 """
 import logging
-from dataclasses import dataclass
-
-
+from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
 from ...engine.patches import attention, fused_modules, patching
 from ...engine.graphs import step_graphs
 from ...engine.graphs.step_graphs import StepGraphs
@@ -22,17 +20,7 @@ from . import object_patches
 
 log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
-
-
-@dataclass(frozen=True)
-class AccelOptions:
-    fused_kernels: bool = True
-    cuda_graph: bool = True
-    channels_last: bool = True
-    attention: str = "auto"     # "auto" keeps the host's own attention
-
-    def any(self):
-        return self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"
+ATTENTION_BACKENDS = attention.BACKENDS   # the nodes' `attention` choices
 
 
 def _register_weight_caster():

@@ -53,6 +53,7 @@ import logging
 import types
 from dataclasses import dataclass
 
+from ...engine.options import AccelOptions
 from ...engine.patches import hint_cache
 from ...engine.graphs.graphed_forward import GraphedForward
 from . import control_graph
@@ -62,11 +63,10 @@ log = logging.getLogger("sd_accel")
 
 
 @dataclass(frozen=True)
-class ControlNetOptions:
-    fused_kernels: bool = True
-    hint_cache: bool = True
+class ControlNetOptions(AccelOptions):
     cuda_graph: bool = False
     channels_last: bool = False
+    hint_cache: bool = True
     cond_only: bool = False   # lossy, opt-in: the ControlNets skip the uncond rows (see the module doc)
     # the chain runs inside the UNet's CUDA graph (hosts/comfyui/control_graph.py); only where the UNet's
     # step takes it (hosts/comfyui.runs_controlnets_in_graph), and not with cond_only

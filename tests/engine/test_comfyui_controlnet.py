@@ -186,7 +186,7 @@ def test_options_off_and_foreign_links(comfy_cn):
     load, host_cn = comfy_cn
     import comfy.controlnet
     cn = load().copy()
-    same, info = host_cn.accelerate_controlnet(cn, host_cn.ControlNetOptions(False, False))
+    same, info = host_cn.accelerate_controlnet(cn, host_cn.ControlNetOptions(fused_kernels=False, hint_cache=False))
     assert same is cn and info["controlnets"] == 0
 
     class OtherPack(comfy.controlnet.ControlNet):     # another pack's subclass: left stock
