@@ -46,3 +46,20 @@ def stock_kernels(monkeypatch):
     import sd_accel.kernels._triton  # noqa: F401
     _set_interpreter(monkeypatch, False)
     yield lambda: _set_interpreter(monkeypatch, False)   # again once the extension's package is loaded
+
+
+@pytest.fixture
+def fake_forge():
+    """Forge's backend stand-in (fake_forge/backend) importable as `backend`, and `modules_forge` imported
+    (how the extension tells it runs in Forge)."""
+    import forge_util
+    forge_util.purge()
+    sys.path.insert(0, forge_util.FAKE_FORGE)
+    try:
+        import modules_forge  # noqa: F401
+        from backend import memory_management
+        memory_management.loaded.clear()
+        yield sys.modules["backend"]
+    finally:
+        sys.path.remove(forge_util.FAKE_FORGE)
+        forge_util.purge()

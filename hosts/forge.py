@@ -1,0 +1,221 @@
+"""Stable Diffusion WebUI Forge host: the engine on Forge's own UNet, through Forge's own ModelPatcher.
+
+Forge runs a UNet of its own (backend/nn/unet.py) in a `KModel` in a `UnetPatcher`
+(`sd_model.forge_objects.unet`), a ModelPatcher of Forge's making with ComfyUI's method names. Extensions
+patch a clone per sampling run in `process_before_every_sampling` and assign it back; Forge puts a
+clone's object patches in when it loads the clone (`forge_patch_model`) and the originals back when it
+unloads it (another clone of the model loaded, the model moved off the GPU).
+
+* fused kernels: object patches on the clone, from the plan of hosts/forge_plan.py (GroupNorm+SiLU,
+  GroupNorm, LayerNorm, GEGLU on Forge's own classes; what stays with Forge and why is there).
+* channels_last (CUDA only): conv weights converted in place on a run's first GPU step (values
+  unchanged, kept until the setting is turned off); SpatialTransformers kept channels_last.
+* CUDA graphs: Forge's `model_function_wrapper` around `KModel.apply_model`, through
+  `engine.cuda_graph.StepGraphs` over the KModel (the UNet's weights and the predictor's sigma buffers, which
+  Forge swaps for zero-terminal-SNR runs). That is Forge's one wrapper slot: a wrapper another extension set
+  before ours is chained (ours runs inside it); one set after ours replaces ours and the run is eager, with
+  the fused modules still in. Eager under an online LoRA (merged in Forge's forward from tensors it moves
+  per run). The graphs' memory is freed when Forge moves the model off the GPU, so its memory manager gets
+  it back for the VAE or the next model.
+Nothing is changed outside the clone: the base patcher, the model and its modules stay as Forge made them.
+"""
+import logging
+import weakref
+
+import torch
+
+from ..engine import cuda_graph, patching
+from ..engine.cuda_graph import StepGraphs
+from . import forge_plan, webui
+from .forge_plan import PREFIX, state_of
+
+log = logging.getLogger("sd_accel")
+
+
+def kmodel_of(sd_model):
+    """Forge's KModel of the loaded SD model, or None (no model, or not Forge's)."""
+    unet = getattr(getattr(sd_model, "forge_objects", None), "unet", None)
+    kmodel = getattr(unet, "model", None)
+    return kmodel if hasattr(kmodel, "diffusion_model") else None
+
+
+def _loads_on_cuda(patcher):
+    dev = getattr(patcher, "load_device", None)
+    return getattr(dev, "type", str(dev)) == "cuda"
+
+
+def _has_group_norm_wrapper(patcher):
+    return "group_norm_wrapper" in patcher.model_options.get("transformer_options", {})
+
+
+def _has_online_lora(patcher):
+    fn = getattr(patcher, "has_online_lora", None)
+    return bool(fn()) if fn is not None else False
+
+
+def _summary(patches, skipped, fold, wrapper, graphs):
+    counts = webui.replacement_counts(patches)
+    return {"patched": sum(counts.values()), "counts": counts, "paths": sorted(patches),
+            "fold_silu": fold, "skipped": {why: len(p) for why, p in skipped.items()},
+            "wrapper": wrapper, "cuda_graph": graphs}
+
+
+def _plan_run(st, patcher, options):
+    """(patches, info) that `options` give for `patcher`'s next run (nothing applied)."""
+    kmodel = patcher.model
+    unet = kmodel.diffusion_model
+    if not options.want("fused_kernels") and not options.want("channels_last"):
+        return {}, {}, False
+    if not forge_plan.plan_for(st, unet):
+        return {}, {"the UNet already holds replacements SD Accel did not plan": ["*"]}, False
+    fold = not _has_group_norm_wrapper(patcher)
+    layout = (options.want("channels_last") and _loads_on_cuda(patcher) and not _has_online_lora(patcher))
+    patches, skipped = forge_plan.run_patches(st, patcher, unet, fold, layout)
+    if not options.want("fused_kernels"):
+        patches = {p: m for p, m in patches.items() if p in st.layout}
+    return patches, skipped, fold
+
+
+def prepare(sd_model, options):
+    """At model load: plans, and says what each generation will patch (`status`). Changes nothing."""
+    kmodel = kmodel_of(sd_model)
+    if kmodel is None:
+        return None
+    st = state_of(kmodel)
+    patches, skipped, fold = _plan_run(st, sd_model.forge_objects.unet, options)
+    st.last = _summary(patches, skipped, fold, None, options.want("cuda_graph"))
+    return st.last
+
+
+def _strip(clone):
+    """Removes our object patches and wrapper from `clone` (one of ours cloned again: the hires pass)."""
+    for k in [k for k, v in clone.object_patches.items() if forge_plan.is_ours(v)]:
+        del clone.object_patches[k]
+    w = clone.model_options.get("model_function_wrapper")
+    if getattr(w, "sd_accel_step", None) is not None:
+        prev = w.sd_accel_prev
+        if prev is None:
+            del clone.model_options["model_function_wrapper"]
+        else:
+            clone.model_options["model_function_wrapper"] = prev
+
+
+def strip(unet_patcher):
+    """`unet_patcher` without SD Accel: itself when it has nothing of ours, else a clone without it."""
+    has = any(forge_plan.is_ours(v) for v in unet_patcher.object_patches.values()) or getattr(
+        unet_patcher.model_options.get("model_function_wrapper"), "sd_accel_step", None) is not None
+    if not has:
+        return unet_patcher
+    clone = unet_patcher.clone()
+    _strip(clone)
+    return clone
+
+
+def accelerate(unet_patcher, options):
+    """(clone of `unet_patcher` with SD Accel applied, info) for `process_before_every_sampling` to assign
+    back to `p.sd_model.forge_objects.unet`. `unet_patcher` itself is untouched."""
+    clone = unet_patcher.clone()
+    _strip(clone)
+    kmodel = clone.model
+    st = state_of(kmodel)
+    st.epoch = object()
+    st.runs += 1
+    st.run_graphs = not _has_online_lora(clone)
+    if not options.want("channels_last") and st.channels_last:
+        n = patching.convert_conv_weights(kmodel.diffusion_model, torch.contiguous_format)
+        st.channels_last = False
+        log.info("[SD Accel] channels_last off: %d conv weights converted back", n)
+    patches, skipped, fold = _plan_run(st, clone, options)
+    for path, module in patches.items():
+        clone.add_object_patch(PREFIX + path, module)
+    if patches != st.patches:   # another module set: graphs captured over the previous one do not apply
+        st.patches, st.patch_token = patches, object()
+    wrapper = None
+    if options.want("cuda_graph") or options.want("channels_last"):
+        wrapper = _install_wrapper(clone, st, options)
+        _free_graphs_on_unload(clone, st)
+    st.last = _summary(patches, skipped, fold, wrapper, options.want("cuda_graph") and st.run_graphs)
+    return clone, dict(st.last)
+
+
+# -- the step: channels_last, CUDA graphs ---------------------------------------------------------
+
+def _host_state(st, kmodel):
+    """What Forge changes without changing the weights' identity: the merged LoRA set (its loader's
+    hash), autocast, and the module structure (read once per run: object patches go in before a run's
+    first step)."""
+    if st.structure[0] is not st.epoch:
+        st.structure = (st.epoch, webui.structure_signature(kmodel))
+    loader = getattr(kmodel, "lora_loader", None)
+    return (getattr(loader, "loaded_hash", None), webui.autocast_state(), st.structure[1], st.patch_token)
+
+
+def _make_step(st, options, kmodel):
+    unet = kmodel.diffusion_model
+
+    def step(apply_model, x, t, c):
+        if options.want("channels_last") and x.is_cuda and st.channels_last_epoch is not st.epoch:
+            n = patching.convert_conv_weights(unet)
+            st.channels_last_epoch, st.channels_last = st.epoch, True
+            if n:
+                log.info("[SD Accel] channels_last: %d conv weights converted", n)
+        if not (options.want("cuda_graph") and st.run_graphs):
+            return cuda_graph.eager_call(apply_model, (x, t), c)
+
+        def fn(x, t, **kw):
+            with webui.capturable_timestep_embedding(unet):
+                return apply_model(x, t, **kw)
+        if st.graphs is None:
+            st.graphs = StepGraphs(kmodel, name="Forge " + type(unet).__name__)
+        return st.graphs.run(fn, (x, t), c, epoch=st.epoch, host_state=_host_state(st, kmodel))
+    return step
+
+
+def _install_wrapper(clone, st, options):
+    step = st.steps.get(options)
+    if step is None:
+        step = st.steps[options] = _make_step(st, options, clone.model)
+    prev = clone.model_options.get("model_function_wrapper")
+
+    def model_function_wrapper(apply_model, a):
+        if prev is None:
+            return step(apply_model, a["input"], a["timestep"], a["c"])
+        return prev(lambda x, t, **c: step(apply_model, x, t, c), a)
+    model_function_wrapper.sd_accel_step = step
+    model_function_wrapper.sd_accel_prev = prev
+    clone.set_model_unet_function_wrapper(model_function_wrapper)
+    return "model_function_wrapper" + (" (chained)" if prev is not None else "")
+
+
+def _free_graphs_on_unload(clone, st):
+    """When Forge unloads `clone` to its offload device, the graphs' memory goes with the weights. The
+    clone is held weakly: Forge frees a loaded patcher nobody else holds by its reference count."""
+    ref = weakref.ref(clone)
+    original = type(clone).forge_unpatch_model
+
+    def forge_unpatch_model(target_device=None):
+        patcher = ref()
+        out = original(patcher, target_device)
+        if st.graphs is not None:
+            st.graphs.clear_if_offloaded()
+        return out
+    clone.forge_unpatch_model = forge_unpatch_model
+
+
+# -- status ---------------------------------------------------------------------------------------
+
+def status(sd_model):
+    """JSON-able: what each generation patches (as last applied, or planned at model load), per op;
+    channels_last; graph counts; keys check."""
+    kmodel = kmodel_of(sd_model)
+    if kmodel is None:
+        return {"model": None, "patched": 0, "counts": {}, "paths": [], "channels_last": False,
+                "state_dict_keys_unchanged": True, "graphs": {}, "runs": 0}
+    st = state_of(kmodel)
+    last = st.last or _summary({}, {}, True, None, False)
+    out = dict(last, model=type(kmodel.diffusion_model).__name__, channels_last=st.channels_last,
+               state_dict_keys_unchanged=st.keys_ok, runs=st.runs,
+               graphs=dict(st.graphs.stats) if st.graphs is not None else {})
+    if st.graphs is not None and st.graphs.last_eager_reason:
+        out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
+    return out

@@ -1,0 +1,175 @@
+"""hosts/forge.py against the stand-in of Forge's backend (fake_forge/): Forge's Linear in GEGLU, object
+patches put in and taken out by the memory manager, Forge's LoRA loader, the model_function_wrapper slot."""
+import gc
+import weakref
+
+import torch
+
+from sd_accel.engine import fused_modules, kernel_report
+from sd_accel.hosts import forge, webui
+
+from forge_util import denoise, make_patcher, norm_and_geglu_lora
+
+ON = webui.WebUIOptions()
+ALL = {"group_norm_silu": 11, "silu_folded": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}
+
+
+def live_fused(patcher):
+    return sum(1 for m in patcher.model.diffusion_model.modules() if fused_modules.is_fused(m))
+
+
+def test_default_options_run_every_fused_module_and_match_stock(fake_forge, stock_kernels):
+    """With the default settings every fused module is in the run's UNet (GEGLU on Forge's Linear too),
+    each is called on every step, and the result is stock Forge's."""
+    base = make_patcher()
+    ref = denoise(base)
+    clone, info = forge.accelerate(base, ON)
+    assert info["counts"] == ALL and info["patched"] == sum(ALL.values())
+    assert info["wrapper"] == "model_function_wrapper" and info["fold_silu"] is True
+    assert base.object_patches == {} and "model_function_wrapper" not in base.model_options
+    for steps in (1, 2):
+        before = kernel_report.snapshot()
+        out = denoise(clone)
+        ran = webui.kernel_summary(before)
+        assert {op: e["fused"] + e["fallback"] for op, e in ran.items()} == {
+            "group_norm_silu": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}, steps
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert live_fused(clone) == sum(ALL.values())
+    g = forge.status(type("M", (), {"forge_objects": type("F", (), {"unet": clone})})())["graphs"]
+    assert g["eager"] == 2 and g["last_eager_reason"] == "no CUDA device"
+
+
+def test_unload_puts_forge_modules_back(fake_forge, stock_kernels):
+    from backend import memory_management
+    base = make_patcher()
+    orig = dict(base.model.named_modules())
+    clone, _ = forge.accelerate(base, ON)
+    denoise(clone)
+    memory_management.unload_all()
+    now = dict(base.model.named_modules())
+    assert now.keys() == orig.keys() and all(now[k] is orig[k] for k in orig)
+    assert live_fused(base) == 0
+
+
+def test_a_lora_on_replaced_modules_survives_toggling(fake_forge, stock_kernels):
+    """Forge's LoRA loader puts a merged Parameter on whichever module stands at the path and reloads only
+    when the LoRA set changes: the LoRA must hold with SD Accel on, then off, then on again."""
+    base = make_patcher()
+    delta = norm_and_geglu_lora(base.model.diffusion_model)
+    plain = make_patcher()   # the same weights (seed), stock, for the references
+    ref_lora = plain.clone()
+    ref_lora.add_patches("l.safetensors", delta)
+    want = denoise(ref_lora)
+    from backend import memory_management
+    memory_management.unload_all()
+    want_plain = denoise(plain)
+    memory_management.unload_all()
+
+    with_lora = base.clone()
+    with_lora.add_patches("l.safetensors", delta)
+    on, _ = forge.accelerate(with_lora, ON)
+    torch.testing.assert_close(denoise(on), want, atol=2e-5, rtol=1e-4)
+    off = forge.strip(with_lora.clone())          # SD Accel off, same LoRA: no reload in Forge
+    torch.testing.assert_close(denoise(off), want, atol=2e-5, rtol=1e-4)
+    again, _ = forge.accelerate(with_lora, ON)
+    torch.testing.assert_close(denoise(again), want, atol=2e-5, rtol=1e-4)
+    no_lora, _ = forge.accelerate(base, ON)       # LoRA removed: Forge puts the backups back
+    torch.testing.assert_close(denoise(no_lora), want_plain, atol=2e-5, rtol=1e-4)
+
+
+def test_group_norm_wrapper_means_no_folded_silu(fake_forge, stock_kernels):
+    base = make_patcher()
+    base.set_group_norm_wrapper(lambda norm, x, to: norm(x))
+    _, info = forge.accelerate(base, ON)
+    assert info["fold_silu"] is False
+    assert info["counts"] == {"group_norm": 15, "layer_norm": 12, "geglu": 4}
+
+
+def test_manual_cast_modules_stay_with_forge_and_lowvram_matches(fake_forge, stock_kernels):
+    """Modules Forge casts per call are left to it; replacements have no `parameters_manual_cast`, so
+    Forge's lowvram swap keeps them whole instead of asking them to cast."""
+    base = make_patcher()
+    unet = base.model.diffusion_model
+    ln = next(n for n, m in unet.named_modules() if n.endswith("norm1"))
+    unet.get_submodule(ln).parameters_manual_cast = True
+    ref = denoise(base)
+    from backend import memory_management
+    memory_management.unload_all()
+    clone, info = forge.accelerate(base, ON)
+    assert info["skipped"] == {"Forge casts it on the fly": 1} and info["counts"]["layer_norm"] == 11
+    torch.testing.assert_close(denoise(clone, lowvram=True), ref, atol=2e-5, rtol=1e-4)
+    assert not any(hasattr(m, "parameters_manual_cast") for m in clone.object_patches.values())
+    proj = next(m for n, m in unet.named_modules() if n.endswith("ff.net.0.proj"))
+    assert proj.parameters_manual_cast is True   # Forge's own Linear, inside the fused GEGLU, does cast
+
+
+def test_online_lora_stays_with_forge_and_runs_eager(fake_forge, stock_kernels):
+    base = make_patcher()
+    delta = norm_and_geglu_lora(base.model.diffusion_model)
+    base.add_patches("online.safetensors", delta, online=True)
+    ref = denoise(base)
+    from backend import memory_management
+    memory_management.unload_all()
+    clone, info = forge.accelerate(base, ON)
+    norms = {k[len("diffusion_model."):].rpartition(".")[0] for k in delta if not k.endswith("proj.weight")}
+    assert info["skipped"]["online LoRA"] == len(norms) and info["cuda_graph"] is False
+    assert not norms & {k[len("diffusion_model."):] for k in clone.object_patches}
+    torch.testing.assert_close(denoise(clone), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_foreign_wrapper_is_chained_and_reapplying_is_idempotent(fake_forge, stock_kernels):
+    """Another extension's model_function_wrapper set before ours runs, with ours inside; accelerating our
+    own clone again (Forge's hires pass calls process_before_every_sampling on it) changes nothing."""
+    base = make_patcher()
+    ref = denoise(base)
+    calls = []
+
+    def theirs(apply_model, a):
+        calls.append(1)
+        return apply_model(a["input"], a["timestep"], **a["c"])
+    base.set_model_unet_function_wrapper(theirs)
+    clone, info = forge.accelerate(base, ON)
+    assert info["wrapper"] == "model_function_wrapper (chained)"
+    again, info2 = forge.accelerate(clone, ON)
+    assert info2["wrapper"] == "model_function_wrapper (chained)"
+    assert again.model_options["model_function_wrapper"].sd_accel_prev is theirs
+    assert again.object_patches.keys() == clone.object_patches.keys()
+    assert all(again.object_patches[k] is v for k, v in clone.object_patches.items())
+    torch.testing.assert_close(denoise(again), ref, atol=2e-5, rtol=1e-4)
+    assert calls == [1]
+    assert forge.strip(again).model_options["model_function_wrapper"] is theirs
+
+
+def test_another_extensions_object_patch_is_left_alone(fake_forge, stock_kernels):
+    base = make_patcher()
+    block = "diffusion_model.input_blocks.1"
+    theirs = base.model.diffusion_model.input_blocks[1]
+    base.add_object_patch(block, theirs)
+    clone, info = forge.accelerate(base, ON)
+    assert clone.object_patches[block] is theirs
+    assert not any(k.startswith(block + ".") for k in clone.object_patches)
+    assert info["skipped"]["another extension's object patch"] > 0
+
+
+def test_disabled_and_fused_off(fake_forge, stock_kernels):
+    base = make_patcher()
+    assert forge.strip(base) is base
+    clone, info = forge.accelerate(base, webui.WebUIOptions(fused_kernels=False))
+    assert info["patched"] == 0 and clone.object_patches == {} and info["wrapper"] == "model_function_wrapper"
+    clone, info = forge.accelerate(base, webui.WebUIOptions(fused_kernels=True, cuda_graph=False,
+                                                            channels_last=False))
+    assert info["wrapper"] is None and info["patched"] == sum(ALL.values())
+    assert forge.strip(clone).object_patches == {}
+
+
+def test_a_switched_out_model_is_freed(fake_forge, stock_kernels):
+    """Checkpoint switch: Forge drops the old model; nothing of SD Accel's keeps it alive."""
+    from backend import memory_management
+    base = make_patcher()
+    clone, _ = forge.accelerate(base, ON)
+    denoise(clone)
+    memory_management.unload_all()
+    ref = weakref.ref(base.model)
+    del base, clone
+    gc.collect()
+    assert ref() is None
