@@ -44,7 +44,8 @@ def norm_and_geglu_lora(unet, scale=0.3, seed=3):
     g = torch.Generator().manual_seed(seed)
     keys = [n for n, _ in unet.named_parameters()
             if n.endswith(("norm1.weight", "1.norm.weight", "in_layers.0.bias", "ff.net.0.proj.weight"))]
-    return {"diffusion_model." + k: scale * torch.randn(unet.get_parameter(k).shape, generator=g) for k in keys}
+    return {"diffusion_model." + k: ("diff", (scale * torch.randn(unet.get_parameter(k).shape, generator=g),))
+            for k in keys}
 
 
 class ForgeSdModel:

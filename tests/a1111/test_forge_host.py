@@ -58,7 +58,7 @@ def test_a_lora_on_replaced_modules_survives_toggling(fake_forge, stock_kernels)
     delta = norm_and_geglu_lora(base.model.diffusion_model)
     plain = make_patcher()   # the same weights (seed), stock, for the references
     ref_lora = plain.clone()
-    ref_lora.add_patches("l.safetensors", delta)
+    ref_lora.add_patches(filename="l.safetensors", patches=delta)
     want = denoise(ref_lora)
     from backend import memory_management
     memory_management.unload_all()
@@ -66,7 +66,7 @@ def test_a_lora_on_replaced_modules_survives_toggling(fake_forge, stock_kernels)
     memory_management.unload_all()
 
     with_lora = base.clone()
-    with_lora.add_patches("l.safetensors", delta)
+    with_lora.add_patches(filename="l.safetensors", patches=delta)
     on, _ = forge.accelerate(with_lora, ON)
     torch.testing.assert_close(denoise(on), want, atol=2e-5, rtol=1e-4)
     off = forge.strip(with_lora.clone())          # SD Accel off, same LoRA: no reload in Forge
@@ -106,7 +106,7 @@ def test_manual_cast_modules_stay_with_forge_and_lowvram_matches(fake_forge, sto
 def test_online_lora_stays_with_forge_and_runs_eager(fake_forge, stock_kernels):
     base = make_patcher()
     delta = norm_and_geglu_lora(base.model.diffusion_model)
-    base.add_patches("online.safetensors", delta, online=True)
+    base.add_patches(filename="online.safetensors", patches=delta, online_mode=True)
     ref = denoise(base)
     from backend import memory_management
     memory_management.unload_all()

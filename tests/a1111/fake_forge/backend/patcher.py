@@ -5,7 +5,8 @@
 * object patches are data until the memory manager loads the patcher (`forge_patch_model`: each path set in
   the model, the first original kept) and put back by path when it unloads it (`forge_unpatch_model`).
 * `set_model_unet_function_wrapper`: the one `model_function_wrapper` slot (a later call replaces it).
-* LoRA: `add_patches` records weight deltas per model key under (filename, strength, 1.0, online);
+* LoRA: `add_patches(filename=, patches={model key: ("diff", (delta,))}, strength_patch=, online_mode=)`
+  records the patches of the model's keys under (filename, strength_patch, strength_model, online_mode);
   `refresh_loras()` (called by the memory manager after `forge_patch_model`) does nothing while the LoRA set
   is the one loaded; else it puts the backed-up Parameters back and sets a NEW Parameter (weight + delta) on
   whichever module stands at each key's path, or, online, sets `forge_online_loras` on it. The loader is the
@@ -37,7 +38,7 @@ class LoraLoader:
             utils.set_attr_raw(self.model, key, w)
         self.backup = {}
         for (_, strength, _, online), patches in lora_patches.items():
-            for key, delta in patches.items():
+            for key, (kind, (delta,)) in patches.items():
                 parent_path, _, name = key.rpartition(".")
                 parent = utils.get_attr(self.model, parent_path)
                 if online:
@@ -77,8 +78,11 @@ class ModelPatcher:
     def set_model_unet_function_wrapper(self, fn):
         self.model_options["model_function_wrapper"] = fn
 
-    def add_patches(self, filename, patches, strength=1.0, online=False):
-        self.lora_patches[(filename, strength, 1.0, online)] = dict(patches)
+    def add_patches(self, *, filename, patches, strength_patch=1.0, strength_model=1.0, online_mode=False):
+        keys = {k for k, _ in self.model.named_parameters()}
+        mine = {k: v for k, v in patches.items() if k in keys and v[0] == "diff"}
+        self.lora_patches[(filename, strength_patch, strength_model, online_mode)] = mine
+        return set(mine)
 
     def has_online_lora(self):
         return any(ident[3] for ident in self.lora_patches)
