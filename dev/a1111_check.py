@@ -49,13 +49,13 @@ def wait_ready(url, proc, timeout):
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc is not None and proc.poll() is not None:
-            raise SystemExit("A1111 exited with %s before it was ready" % proc.returncode)
+            raise SystemExit("the WebUI exited with %s before it was ready" % proc.returncode)
         try:
             call(url, "/sdapi/v1/sd-models", timeout=5)
             return time.time() - t0
         except (urllib.error.URLError, ConnectionError, OSError):
             time.sleep(1.0)
-    raise SystemExit("A1111 not ready after %d s" % timeout)
+    raise SystemExit("the WebUI was not ready after %d s" % timeout)
 
 
 # -- PNG (stdlib) ---------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ in this repo), then:
 Exit status 0 when every check passes. `--expect-fused` (with `--env TRITON_INTERPRET=1`) also requires
 the Triton kernels to run (in Triton's interpreter: minutes).
 
-  python dev/forge_check.py --forge-git /work/.mirror/lllyasviel+stable-diffusion-webui-forge/repo
+  python dev/forge_check.py --forge-git <snapshot of lllyasviel/stable-diffusion-webui-forge> \
+      --assets-git <snapshot of AUTOMATIC1111/stable-diffusion-webui-assets>
 """
 import argparse
 import json
@@ -33,6 +34,7 @@ from forge_checks import Checker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMIT = "dfdcbab685e57677014f05a3309b48cc87383167"
+ASSETS_COMMIT = "6f7db241d2f8ba7457bac5ca9753331f0c266917"   # the assets commit A1111 v1.10.1 and Forge pin
 TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
 EXTRA = ["setuptools>=77.0.3,<81", "clip-anytorch", "huggingface-guess==0.1.0", "joblib"]
 LORA = "sdaccel_forge_check"
@@ -53,23 +55,33 @@ def pip(py, *args):
     run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check"] + list(args))
 
 
+def extract(git_dir, commit, dest):
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    archive = subprocess.Popen(["git", "--git-dir", git_dir, "archive", commit], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", dest], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise SystemExit("git archive %s of %s failed" % (commit, git_dir))
+
+
 def setup_tree(args, home):
     webui = os.path.join(home, "webui")
     stamp = os.path.join(home, "webui.commit")
-    if os.path.isfile(os.path.join(webui, "launch.py")) and open(stamp).read().strip() == args.commit:
-        return webui
-    if not args.forge_git:
-        raise SystemExit("no Forge tree in %s: give --forge-git (a snapshot of lllyasviel/stable-diffusion-"
-                         "webui-forge)" % home)
-    say("Forge %s from %s -> %s" % (args.commit[:8], args.forge_git, webui))
-    shutil.rmtree(webui, ignore_errors=True)
-    os.makedirs(webui)
-    archive = subprocess.Popen(["git", "--git-dir", args.forge_git, "archive", args.commit], stdout=subprocess.PIPE)
-    subprocess.run(["tar", "-x", "-C", webui], stdin=archive.stdout, check=True)
-    if archive.wait() != 0:
-        raise SystemExit("git archive %s failed" % args.commit)
-    with open(stamp, "w") as f:
-        f.write(args.commit + "\n")
+    if not (os.path.isfile(os.path.join(webui, "launch.py")) and os.path.isfile(stamp)
+            and open(stamp).read().strip() == args.commit):
+        if not args.forge_git:
+            raise SystemExit("no Forge tree in %s: give --forge-git (a snapshot of lllyasviel/stable-diffusion-"
+                             "webui-forge)" % home)
+        say("Forge %s from %s -> %s" % (args.commit[:8], args.forge_git, webui))
+        extract(args.forge_git, args.commit, webui)
+        with open(stamp, "w") as f:
+            f.write(args.commit + "\n")
+    assets = os.path.join(webui, "repositories", "stable-diffusion-webui-assets")
+    if not os.path.isdir(assets) and not args.nowebui:   # the UI serves it; the API alone does not need it
+        if not args.assets_git:
+            raise SystemExit("the UI needs repositories/stable-diffusion-webui-assets: give --assets-git (a "
+                             "snapshot of AUTOMATIC1111/stable-diffusion-webui-assets) or --nowebui")
+        extract(args.assets_git, ASSETS_COMMIT, assets)
     return webui
 
 
@@ -166,6 +178,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--forge-git", help="git dir of a Forge snapshot (needed the first time)")
     ap.add_argument("--commit", default=COMMIT)
+    ap.add_argument("--assets-git", help="git dir of a stable-diffusion-webui-assets snapshot (the UI's files)")
     home = os.path.join(os.environ.get("SDACCEL_HOME") or os.path.expanduser("~/.cache/sd_accel"), "forge")
     ap.add_argument("--home", default=home, help="where Forge, its venv and the test files go (%(default)s)")
     ap.add_argument("--ckpt", default=os.path.expanduser(
