@@ -4,6 +4,7 @@ import base64
 import json
 import os
 import time
+import urllib.error
 
 from a1111_check import PSNR_MIN, call, psnr
 
@@ -25,6 +26,17 @@ class Checker:
     def status(self):
         return call(self.url, "/sd_accel/status")
 
+    def wait_status(self, timeout=60):
+        """The status route, once the WebUI's app-started callbacks (which add it) have run."""
+        t0 = time.time()
+        while True:
+            try:
+                return self.status()
+            except urllib.error.HTTPError:
+                if time.time() - t0 > timeout:
+                    raise
+                time.sleep(1.0)
+
     def set(self, **opts):
         call(self.url, "/sdapi/v1/options", opts)
 
@@ -33,8 +45,9 @@ class Checker:
                 "seed": 1234, "steps": self.args.steps, "width": 64, "height": 64, "cfg_scale": 7,
                 "sampler_name": "Euler", "batch_size": 1, "send_images": True, "save_images": False}
         if hires:
+            # Forge's API needs hr_additional_modules (its default None fails the request, with or without SD Accel)
             body.update(enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=2,
-                        denoising_strength=0.5)
+                        denoising_strength=0.5, hr_additional_modules=["Use same choices"])
         k0, t0 = self.status()["kernels"], time.time()
         r = call(self.url, "/sdapi/v1/txt2img", body)
         png = base64.b64decode(r["images"][0].split(",", 1)[-1])
@@ -80,7 +93,7 @@ class Checker:
             len(opts), {k: opts.get(k, "MISSING") for k in KEYS}))
         if not opts.get("sd_accel_enabled", True):
             self.set(sd_accel_enabled=True)
-        s = self.status()
+        s = self.wait_status()
         self.check(s["forge"] is True, "status before the first generation: forge %s, model %s" % (s["forge"], s["model"]))
         self.check(s["settings"] == {"section": "SD Accel", "category": "Stable Diffusion"},
                    "settings filed under %s" % s["settings"])
