@@ -124,7 +124,7 @@ def accelerate(unet_patcher, options):
     if not options.want("channels_last") and st.channels_last:
         n = patching.convert_conv_weights(kmodel.diffusion_model, torch.contiguous_format)
         st.channels_last = False
-        log.info("[SD Accel] channels_last off: %d conv weights converted back", n)
+        _layout_changed(st, "channels_last off: %d conv weights converted back" % n)
     patches, skipped, fold = _plan_run(st, clone, options)
     for path, module in patches.items():
         clone.add_object_patch(PREFIX + path, module)
@@ -150,6 +150,14 @@ def _host_state(st, kmodel):
     return (getattr(loader, "loaded_hash", None), webui.autocast_state(), st.structure[1], st.patch_token)
 
 
+def _layout_changed(st, what):
+    """Conv weights change layout in their own storage (same pointers, so the weights fingerprint cannot
+    tell): graphs captured over the other layout must not replay."""
+    log.info("[SD Accel] %s", what)
+    if st.graphs is not None:
+        st.graphs.clear(what)
+
+
 def _make_step(st, options, kmodel):
     unet = kmodel.diffusion_model
 
@@ -158,7 +166,7 @@ def _make_step(st, options, kmodel):
             n = patching.convert_conv_weights(unet)
             st.channels_last_epoch, st.channels_last = st.epoch, True
             if n:
-                log.info("[SD Accel] channels_last: %d conv weights converted", n)
+                _layout_changed(st, "channels_last: %d conv weights converted" % n)
         if not (options.want("cuda_graph") and st.run_graphs):
             return cuda_graph.eager_call(apply_model, (x, t), c)
 

@@ -137,11 +137,10 @@ def _extend_api_options_model(section):
     if not missing:
         return 0
     from typing import Optional
-
-    import pydantic
-    fields = {k: (Optional[type(v.default)], pydantic.Field(default=v.default, description=v.label))
-              for k, v in missing.items()}
-    models.OptionsModel = pydantic.create_model("Options", __base__=model, **fields)
+    # the API module's own pydantic names (it imports create_model and Field from pydantic)
+    create_model, field = models.create_model, models.Field
+    fields = {k: (Optional[type(v.default)], field(default=v.default, description=v.label)) for k, v in missing.items()}
+    models.OptionsModel = create_model("Options", __base__=model, **fields)
     return len(missing)
 
 
