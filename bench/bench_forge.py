@@ -135,7 +135,7 @@ def build(cfg, seed):
     unet.load_state_dict(sd, strict=False)
     unet.storage_dtype = unet.computation_dtype = DTYPE
     unet.load_device, unet.offload_device, unet.initial_device = DEV, torch.device("cpu"), DEV
-    kmodel = KModel(model=unet, diffusers_scheduler=None, k_predictor=Prediction(), config=None).to(DEV)
+    kmodel = KModel(model=unet, diffusers_scheduler=None, k_predictor=Prediction(prediction_type="epsilon"), config=None).to(DEV)
     return UnetPatcher(kmodel, load_device=DEV, offload_device=torch.device("cpu"), current_device=DEV)
 
 

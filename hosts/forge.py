@@ -111,20 +111,51 @@ def strip(unet_patcher):
     return clone
 
 
+def _signature(obj):
+    """Identity of everything a patcher holds, down the dicts and lists of its model options: equal
+    signatures mean an accelerated clone made from it then would be the same now."""
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return tuple(_signature(v) for v in obj)
+    return id(obj)
+
+
+def _patcher_signature(patcher):
+    return (_signature(patcher.object_patches), tuple(patcher.lora_patches), _signature(patcher.model_options))
+
+
 def accelerate(unet_patcher, options):
     """(clone of `unet_patcher` with SD Accel applied, info) for `process_before_every_sampling` to assign
-    back to `p.sd_model.forge_objects.unet`. `unet_patcher` itself is untouched."""
-    clone = unet_patcher.clone()
-    _strip(clone)
-    kmodel = clone.model
-    st = state_of(kmodel)
+    back to `p.sd_model.forge_objects.unet`. `unet_patcher` itself is untouched.
+
+    The clone made for a patcher is handed out again while that patcher holds the same things (Forge gives
+    the extensions the same patcher each generation until the LoRA set or the model changes), and so is one
+    of ours handed back (the hires pass): Forge then finds that patcher loaded, where a new clone would make
+    it unload the model and load it again, a walk over every weight per generation."""
+    st = state_of(unet_patcher.model)
     st.epoch = object()
     st.runs += 1
-    st.run_graphs = not _has_online_lora(clone)
+    st.run_graphs = not _has_online_lora(unet_patcher)
     if not options.want("channels_last") and st.channels_last:
-        n = patching.convert_conv_weights(kmodel.diffusion_model, torch.contiguous_format)
+        n = patching.convert_conv_weights(unet_patcher.model.diffusion_model, torch.contiguous_format)
         st.channels_last = False
         _layout_changed(st, "channels_last off: %d conv weights converted back" % n)
+    if unet_patcher.__dict__.get("sd_accel_options") == options:
+        return unet_patcher, dict(st.last)
+    sig = _patcher_signature(unet_patcher)
+    cached = st.clones.get(options)
+    if cached is not None and cached[0]() is unet_patcher and cached[1] == sig:
+        st.last = dict(cached[3])
+        return cached[2], dict(st.last)
+    clone, info = _accelerate(st, unet_patcher, options)
+    st.clones[options] = (weakref.ref(unet_patcher), sig, clone, info)
+    return clone, dict(info)
+
+
+def _accelerate(st, unet_patcher, options):
+    clone = unet_patcher.clone()
+    _strip(clone)
     patches, skipped, fold = _plan_run(st, clone, options)
     for path, module in patches.items():
         clone.add_object_patch(PREFIX + path, module)
@@ -134,8 +165,9 @@ def accelerate(unet_patcher, options):
     if options.want("cuda_graph") or options.want("channels_last"):
         wrapper = _install_wrapper(clone, st, options)
         _free_graphs_on_unload(clone, st)
+    clone.sd_accel_options = options
     st.last = _summary(patches, skipped, fold, wrapper, options.want("cuda_graph") and st.run_graphs)
-    return clone, dict(st.last)
+    return clone, st.last
 
 
 # -- the step: channels_last, CUDA graphs ---------------------------------------------------------

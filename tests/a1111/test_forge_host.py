@@ -173,3 +173,22 @@ def test_a_switched_out_model_is_freed(fake_forge, stock_kernels):
     del base, clone
     gc.collect()
     assert ref() is None
+
+
+def test_the_same_patcher_gets_the_same_clone(fake_forge, stock_kernels):
+    """Forge gives the extensions the same patcher every generation while nothing changed: the same clone
+    comes back, so Forge finds it loaded instead of unloading and reloading the model; a patcher changed
+    in place (a LoRA added) gets a new one."""
+    from backend import memory_management
+    base = make_patcher()
+    first, _ = forge.accelerate(base, ON)
+    denoise(first)
+    unpatched = []
+    first.forge_unpatch_model = lambda *a, **k: unpatched.append(a)
+    second, _ = forge.accelerate(base, ON)
+    assert second is first
+    denoise(second)
+    assert unpatched == [] and memory_management.loaded == [first]
+    base.add_patches(filename="l.safetensors", patches=norm_and_geglu_lora(base.model.diffusion_model))
+    third, _ = forge.accelerate(base, ON)
+    assert third is not first and third.lora_patches == base.lora_patches
