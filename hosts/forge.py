@@ -17,7 +17,8 @@ unloads it (another clone of the model loaded, the model moved off the GPU).
   the fused modules still in. Eager under an online LoRA (merged in Forge's forward from tensors it moves
   per run). The graphs' memory is freed when Forge moves the model off the GPU, so its memory manager gets
   it back for the VAE or the next model.
-Nothing is changed outside the clone: the base patcher, the model and its modules stay as Forge made them.
+Outside the clone only the conv weights' layout changes (channels_last, in place, values unchanged): the
+base patcher, the model's modules and their parameters stay as Forge made them.
 """
 import logging
 import weakref
@@ -37,6 +38,13 @@ def kmodel_of(sd_model):
     unet = getattr(getattr(sd_model, "forge_objects", None), "unet", None)
     kmodel = getattr(unet, "model", None)
     return kmodel if hasattr(kmodel, "diffusion_model") else None
+
+
+def is_sd_unet(kmodel):
+    """SD1.x/SDXL's UNet (the layout the engine's patches and kernels are made for); Forge's other models
+    (Flux, SD3, ...) are left to Forge."""
+    unet = getattr(kmodel, "diffusion_model", None)
+    return all(hasattr(unet, a) for a in ("input_blocks", "middle_block", "output_blocks"))
 
 
 def _loads_on_cuda(patcher):
@@ -82,6 +90,9 @@ def prepare(sd_model, options):
     if kmodel is None:
         return None
     st = state_of(kmodel)
+    if not is_sd_unet(kmodel):
+        st.last = _summary({}, {"not an SD1.x/SDXL UNet": ["*"]}, False, None, False)
+        return st.last
     patches, skipped, fold = _plan_run(st, sd_model.forge_objects.unet, options)
     st.last = _summary(patches, skipped, fold, None, options.want("cuda_graph"))
     return st.last
@@ -133,6 +144,8 @@ def accelerate(unet_patcher, options):
     the extensions the same patcher each generation until the LoRA set or the model changes), and so is one
     of ours handed back (the hires pass): Forge then finds that patcher loaded, where a new clone would make
     it unload the model and load it again, a walk over every weight per generation."""
+    if not is_sd_unet(unet_patcher.model):
+        return unet_patcher, _summary({}, {"not an SD1.x/SDXL UNet": ["*"]}, False, None, False)
     st = state_of(unet_patcher.model)
     st.epoch = object()
     st.runs += 1

@@ -5,6 +5,7 @@ every call, which a CUDA-graph capture refuses).
 Imports nothing from either WebUI: `scripts/sd_accel.py` passes in what it reads from them.
 """
 import contextlib
+import inspect
 import math
 import sys
 from collections import Counter
@@ -144,13 +145,25 @@ def graphable_timestep_embedding(original):
     return timestep_embedding
 
 
+_LDM_EMBEDDING = ("timesteps", "dim", "max_period", "repeat_only")
+
+
+def _is_ldm_embedding(fn):
+    """Only ldm's signature is reproduced (another model's function of that name, Flux's with its
+    time_factor, say, is left alone)."""
+    try:
+        return tuple(inspect.signature(fn).parameters) == _LDM_EMBEDDING
+    except (TypeError, ValueError):
+        return False
+
+
 @contextlib.contextmanager
 def capturable_timestep_embedding(unet):
     """For the duration of one graph-path call, the module that defines `unet`'s class uses
-    `graphable_timestep_embedding` (a no-op when that module has no `timestep_embedding`)."""
+    `graphable_timestep_embedding` (a no-op when that module has no `timestep_embedding` of ldm's signature)."""
     mod = sys.modules.get(type(unet).__module__)
     original = getattr(mod, "timestep_embedding", None)
-    if original is None or getattr(original, "sd_accel_original", None) is not None:
+    if original is None or getattr(original, "sd_accel_original", None) is not None or not _is_ldm_embedding(original):
         yield
         return
     mod.timestep_embedding = graphable_timestep_embedding(original)

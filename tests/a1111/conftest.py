@@ -1,4 +1,5 @@
-"""A1111 host tests: the real ldm UNet (PyPI's stable-diffusion-sdkit) and a stand-in of A1111's API.
+"""A1111 and Forge host tests: the real ldm UNet (PyPI's stable-diffusion-sdkit), a stand-in of A1111's API
+(`fake_a1111`, which Forge keeps) and one of Forge's backend (`fake_forge`, see fake_forge/README.md).
 
 `fake_a1111` puts tests/a1111/fake_a1111 first on sys.path so `import modules` is the stand-in, with
 fresh state per test; `unet_util.load_extension_script` loads `scripts/sd_accel.py` the way A1111

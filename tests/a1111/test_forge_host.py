@@ -192,3 +192,31 @@ def test_the_same_patcher_gets_the_same_clone(fake_forge, stock_kernels):
     base.add_patches(filename="l.safetensors", patches=norm_and_geglu_lora(base.model.diffusion_model))
     third, _ = forge.accelerate(base, ON)
     assert third is not first and third.lora_patches == base.lora_patches
+
+
+def test_other_models_are_left_to_forge(fake_forge, stock_kernels):
+    """Forge also runs DiT models (Flux, SD3): SD Accel's patches and graph path are made for SD UNets."""
+    import torch.nn as nn
+    from backend.k_model import KModel
+    from backend.patcher import UnetPatcher
+    dit = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+    base = UnetPatcher(KModel(dit))
+    clone, info = forge.accelerate(base, ON)
+    assert clone is base and info["patched"] == 0 and info["skipped"] == {"not an SD1.x/SDXL UNet": 1}
+
+
+def test_timestep_embedding_of_another_signature_is_left_alone():
+    import types as t
+    mod = t.ModuleType("flux_like")
+
+    def timestep_embedding(t, dim, max_period=10000, time_factor=1000.0):
+        return t * time_factor
+    mod.timestep_embedding = timestep_embedding
+    import sys
+    sys.modules["flux_like"] = mod
+    try:
+        model = type("Flux", (torch.nn.Module,), {"__module__": "flux_like"})()
+        with webui.capturable_timestep_embedding(model):
+            assert mod.timestep_embedding is timestep_embedding
+    finally:
+        del sys.modules["flux_like"]
