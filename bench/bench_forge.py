@@ -17,8 +17,8 @@ final latent (there is no VAE here; peak = the stock latent's value range; 99 wh
 
 Forge's code is not in this repo: `--vendor-from WEBUI` copies the parts this needs (backend/ without its
 huggingface/ configs, packages_3rdparty/, the commit) from a Forge tree into vendor/forge (gitignored),
-which travels to the GPU machine with diffusers 0.31.0 and huggingface_hub 0.26.2 wheels (Forge's pins) in
-vendor/forge/wheels: bench/gpu_battery.sh's `forge` part installs those into a private folder first.
+which travels to the GPU machine with Forge's pin of diffusers (0.31.0) as a wheel in vendor/forge/wheels:
+bench/gpu_battery.sh's `forge` part installs it into a private folder first (see `diffusers_names`).
 
 GPU:    python3 bench/bench_forge.py --out $OUT           (appends to $OUT/results.jsonl)
 Smoke:  python3 bench/bench_forge.py --smoke              (CPU, tiny UNet, 2 steps, appends nothing)
@@ -67,6 +67,37 @@ if OPT.vendor_from:
 
 import torch  # noqa: E402
 
+
+def diffusers_names():
+    """Forge's UNet module imports diffusers' `ConfigMixin`/`register_to_config` (config bookkeeping its
+    forward never reads) and its k-prediction module `FlowMatchEulerDiscreteScheduler` and Flux's
+    `calculate_shift` (for Flux, not run here). Flux's pipeline module imports transformers, whose pins
+    clash with the GPU image's, so that one name always comes from a stand-in; the others from diffusers
+    where it imports (Forge's pin, carried as a wheel), else from stand-ins of the same names."""
+    flux = types.ModuleType("diffusers.pipelines.flux.pipeline_flux")
+    flux.calculate_shift = lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("Flux is not benched"))
+    sys.modules["diffusers.pipelines.flux.pipeline_flux"] = flux
+    try:
+        import diffusers.configuration_utils  # noqa: F401
+        from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: F401
+        return "diffusers " + diffusers.__version__
+    except Exception as e:  # noqa: BLE001 - not installed, or it does not import with this image's packages
+        why = "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:120])
+    for name in [n for n in sys.modules if n == "diffusers" or n.startswith("diffusers.")]:
+        if name != flux.__name__:
+            del sys.modules[name]
+    cu = types.ModuleType("diffusers.configuration_utils")
+    cu.ConfigMixin = type("ConfigMixin", (), {})
+    cu.register_to_config = lambda init: init
+    pkg = types.ModuleType("diffusers")
+    pkg.__path__ = []
+    pkg.configuration_utils = cu
+    pkg.FlowMatchEulerDiscreteScheduler = type("FlowMatchEulerDiscreteScheduler", (), {})
+    sys.modules.update({"diffusers": pkg, "diffusers.configuration_utils": cu})
+    return "stand-ins of diffusers' names (%s)" % why
+
+
+DIFFUSERS = diffusers_names()
 FORGE = os.path.abspath(OPT.forge)
 sys.path[:0] = [FORGE, os.path.join(FORGE, "packages_3rdparty")]   # as Forge's start-up does
 _argv, sys.argv = sys.argv, sys.argv[:1] + (["--always-cpu", "--all-in-fp32"] if OPT.smoke else [])
@@ -277,6 +308,7 @@ def versions():
         v["triton"] = None
     stamp = os.path.join(FORGE, "COMMIT")
     v["forge"] = open(stamp).read().strip() if os.path.isfile(stamp) else "unknown"
+    v["diffusers"] = DIFFUSERS
     return v
 
 
