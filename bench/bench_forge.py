@@ -243,6 +243,27 @@ def one_call(patcher, x, cond, uncond):
     return out.float()
 
 
+def lora_check(base, x, cond, uncond, ref):
+    """Forge's LoRA on the modules SD Accel replaces (norms, GEGLU projections), with graphs: ours against
+    stock Forge with the same LoRA (two runs: capture, then replay), and once the LoRA is gone, ours against
+    plain stock again (graphs captured over the LoRA's weights must not replay)."""
+    n = OPT.steps
+    g = torch.Generator(device=DEV).manual_seed(5)
+    patches = {k: ("diff", (0.3 * torch.randn(p.shape, generator=g, device=DEV).to(p.dtype),))
+               for k, p in base.model.named_parameters()
+               if k.endswith(("norm1.weight", "in_layers.0.weight", "norm.bias", "ff.net.0.proj.weight"))}
+    with_lora = base.clone()
+    with_lora.add_patches(filename="bench_lora.safetensors", patches=patches)
+    stock_lora = sample(with_lora, x, cond, uncond, n)
+    clone, _ = forge.accelerate(with_lora, webui.WebUIOptions())
+    ours_lora = [sample(clone, x, cond, uncond, n) for _ in range(2)]
+    plain, _ = forge.accelerate(base, webui.WebUIOptions())
+    ours_plain = sample(plain, x, cond, uncond, n)
+    return {"keys": len(patches), "lora_vs_plain_db": round(psnr(ref, stock_lora), 2),
+            "ours_vs_stock_with_lora_db": [round(psnr(stock_lora, o), 2) for o in ours_lora],
+            "ours_after_lora_removed_db": round(psnr(ref, ours_plain), 2)}
+
+
 def measure(name, cfg, latent):
     base = build(cfg, OPT.seed)
     x, cond, uncond = inputs(cfg, latent, OPT.seed)
@@ -271,6 +292,8 @@ def measure(name, cfg, latent):
     st = forge_plan.state_of(base.model)
     res["graphs"] = dict(st.graphs.stats) if st.graphs is not None else {}
     say(name, "ours  first run s: %.4f" % first, "run s:", ["%.4f" % s for s in times])
+    if name == "sd15_512_b1":
+        res["lora"] = lora_check(base, x, cond, uncond, ref)
     eager = webui.WebUIOptions(cuda_graph=False)
     ours(eager)
     times = timed(lambda: ours(eager), reps)
@@ -286,10 +309,10 @@ def record(name, r, env):
     fell = {op: e["reasons"] for op, e in k.items() if e["fallback"]}
     info = r["info"]
     notes = ("Forge's UNet and sampling code, random weights; psnr over the final latent; patched %s (%s); "
-             "wrapper %s; ran: %s; fell back: %s; graphs: %s; ours without graphs %.2f it/s (PSNR %.1f dB)" % (
+             "wrapper %s; ran: %s; fell back: %s; graphs: %s; ours without graphs %.2f it/s (PSNR %.1f dB)%s" % (
                  json.dumps(info["counts"]), "SiLU folded" if info["fold_silu"] else "SiLU not folded",
                  info["wrapper"], ran or "-", json.dumps(fell), json.dumps(r["graphs"]), r["ours_eager_its"],
-                 r["eager_psnr_db"]))
+                 r["eager_psnr_db"], "; Forge LoRA check %s" % json.dumps(r["lora"]) if "lora" in r else ""))
     return dict(env, date=datetime.date.today().isoformat(), config="forge_" + name, steps=OPT.steps,
                 sampler="euler", scheduler="predictor sigmas, uniform", cfg=7.0,
                 stock_its=round(r["stock_its"], 2), ours_its=round(r["ours_its"], 2),
