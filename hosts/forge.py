@@ -122,18 +122,24 @@ def strip(unet_patcher):
     return clone
 
 
-def _signature(obj):
+def _signature(obj, keep):
     """Identity of everything a patcher holds, down the dicts and lists of its model options: equal
-    signatures mean an accelerated clone made from it then would be the same now."""
+    signatures mean an accelerated clone made from it then would be the same now. Plain values by value;
+    other leaves by identity, and kept in `keep` so that no id is reused while the signature is held."""
     if isinstance(obj, dict):
-        return tuple((k, _signature(v)) for k, v in obj.items())
+        return tuple((k, _signature(v, keep)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return tuple(_signature(v) for v in obj)
+        return tuple(_signature(v, keep) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return ("v", obj)
+    keep.append(obj)
     return id(obj)
 
 
 def _patcher_signature(patcher):
-    return (_signature(patcher.object_patches), tuple(patcher.lora_patches), _signature(patcher.model_options))
+    keep = []
+    sig = (_signature(patcher.object_patches, keep), tuple(patcher.lora_patches), _signature(patcher.model_options, keep))
+    return sig, keep
 
 
 def accelerate(unet_patcher, options):
@@ -156,13 +162,13 @@ def accelerate(unet_patcher, options):
         _layout_changed(st, "channels_last off: %d conv weights converted back" % n)
     if unet_patcher.__dict__.get("sd_accel_options") == options:
         return unet_patcher, dict(st.last)
-    sig = _patcher_signature(unet_patcher)
+    sig, keep = _patcher_signature(unet_patcher)
     cached = st.clones.get(options)
     if cached is not None and cached[0]() is unet_patcher and cached[1] == sig:
         st.last = dict(cached[3])
         return cached[2], dict(st.last)
     clone, info = _accelerate(st, unet_patcher, options)
-    st.clones[options] = (weakref.ref(unet_patcher), sig, clone, info)
+    st.clones[options] = (weakref.ref(unet_patcher), sig, clone, info, keep)
     return clone, dict(info)
 
 

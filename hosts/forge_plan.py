@@ -55,7 +55,7 @@ class ForgeState:
         self.patch_token = None  # a new object whenever that set changes (part of the graph key)
         self.structure = (None, None)   # (epoch, webui.structure_signature) for the graph key
         self.runs = 0
-        self.clones = {}        # options -> (weakref to the patcher, its signature, our clone, info)
+        self.clones = {}        # options -> (weakref to the patcher, its signature, our clone, info, its leaves)
 
 
 _STATE_ATTR = "_sd_accel_forge"

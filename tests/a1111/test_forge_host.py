@@ -192,6 +192,12 @@ def test_the_same_patcher_gets_the_same_clone(fake_forge, stock_kernels):
     base.add_patches(filename="l.safetensors", patches=norm_and_geglu_lora(base.model.diffusion_model))
     third, _ = forge.accelerate(base, ON)
     assert third is not first and third.lora_patches == base.lora_patches
+    base.model_options["transformer_options"]["scale"] = 0.5   # changed in place: a plain value
+    fourth, _ = forge.accelerate(base, ON)
+    base.model_options["transformer_options"]["scale"] = 0.7
+    fifth, _ = forge.accelerate(base, ON)
+    assert fourth is not third and fifth is not fourth
+    assert fifth.model_options["transformer_options"]["scale"] == 0.7
 
 
 def test_other_models_are_left_to_forge(fake_forge, stock_kernels):
