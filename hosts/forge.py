@@ -10,6 +10,8 @@ unloads it (another clone of the model loaded, the model moved off the GPU).
   GroupNorm, LayerNorm, GEGLU on Forge's own classes; what stays with Forge and why is there).
 * channels_last (CUDA only): conv weights converted in place on a run's first GPU step (values
   unchanged, kept until the setting is turned off); SpatialTransformers kept channels_last.
+* a `group_norm_wrapper` another extension sets after the plan (which folds SiLUs only without one) is
+  handed Forge's own norm, with the SiLU after it (`_unfolding`), through the wrapper below.
 * CUDA graphs: Forge's `model_function_wrapper` around `KModel.apply_model`, through
   `engine.cuda_graph.StepGraphs` over the KModel (the UNet's weights and the predictor's sigma buffers, which
   Forge swaps for zero-terminal-SNR runs). That is Forge's one wrapper slot: a wrapper another extension set
@@ -181,7 +183,8 @@ def _accelerate(st, unet_patcher, options):
     if patches != st.patches:   # another module set: graphs captured over the previous one do not apply
         st.patches, st.patch_token = patches, object()
     wrapper = None
-    if options.want("cuda_graph") or options.want("channels_last"):
+    folded = any(getattr(m, "sdaccel_act", None) for m in patches.values())
+    if options.want("cuda_graph") or options.want("channels_last") or folded:
         wrapper = _install_wrapper(clone, st, options)
         _free_graphs_on_unload(clone, st)
     clone.sd_accel_options = options
@@ -209,10 +212,29 @@ def _layout_changed(st, what):
         st.graphs.clear(what)
 
 
+def _unfolding(st, gnw):
+    """A `group_norm_wrapper` set after the plan (by an extension that ran after ours): Forge's ResBlock then
+    calls it with the norm alone and the rest of its Sequential after it, whose SiLU is folded into our
+    norm. The wrapper gets Forge's own norm instead, and the SiLU follows it, as without SD Accel. One stable
+    object per wrapper (it is part of the graph key)."""
+    if st.shim is None or st.shim[0] is not gnw:
+        def shim(norm, x, to):
+            src = st.unfused.get(norm)
+            if src is None:
+                return gnw(norm, x, to)
+            return torch.nn.functional.silu(gnw(src, x, to))
+        st.shim = (gnw, shim)
+    return st.shim[1]
+
+
 def _make_step(st, options, kmodel):
     unet = kmodel.diffusion_model
 
     def step(apply_model, x, t, c):
+        to = c.get("transformer_options")
+        gnw = to.get("group_norm_wrapper") if isinstance(to, dict) else None
+        if gnw is not None and st.unfused:
+            c = dict(c, transformer_options=dict(to, group_norm_wrapper=_unfolding(st, gnw)))
         if options.want("channels_last") and x.is_cuda and st.channels_last_epoch is not st.epoch:
             n = patching.convert_conv_weights(unet)
             st.channels_last_epoch, st.channels_last = st.epoch, True

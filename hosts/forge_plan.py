@@ -55,6 +55,8 @@ class ForgeState:
         self.patch_token = None  # a new object whenever that set changes (part of the graph key)
         self.structure = (None, None)   # (epoch, webui.structure_signature) for the graph key
         self.runs = 0
+        self.unfused = {}       # fused norm+SiLU -> the norm it stands for (for a late group_norm_wrapper)
+        self.shim = None        # (group_norm_wrapper, its stand-in)
         self.clones = {}        # options -> (weakref to the patcher, its signature, our clone, info, its leaves)
 
 
@@ -132,6 +134,7 @@ def plan_for(st, unet):
             _share_tables(rep, sources[path])
             keys_ok &= list(rep.state_dict().keys()) == list(sources[path].state_dict().keys())
     st.sources, st.variants, st.layout, st.keys_ok = sources, {True: fold, False: plain}, layout, keys_ok
+    st.unfused = {rep: sources[path] for path, rep in fold.items() if getattr(rep, "sdaccel_act", None)}
     return True
 
 

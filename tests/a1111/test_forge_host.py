@@ -158,7 +158,7 @@ def test_disabled_and_fused_off(fake_forge, stock_kernels):
     assert info["patched"] == 0 and clone.object_patches == {} and info["wrapper"] == "model_function_wrapper"
     clone, info = forge.accelerate(base, webui.WebUIOptions(fused_kernels=True, cuda_graph=False,
                                                             channels_last=False))
-    assert info["wrapper"] is None and info["patched"] == sum(ALL.values())
+    assert info["wrapper"] == "model_function_wrapper" and info["patched"] == sum(ALL.values())   # see below
     assert forge.strip(clone).object_patches == {}
 
 
@@ -226,3 +226,34 @@ def test_timestep_embedding_of_another_signature_is_left_alone():
             assert mod.timestep_embedding is timestep_embedding
     finally:
         del sys.modules["flux_like"]
+
+
+def test_a_group_norm_wrapper_set_after_the_plan_gets_forges_norm(fake_forge, stock_kernels):
+    """An extension that sets a group_norm_wrapper after SD Accel planned (SiLU folded): Forge's ResBlock
+    would call it with our fused norm+SiLU and skip the folded SiLU after it. Through our wrapper it gets
+    Forge's own norm, and the SiLU follows: what stock Forge computes."""
+    base = make_patcher()
+    clone, info = forge.accelerate(base, webui.WebUIOptions(cuda_graph=False, channels_last=False))
+    assert info["fold_silu"] and info["wrapper"] == "model_function_wrapper"
+    seen = []
+
+    def theirs(norm, x, to):
+        seen.append(norm)
+        return norm(x) * 0.5 + 0.1
+    clone.set_group_norm_wrapper(theirs)
+    got = {}
+
+    def apply_model(x, t, **c):
+        got.update(c)
+        return x
+    x = torch.randn(1, 32, 4, 4)
+    clone.model_options["model_function_wrapper"](apply_model, {
+        "input": x, "timestep": torch.ones(1), "c": {"transformer_options": clone.model_options["transformer_options"]},
+        "cond_or_uncond": [0]})
+    shim = got["transformer_options"]["group_norm_wrapper"]
+    assert shim is not theirs and clone.model_options["transformer_options"]["group_norm_wrapper"] is theirs
+    path = "diffusion_model.input_blocks.1.0.in_layers.0"
+    fused, stock = clone.object_patches[path], base.model.get_submodule(path)
+    assert fused.sdaccel_act == "silu"
+    torch.testing.assert_close(shim(fused, x, {}), torch.nn.functional.silu(theirs(stock, x, {})))
+    assert seen[0] is stock
