@@ -182,7 +182,7 @@ class StepGraphs:
         full = (key, tuple(tuple(v.reshape(-1).tolist()) for v in host_values.values()))
         entry = self.entries.get(full)
         if entry is not None and any(a is not b for a, b in zip(entry.soft, soft)):
-            entry = self._soft_changed(full, key)
+            entry = self._soft_changed(full, key, soft)
             if entry is False:
                 return self._eager(fn, args, kwargs, self.verdicts[key].result.reason, key=key, device=device)
         fresh = entry is None
@@ -206,10 +206,13 @@ class StepGraphs:
             kernel_report.replayed(entry.kernel_calls)
         return keys.map_tensors(entry.static_out, lambda t: t.clone())
 
-    def _soft_changed(self, full, key):
+    def _soft_changed(self, full, key, soft):
         """A tensor inside the call's objects is another object than the capture read (by address): the graph
         is captured again; a key whose tensors change before every call is refused. None (capture) or False."""
-        del self.entries[full]
+        old = self.entries.pop(full).soft
+        changed = [i for i, (a, b) in enumerate(zip(old, soft)) if a is not b]
+        log.log(DIAG_LEVEL, "[SD Accel] %s: tensors inside the call's objects replaced (%s): captured again", self.name,
+                ", ".join("#%d %s" % (i, tuple(soft[i].shape)) for i in changed[:4]))
         v = self.verdicts[key]
         v.soft_changes += 1
         if v.soft_changes <= CHURN:
@@ -227,7 +230,9 @@ class StepGraphs:
 
     def _capture(self, fn, args, kwargs, tensors, key, full, device, host_values):
         self._make_room(key)
-        if self.pool is None:
+        if self.pool is None or not self.entries:
+            # a pool handle lives only while a graph captured into it does: capturing into one whose graphs
+            # are all gone fails an assert inside torch's allocators and leaves them half in capture mode
             self.pool = torch.cuda.graph_pool_handle()
         entry = _Entry()
         entry.static_in = [keys.static_copy(t, device) for t in tensors]   # CPU conds get GPU buffers
