@@ -263,11 +263,11 @@ class StepGraphs:
         reason = "capture failed (%s: %s)" % (type(e).__name__, first_line(e, 160))
         log.warning("[SD Accel] CUDA graph capture failed for %s (%s); running eagerly", self.name, reason)
         log.log(DIAG_LEVEL, "[SD Accel] where the capture failed", exc_info=True)
-        invalidated = isinstance(e, capture.CaptureInvalidated)
-        if invalidated:
-            # what the invalidated capture allocated is referenced by the traceback, the graph and its pool;
-            # freeing it aborts the process under cudaMallocAsync: kept, and this model's pool is not reused
-            capture.keep_until_exit((e, graph, self.pool, entry.static_in))
+        # what the failed capture allocated (referenced by the traceback, the graph and its pool) is kept: under
+        # cudaMallocAsync freeing an unreplayed capture's allocations aborts the process, and the driver would
+        # hand an invalidated capture's addresses out again; a key fails at most once, so this is bounded
+        capture.keep_until_exit((e, graph, self.pool, entry.static_in))
+        if isinstance(e, capture.CaptureInvalidated):
             self.stats["invalidations"] += 1
             self.clear("a capture was invalidated")
         if isinstance(e, torch.cuda.OutOfMemoryError):
