@@ -164,29 +164,12 @@ if _tt is not None:
         tl.store(WS + N * NSC * C_TILES * KB + out, s_m2)
 
     @triton.jit
-    def _gn_apply_kernel(
-        X, Y,                           # input / output with identical strides
-        WS,                             # fp32 PMEAN, PM2 [N, NSC, C_TILES, KB] (from _gn_stats_kernel)
-        W, B,                           # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
-        ADD,                            # fp32 [N, C] (ignored unless HAS_ADD)
-        ADD_STRIDE,                     # ADD's row stride in elements
-        N, C, HW, G, CG,
-        stride_n, stride_c, stride_s,   # as in _gn_group_kernel
-        NSC, CHUNK_S,                   # chunks per batch item, spatial positions per chunk (last may be short)
-        C_TILES, K, J,                  # as in _gn_stats_kernel
-        APPLY_ITERS,                    # spatial tiles per program (amortize the merge below)
-        eps,
-        HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr, APPLY_SILU: tl.constexpr,
-        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, KB: tl.constexpr,
-        BLOCK_P: tl.constexpr,          # partials (chunk x group part) merged per step
-    ):
-        pid_s = tl.program_id(0)
-        pid_t = tl.program_id(1)
-        n = tl.program_id(2)
-        g0, offs_c, cmask, slot = _tile_channels(pid_t, G, CG, K, J, BLOCK_C)
+    def _merged_stats(WS, N, NSC, C_TILES, K, J, G, CG, HW, CHUNK_S, n, pid_t, g0, eps,
+                      BLOCK_C: tl.constexpr, KB: tl.constexpr, BLOCK_P: tl.constexpr):
+        # (mean, rstd) of each group slot of channel tile pid_t, merged from the partials _gn_stats_kernel wrote
+        # to WS (_partials); a group has CG * HW elements in all.
         PMEAN = WS
         PM2 = WS + N * NSC * C_TILES * KB
-        # Merge the partials of this tile's groups (_partials); a group has CG * HW elements in all.
         kk = tl.arange(0, KB)
         kmask = (kk < K) & (g0 + kk < G)
         P = NSC * J
@@ -208,7 +191,33 @@ if _tt is not None:
             dm = pm - mean[None, :]
             acc += tl.where(m, pm2 + w_p[:, None] * dm * dm, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / count + eps)
+        return mean, rstd
+
+    @triton.jit
+    def _gn_apply_kernel(
+        X, Y,                           # input / output with identical strides
+        WS,                             # fp32 PMEAN, PM2 [N, NSC, C_TILES, KB] (from _gn_stats_kernel)
+        W, B,                           # affine weight / bias [C], any float dtype (ignored unless HAS_W / HAS_B)
+        ADD,                            # fp32 [N, C] (ignored unless HAS_ADD)
+        ADD_STRIDE,                     # ADD's row stride in elements
+        N, C, HW, G, CG,
+        stride_n, stride_c, stride_s,   # as in _gn_group_kernel
+        NSC, CHUNK_S,                   # chunks per batch item, spatial positions per chunk (last may be short)
+        C_TILES, K, J,                  # as in _gn_stats_kernel
+        APPLY_ITERS,                    # spatial tiles per program (amortize the merge below)
+        eps,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_ADD: tl.constexpr, APPLY_SILU: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, KB: tl.constexpr,
+        BLOCK_P: tl.constexpr,          # partials (chunk x group part) merged per step
+    ):
+        pid_s = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        n = tl.program_id(2)
+        g0, offs_c, cmask, slot = _tile_channels(pid_t, G, CG, K, J, BLOCK_C)
+        mean, rstd = _merged_stats(WS, N, NSC, C_TILES, K, J, G, CG, HW, CHUNK_S, n, pid_t, g0, eps,
+                                   BLOCK_C, KB, BLOCK_P)
         # per group slot -> per channel of the tile
+        kk = tl.arange(0, KB)
         onehot = ((slot[:, None] == kk[None, :]) & cmask[:, None]).to(tl.float32)
         mu = tl.sum(onehot * mean[None, :], axis=1)
         scale = tl.sum(onehot * rstd[None, :], axis=1)
