@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..kernels._messages import first_line
+from ..kernels.errors import first_line
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 
 from . import _triton
 from ._launch import NotWarmedUp, cold_launch, first_launches
-from ._messages import first_line
+from .errors import first_line
 
 log = logging.getLogger("sd_accel")
 _PARALLEL = os.environ.get("SDACCEL_PARALLEL_COMPILE", "1") != "0"

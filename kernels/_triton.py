@@ -121,7 +121,7 @@ def forward_only_ineligible(*tensors):
 
 
 def __getattr__(name):
-    # the engine's eager step (engine/cuda_graph.py) reaches compile-ahead through this module; it lives in
+    # the engine's eager step (engine/graphs/eager.py) reaches compile-ahead through this module; it lives in
     # _compile_ahead, imported here on first use because _compile_ahead itself imports this module
     if name in ("compile_ahead_available", "run_compiling_ahead"):
         from . import _compile_ahead

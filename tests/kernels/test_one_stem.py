@@ -1,5 +1,7 @@
 """Every op in kernels/ is one stem: kernels/<op>.py declares the op <op>, with its fallback, and has its
-tests in tests/kernels/test_<op>.py and its benchmark in bench/bench_<op>.py (STYLE.md)."""
+tests in tests/kernels/test_<op>.py and its benchmark in bench/bench_<op>.py (STYLE.md). Every module of
+kernels/ without a leading underscore is an op file, except errors.py (the exception helper every layer
+imports)."""
 import importlib
 import os
 import pkgutil
@@ -10,7 +12,9 @@ import sd_accel.kernels as kernels
 from sd_accel.kernels import _dispatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OP_MODULES = sorted(m.name for m in pkgutil.iter_modules(kernels.__path__) if not m.name.startswith("_"))
+NOT_OPS = {"errors"}
+OP_MODULES = sorted(m.name for m in pkgutil.iter_modules(kernels.__path__)
+                    if not m.name.startswith("_") and m.name not in NOT_OPS)
 
 
 def _ops():

@@ -1,5 +1,5 @@
 """`first_line`: an exception as one line of a log message or a report, whatever its message."""
-from sd_accel.kernels._messages import first_line
+from sd_accel.kernels.errors import first_line
 
 
 class _Unprintable(Exception):
@@ -14,12 +14,13 @@ def test_the_first_line_cut_to_the_limit():
     assert first_line(RuntimeError("x" * 500), 120) == "x" * 120
 
 
-def test_an_empty_or_unreadable_message_is_an_empty_line():
-    assert first_line(AssertionError()) == ""        # str(e).splitlines() is [] here
-    assert first_line(RuntimeError("\nsecond")) == ""
-    assert first_line(_Unprintable()) == ""
+def test_an_empty_or_unreadable_message_gives_the_type_name():
+    assert first_line(AssertionError()) == "AssertionError"    # str(e).splitlines()[0] would raise IndexError
+    assert first_line(RuntimeError("\nsecond")) == "RuntimeError"
+    assert first_line(_Unprintable()) == "_Unprintable"
+    assert first_line(AssertionError(), 5) == "Asser"
 
 
-def test_anything_with_a_str_works():
+def test_a_non_string_message_is_its_str():
     assert first_line(KeyError("weights")) == "'weights'"
-    assert first_line("plain text\nmore") == "plain text"
+    assert first_line(OSError(2, "No such file")) == "[Errno 2] No such file"
