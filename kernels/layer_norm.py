@@ -66,18 +66,18 @@ def _normalized_dim(normalized_shape):
     return shape[0] if len(shape) == 1 else None
 
 
-def row_blocks(M, D):
-    """(block_m, block_d): whole rows of D (a power of two wide) in a tile of about _TILE elements.
-    Shared with add_layer_norm.py's launcher."""
+def row_tiles(x):
+    """(M, D, block_m, block_d): contiguous `x` as M rows of D, tiled in whole rows (block_d, a power of two,
+    >= D) of about _TILE elements. Shared with add_layer_norm.py's launcher."""
+    D = x.shape[-1]
+    M = x.numel() // D
     block_d = max(2, next_pow2(D))
-    return max(2, min(_TILE // block_d, next_pow2(M))), block_d
+    return M, D, max(2, min(_TILE // block_d, next_pow2(M))), block_d
 
 
 def _launch(x, weight, bias, eps):
-    D = x.shape[-1]
-    M = x.numel() // D
+    M, D, block_m, block_d = row_tiles(x)
     y = torch.empty_like(x)
-    block_m, block_d = row_blocks(M, D)
     launch(_layer_norm_kernel, (cdiv(M, block_m),),
         x, y, weight if weight is not None else y, bias if bias is not None else y, M, D, float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_D=block_d,
