@@ -22,9 +22,10 @@ parameter name once, when the op is declared). Every call then runs one chain:
 4. otherwise recorded as "reference" with the reason, then the fallback: the plain-torch reference, with
    the output in the layout the kernel's would have.
 
-The reference is the fallback's own business, so it can follow the op in its file (kernel, launcher, op,
-reference). An op's latest outcome is kept per thread in `recorder`: `op.last_call`, read by the caller
-right after the call (engine/kernel_report.py files it under the caller's own name).
+The fallback is attached after the op (`@op.fallback`, on the reference itself where no output needs
+adjusting), so the reference can follow the op in its file: kernel, launcher, op, reference. An op's
+latest outcome is kept per thread in `recorder`: `op.last_call`, read by the caller right after the call
+(engine/kernel_report.py files it under the caller's own name).
 """
 import functools
 import inspect
