@@ -32,6 +32,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from ..kernels.errors import first_line
+
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
@@ -207,7 +209,7 @@ class ConditionCache:
                 obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                 return self._validate(obj, key, expect_hw, expect_channels)
             except Exception as e:  # noqa: BLE001 - any failure to load or validate means "bad entry"
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                reason = f"{type(e).__name__}: {first_line(e)}"
         self._reject(path, st, reason)
         return None
 

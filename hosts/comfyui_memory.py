@@ -34,6 +34,7 @@ import torch
 
 from ..engine import host_mirror, offload as block_offload, vram_plan, vram_report
 from ..engine.graphs import eager
+from ..kernels.errors import first_line
 
 log = logging.getLogger("sd_accel")
 
@@ -292,7 +293,7 @@ def run_in_pool(settings, patcher, run, mm=None, total_bytes=None, before_retry=
         mm.free_memory(1e30, device)
         mm.soft_empty_cache()
         what = "out of memory at budget %s, offload %s (%s): memory freed, retried once with offload %s, budget %s" % (
-            _gib(budget), offload, str(first).splitlines()[0][:120] if str(first) else type(first).__name__,
+            _gib(budget), offload, first_line(first, 120),
             retry_offload, _gib(retry_budget))
         notes.append(what)
         log.warning("[SD Accel] VRAM Pool: %s", what)
