@@ -103,6 +103,26 @@ def load_fp8_unet(unet_name):
         return nodes.UNETLoader().load_unet(unet_name, "fp8_e4m3fn")[0]
 
 
+def add_capture_breaking_patch(model):
+    """A clone of `model` with an input-block patch that synchronises the device only while a CUDA graph is being
+    captured, which invalidates the capture; for the values it is the identity, so stock KSampler and an eager
+    accelerated run give the same image. It misbehaves only inside a capture, where no probe that runs the step
+    eagerly can see it: it stands for whatever makes a real capture fail after every check passed (an op a probe
+    does not model, a driver error)."""
+    import torch
+
+    def sync_inside_capture(h, transformer_options):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()   # not permitted while capturing
+        return h
+    clone = model.clone()
+    clone.set_model_input_block_patch(sync_inside_capture)
+    return clone
+
+
+CAPTURE_BREAKING_NAME = "sync_inside_capture"
+
+
 def _callables(obj, out):
     if callable(obj) and not isinstance(obj, type):
         out.append(obj)

@@ -5,10 +5,8 @@ line; the test asserts on it and on the exit status.
 
     python tests/gpu/capture_failure_run.py <ComfyUI dir> <work dir holding checkpoints/gpu_small.safetensors>
 
-The failing patch synchronises the device only while a CUDA graph is being captured, which invalidates the
-capture; for the values it is the identity, so stock KSampler and an eager accelerated run give the same image.
-It misbehaves only inside a capture, where no probe that runs the step eagerly can see it: it stands for
-whatever makes a real capture fail after every check passed (an op a probe does not model, a driver error).
+The failing patch is dev/patch_nodes.py's `add_capture_breaking_patch`: a device sync only while a capture is
+under way (the identity for the values, so stock and an eager accelerated run give the same image).
 """
 import json
 import os
@@ -60,18 +58,6 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def with_failing_capture(env):
-    torch = env.torch
-
-    def sync_inside_capture(h, transformer_options):
-        if torch.cuda.is_current_stream_capturing():
-            torch.cuda.synchronize()   # not permitted while capturing: the capture is invalidated
-        return h
-    clone = env.model.clone()
-    clone.set_model_input_block_patch(sync_inside_capture)
-    return clone
-
-
 def torch_graph_works(torch):
     """A plain torch CUDA graph, outside SD Accel: captures, replays and reads the new input."""
     x = torch.ones(64, device="cuda")
@@ -105,12 +91,13 @@ def main(comfy_dir, work):
     stock_plain, _ = sample(env, env.model, ours=False)
     tome = patch_nodes.apply_case(env.model, [("TomePatchModel", {"ratio": 0.3})])
     stock_tome, _ = sample(env, tome, ours=False)
-    failing = with_failing_capture(env)
+    failing = patch_nodes.add_capture_breaking_patch(env.model)
     failing_ref, _ = sample(env, failing, ours=False)
     failing_runs = [sample(env, failing, ours=True) for _ in range(2)]
     result = {"failing_rel": [rel(out, failing_ref) for out, _ in failing_runs],
               "failing_reports": [report for _, report in failing_runs],
-              "failing_names": sorted(patch_nodes.patch_names(env.model, failing, ["sync_inside_capture"]))}
+              "failing_names": sorted(patch_nodes.patch_names(env.model, failing,
+                                                                    [patch_nodes.CAPTURE_BREAKING_NAME]))}
     result["stock_plain_rel"] = rel(sample(env, env.model, ours=False)[0], stock_plain)
     result["stock_tome_rel"] = rel(sample(env, tome, ours=False)[0], stock_tome)
     result["cuda_rng_ok"] = cuda_rng_works(torch)

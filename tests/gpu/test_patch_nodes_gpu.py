@@ -49,16 +49,29 @@ def _patched(env, case):
     return patch_nodes.apply_case(env.model, CASES[case])
 
 
+def _case_names(case):
+    """What a refusal of this case's patch can name: its node ids (the fp8 case: its loader and dtype)."""
+    if case == patch_nodes.FP8_UNET:
+        return ["UNETLoader", "fp8", "float8"]
+    return [node for node, _ in CASES[case]]
+
+
 class _Log(logging.Handler):
-    """The messages logged meanwhile (EasyCache and LazyCache log how many steps they skipped)."""
+    """The messages logged at INFO or above meanwhile (EasyCache and LazyCache log how many steps they
+    skipped); the root logger is at INFO for the scope (in-process, nothing set it up as main.py does)."""
 
     def __enter__(self):
         self.lines = []
-        logging.getLogger().addHandler(self)
+        root = logging.getLogger()
+        self.level_before = root.level
+        root.setLevel(logging.INFO)
+        root.addHandler(self)
         return self
 
     def __exit__(self, *exc):
-        logging.getLogger().removeHandler(self)
+        root = logging.getLogger()
+        root.removeHandler(self)
+        root.setLevel(self.level_before)
 
     def emit(self, record):
         self.lines.append(record.getMessage())
@@ -100,7 +113,7 @@ def test_patch_node_equals_stock_and_replays_graphs(comfy_env, plain_ref, case):
     for prompt, out, rep in ((1, first, rep1), (2, second, rep2)):
         assert _rel(out, ref) < TOL, (case, prompt, _rel(out, ref), rep["graphs"])
         _assert_accelerated(rep, case)
-    names = patch_nodes.patch_names(comfy_env.model, model, [n for n, _ in CASES[case]])
+    names = patch_nodes.patch_names(comfy_env.model, model, _case_names(case))
     _assert_graphs_replayed(rep2, names, case)
     if case in CACHES:   # the cache skipped steps in every run, ours as many as stock's
         skipped = _skipped(stock_log.lines, case)
