@@ -67,8 +67,10 @@ class ComfyServer:
         link_pack(self.comfy_dir)
         cfg = os.path.join(self.work_dir, "extra_model_paths.yaml")
         with open(cfg, "w") as f:
+            # diffusion_models -> checkpoints: current ComfyUI's UNETLoader loads a checkpoint's UNet
+            # (with weight_dtype fp8_e4m3fn, say), so the fixture checkpoints serve it too
             f.write("sd_accel_test:\n    base_path: %s\n    checkpoints: checkpoints\n    controlnet: controlnet\n"
-                    "    loras: loras\n    vae: vae\n" % self.models_dir)
+                    "    loras: loras\n    vae: vae\n    diffusion_models: checkpoints\n" % self.models_dir)
         cmd = [self.python, "main.py"] + (["--cpu"] if self.cpu else []) + ["--listen", "127.0.0.1", "--port", str(self.port),
                "--disable-auto-launch", "--output-directory", self.output_dir, "--input-directory",
                self.input_dir, "--temp-directory", os.path.join(self.work_dir, "temp"),
