@@ -1,0 +1,256 @@
+"""Other packs' patch mechanisms through the real server (CPU), with SD Accel in the same graph.
+
+The packs are stand-ins (tests/packs/standin_*) that register their patches on the ModelPatcher and run on
+every call what the real packs do (docs/other_packs.md says what each reproduces, and from which files).
+A graph runs as the stock reference (pack -> KSampler) and in the ways SD Accel meets it: pack -> Accelerated
+KSampler ("ours"), Apply SD Accel -> pack -> KSampler ("apply_first": our patches under theirs) and pack ->
+Apply SD Accel -> KSampler ("apply_last": theirs under ours); same seed. With fused kernels off the outputs
+must be identical to the byte (our wrapper and patch plumbing change nothing); with them on, within the float
+noise of the fused modules, which run their torch references here (comfy_packs in conftest.py). Each pack
+must also change the output, so an equality is never vacuous. No run may fall back to the stock path, and
+the server stays up (a crash fails the next prompt).
+"""
+import os
+
+import numpy as np
+import pytest
+from workflow_util import image, psnr, txt2img
+
+SAMPLER = "3"
+# The fused modules' references fold adds in another order than stock: images differ in a few pixels
+# (84 dB measured), latents by ~1e-6. A lost, doubled or misplaced patch is below 35 dB / above 1e-2.
+IMAGE_NOISE_DB = 50.0
+LATENT_NOISE = 1e-4
+PACK_EFFECT_DB, PACK_EFFECT_REL = 35.0, 1e-2
+ORDERS = ("ours", "apply_first", "apply_last")
+
+
+# -- graphs -----------------------------------------------------------------------------------------------
+def _apply(fused_kernels, attention="auto"):
+    return ("SDAccelApply", {"fused_kernels": fused_kernels, "cuda_graph": True, "channels_last": True,
+                             "attention": attention})
+
+
+def model_graph(models, model_nodes, order="stock", fused_kernels=True, seed=7, steps=2, prefix="pk", latent=None,
+                save_latent=False, attention="auto"):
+    """txt2img at test size with `model_nodes` [(class, inputs)] chained between the checkpoint and the
+    sampler; `order` places SD Accel: "stock" (none), "ours" (Accelerated KSampler), "apply_first" / "apply_last"
+    (Apply SD Accel before / after the pack's nodes, then KSampler). `save_latent`: the sampler's latent is
+    saved instead of decoded (16 frames would cost more to decode than to sample)."""
+    sampler = "SDAccelKSampler" if order == "ours" else "KSampler"
+    accel = {"fused_kernels": fused_kernels, "attention": attention} if order == "ours" else {}
+    wf = txt2img(models["sd15"], sampler, seed=seed, steps=steps, prefix="%s_%s" % (prefix, order), **accel)
+    chain = list(model_nodes)
+    if order == "apply_first":
+        chain.insert(0, _apply(fused_kernels, attention))
+    elif order == "apply_last":
+        chain.append(_apply(fused_kernels, attention))
+    link = ["4", 0]
+    for i, (cls, inputs) in enumerate(chain):
+        wf["m%d" % i] = {"class_type": cls, "inputs": dict(inputs, model=link)}
+        link = ["m%d" % i, 0]
+    wf[SAMPLER]["inputs"]["model"] = link
+    if latent:
+        wf["5"]["inputs"].update(latent)
+    if save_latent:
+        del wf["8"]
+        wf["9"] = {"class_type": "SaveLatent", "inputs": {"samples": [SAMPLER, 0],
+                                                          "filename_prefix": "latents/%s_%s" % (prefix, order)}}
+    return wf
+
+
+# -- running and comparing --------------------------------------------------------------------------------
+def run_output(srv, wf):
+    """(what the prompt saved as one float array: its images stacked, or its latent; history entry)."""
+    entry = srv.run(wf)
+    latents = [f for out in entry["outputs"].values() for f in out.get("latents", [])]
+    if latents:
+        import safetensors.torch
+        f = latents[0]
+        path = os.path.join(srv.output_dir, f.get("subfolder", ""), f["filename"])
+        return safetensors.torch.load_file(path)["latent_tensor"].double().numpy(), entry
+    paths = srv.output_images(entry)
+    assert paths, entry.get("outputs")
+    return np.stack([image(p) for p in paths]), entry
+
+
+def report_of(entry):
+    """The Accelerated KSampler's report, if the graph has one; never one that fell back to the stock path."""
+    report = (entry["outputs"].get(SAMPLER) or {}).get("sdaccel_report")
+    if report:
+        assert not [n for n in report[0]["notes"] if "accelerated run failed" in n], report[0]["notes"]
+    return report[0] if report else None
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def _is_latent(a):
+    return a.ndim == 4 and a.shape[-1] != 3
+
+
+def assert_matches(got, ref, exact, what):
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    if exact:
+        assert (got == ref).all(), (what, psnr(got, ref) if not _is_latent(got) else _rel(got, ref))
+    elif _is_latent(got):
+        assert _rel(got, ref) <= LATENT_NOISE, (what, _rel(got, ref))
+    else:
+        assert psnr(got, ref) >= IMAGE_NOISE_DB, (what, psnr(got, ref))
+
+
+def assert_changed(with_pack, without, what):
+    if _is_latent(with_pack):
+        assert _rel(with_pack, without) > PACK_EFFECT_REL, "%s did not change the latent" % what
+    else:
+        assert psnr(with_pack, without) < PACK_EFFECT_DB, "%s did not change the image" % what
+
+
+def check_orders(srv, build, fused_kernels, orders=ORDERS):
+    """Runs build("stock"), then build(order) for each order: each output equals stock's. Returns stock's."""
+    ref, _ = run_output(srv, build("stock"))
+    for order in orders:
+        got, entry = run_output(srv, build(order))
+        report_of(entry)
+        assert_matches(got, ref, exact=not fused_kernels, what=order)
+    return ref
+
+
+# -- IPAdapter: attn2 replace patches ---------------------------------------------------------------------
+def ipadapter(weight=1.5, start_at=0.0, end_at=0.6, seed=3):
+    """end_at 0.6: on for the first of 2 steps only, so its per-call Python sigma test decides both ways."""
+    return ("IPAdapterLikeApply", {"weight": weight, "start_at": start_at, "end_at": end_at, "seed": seed,
+                                   "tokens": 4})
+
+
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
+def test_ipadapter_in_every_order_is_stock(comfy_packs, models, fused_kernels):
+    nodes = [ipadapter()]
+    ref = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, fused_kernels, prefix="ipa"),
+                       fused_kernels)
+    if fused_kernels:
+        plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="ipa_none"))
+        assert_changed(ref, plain, "the IPAdapter stand-in")
+
+
+def test_two_stacked_ipadapters_in_every_order_are_stock(comfy_packs, models):
+    """The second IPAdapter finds the first one's patch objects and adds itself to them in place."""
+    nodes = [ipadapter(seed=3), ipadapter(weight=-1.0, end_at=1.0, seed=4)]
+    ref = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, prefix="ipa2"), fused_kernels=True)
+    one, _ = run_output(comfy_packs, model_graph(models, nodes[:1], "stock", prefix="ipa2_one"))
+    assert_changed(ref, one, "the second IPAdapter stand-in")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_ipadapter_keeps_its_patches_beside_our_attention_backend(comfy_packs, models, order):
+    """attention=sdpa: SD Accel sets its own attn1/attn2 replace patches on every transformer block, under the
+    same keys IPAdapter uses for SD1.5. The IPAdapter must still act, in either order."""
+    nodes = [ipadapter()]
+    ref, _ = run_output(comfy_packs, model_graph(models, nodes, "stock", prefix="ipa_attn"))
+    got, entry = run_output(comfy_packs, model_graph(models, nodes, order, fused_kernels=False, attention="sdpa",
+                                                     prefix="ipa_attn"))
+    report_of(entry)
+    assert_matches(got, ref, exact=False, what=order)
+
+
+# -- AnimateDiff: injected temporal modules, sliding context windows --------------------------------------
+FRAMES = {"width": 64, "height": 64, "batch_size": 16}
+
+
+def animatediff(context_length=8, schedule="standard_uniform", version="v2", seed=5):
+    """context_length 8 over 16 frames, overlap 4: three windows a step, moved by the step (uniform)."""
+    return ("ADLikeApplyMotion", {"seed": seed, "motion_version": version, "context_length": context_length,
+                                  "context_overlap": 4, "context_schedule": schedule, "fuse_method": "pyramid"})
+
+
+def ad_graph(models, nodes, order, fused_kernels, prefix):
+    return model_graph(models, nodes, order, fused_kernels, prefix=prefix, latent=FRAMES, save_latent=True)
+
+
+@pytest.mark.parametrize("context_length", [0, 8], ids=["one_window", "sliding_windows"])
+def test_animatediff_in_every_order_is_stock(comfy_packs, models, context_length):
+    """Fused kernels off: no object patch of ours, so this is the injection, the wrappers and the windows
+    meeting our step wrapper (the graph state, the key of every window's call)."""
+    nodes = [animatediff(context_length)]
+    orders = ORDERS if context_length else ("ours",)
+    ref = check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, False, "ad%d" % context_length),
+                       fused_kernels=False, orders=orders)
+    if context_length:
+        plain, _ = run_output(comfy_packs, ad_graph(models, [], "stock", False, "ad_none"))
+        assert_changed(ref, plain, "the motion modules")
+
+
+def test_animatediff_with_fused_kernels_after_a_stock_run_is_stock(comfy_packs, models):
+    """The user's first AnimateDiff run is stock; ComfyUI keeps that model loaded, temporal modules inserted
+    into the UNet's blocks. Then the same graph with the Accelerated KSampler: our folded copies of the blocks
+    must not take those modules in (AnimateDiff inserts its own into our copies when it loads our clone)."""
+    nodes = [animatediff(8, seed=6)]
+    check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, True, "ad_fused"), fused_kernels=True,
+                 orders=("ours",))
+
+
+def test_a_plain_graph_after_an_animatediff_run_is_stock(comfy_packs, models):
+    """Same hazard without AnimateDiff in the accelerated graph: the plain model's blocks are planned while the
+    AnimateDiff clone of the same checkpoint is loaded and injected."""
+    run_output(comfy_packs, ad_graph(models, [animatediff(8, seed=7)], "stock", False, "ad_before_plain"))
+    ref, _ = run_output(comfy_packs, model_graph(models, [], "stock", seed=8, prefix="plain_after_ad"))
+    got, entry = run_output(comfy_packs, model_graph(models, [], "ours", seed=8, prefix="plain_after_ad"))
+    report_of(entry)
+    assert_matches(got, ref, exact=False, what="ours")
+
+
+# -- Advanced-ControlNet: its ControlNet subclass, timestep keyframes, soft weights -----------------------
+KEYFRAMES = ((0.0, 0.3), (0.25, 2.5), (0.6, 0.0))   # (start_percent, strength): 3 steps at 0.3, 2.5, 0
+
+
+def add_controlnets(wf, models, chain, keyframes=KEYFRAMES, base_multiplier=0.825):
+    """Applies the fixture ControlNet on a flat-colour hint, once per entry of `chain` (bottom to top):
+    "acn" through the Advanced-ControlNet stand-in (with `keyframes` and soft weights), "stock" through
+    ComfyUI's Apply ControlNet (Advanced)."""
+    wf["c_load"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": models["cn15"]}}
+    wf["c_hint"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
+                                                            "color": 0xC04020}}
+    kf = None
+    for i, (start, strength) in enumerate(keyframes):
+        wf["c_kf%d" % i] = {"class_type": "ACNLikeTimestepKeyframe", "inputs": dict(
+            {"start_percent": start, "strength": strength, "guarantee_steps": 1},
+            **({"prev_timestep_kf": kf} if kf else {}))}
+        kf = ["c_kf%d" % i, 0]
+    pos, neg = ["6", 0], ["7", 0]
+    for i, kind in enumerate(chain):
+        common = {"positive": pos, "negative": neg, "control_net": ["c_load", 0], "image": ["c_hint", 0],
+                  "strength": 0.9, "start_percent": 0.0, "end_percent": 1.0}
+        if kind == "acn":
+            node = {"class_type": "ACNLikeApply", "inputs": dict(common, base_multiplier=base_multiplier,
+                                                                 **({"timestep_kf": kf} if kf else {}))}
+        else:
+            node = {"class_type": "ControlNetApplyAdvanced", "inputs": common}
+        wf["c_apply%d" % i] = node
+        pos, neg = ["c_apply%d" % i, 0], ["c_apply%d" % i, 1]
+    wf[SAMPLER]["inputs"].update(positive=pos, negative=neg)
+    return wf
+
+
+def cn_graph(models, chain, order, fused_kernels=True, prefix="acn", keyframes=KEYFRAMES):
+    order = "apply_first" if order == "apply" else order    # the pack patches no model: one Apply order
+    wf = model_graph(models, [], order, fused_kernels, steps=3, prefix=prefix)
+    return add_controlnets(wf, models, chain, keyframes)
+
+
+@pytest.mark.parametrize("chain", [["acn"], ["acn", "stock"], ["stock", "acn"]],
+                         ids=["acn", "stock_over_acn", "acn_over_stock"])
+def test_advanced_controlnet_in_every_order_is_stock(comfy_packs, models, chain):
+    """Its subclass runs stock inside our run (ours patches only ComfyUI's own class), also when chained
+    with a stock ControlNet that ours does accelerate, above or below it."""
+    check_orders(comfy_packs, lambda o: cn_graph(models, chain, o, prefix="acn_" + "_".join(chain)),
+                 fused_kernels=True, orders=("ours", "apply"))
+
+
+def test_advanced_controlnet_keyframes_act_and_ours_reports_it_left_stock(comfy_packs, models):
+    with_kf, _ = run_output(comfy_packs, cn_graph(models, ["acn"], "stock", prefix="acn_kf"))
+    without, _ = run_output(comfy_packs, cn_graph(models, ["acn"], "stock", prefix="acn_nokf", keyframes=()))
+    assert_changed(with_kf, without, "the keyframe schedule")
+    _, entry = run_output(comfy_packs, cn_graph(models, ["acn"], "ours", prefix="acn_kf"))
+    notes = " ".join(report_of(entry)["notes"])
+    assert "left stock: ControlNetAdvancedLike is not a full ControlNet" in notes, notes
