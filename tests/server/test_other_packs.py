@@ -32,7 +32,7 @@ def _apply(fused_kernels, attention="auto"):
 
 
 def model_graph(models, model_nodes, order="stock", fused_kernels=True, seed=7, steps=2, prefix="pk", latent=None,
-                save_latent=False, attention="auto"):
+                save_latent=False, attention="auto", cfg=None):
     """txt2img at test size with `model_nodes` [(class, inputs)] chained between the checkpoint and the
     sampler; `order` places SD Accel: "stock" (none), "ours" (Accelerated KSampler), "apply_first" / "apply_last"
     (Apply SD Accel before / after the pack's nodes, then KSampler). `save_latent`: the sampler's latent is
@@ -52,6 +52,8 @@ def model_graph(models, model_nodes, order="stock", fused_kernels=True, seed=7, 
     wf[SAMPLER]["inputs"]["model"] = link
     if latent:
         wf["5"]["inputs"].update(latent)
+    if cfg is not None:
+        wf[SAMPLER]["inputs"]["cfg"] = cfg
     if save_latent:
         del wf["8"]
         wf["9"] = {"class_type": "SaveLatent", "inputs": {"samples": [SAMPLER, 0],
@@ -75,11 +77,13 @@ def run_output(srv, wf):
 
 
 def report_of(entry):
-    """The Accelerated KSampler's report, if the graph has one; never one that fell back to the stock path."""
-    report = (entry["outputs"].get(SAMPLER) or {}).get("sdaccel_report")
-    if report:
-        assert not [n for n in report[0]["notes"] if "accelerated run failed" in n], report[0]["notes"]
-    return report[0] if report else None
+    """The Accelerated KSampler's report, if the graph has one; no report of the graph (a detailer passes on the
+    one of its inner sampler) may have fallen back to the stock path."""
+    for out in entry["outputs"].values():
+        for report in out.get("sdaccel_report", ()):
+            assert not [n for n in report["notes"] if "accelerated run failed" in n], report["notes"]
+    reports = (entry["outputs"].get(SAMPLER) or {}).get("sdaccel_report")
+    return reports[0] if reports else None
 
 
 def _rel(a, b):
@@ -165,38 +169,51 @@ def animatediff(context_length=8, schedule="standard_uniform", version="v2", see
 
 
 def ad_graph(models, nodes, order, fused_kernels, prefix):
-    return model_graph(models, nodes, order, fused_kernels, prefix=prefix, latent=FRAMES, save_latent=True)
+    """16 frames at cfg 1 (ComfyUI then runs no negative: half the cost of this CPU's slowest graphs; the
+    cond/uncond batch is covered by the other packs' tests), the latent saved instead of decoded."""
+    return model_graph(models, nodes, order, fused_kernels, prefix=prefix, latent=FRAMES, save_latent=True, cfg=1.0)
 
 
-@pytest.mark.parametrize("context_length", [0, 8], ids=["one_window", "sliding_windows"])
-def test_animatediff_in_every_order_is_stock(comfy_packs, models, context_length):
-    """Fused kernels off: no object patch of ours, so this is the injection, the wrappers and the windows
-    meeting our step wrapper (the graph state, the key of every window's call)."""
-    nodes = [animatediff(context_length)]
-    orders = ORDERS if context_length else ("ours",)
-    ref = check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, False, "ad%d" % context_length),
-                       fused_kernels=False, orders=orders)
-    if context_length:
-        plain, _ = run_output(comfy_packs, ad_graph(models, [], "stock", False, "ad_none"))
-        assert_changed(ref, plain, "the motion modules")
+def test_animatediff_in_every_order_is_stock(comfy_packs, models):
+    """Fused kernels off: no object patch of ours, so this is the injection, the wrappers and the sliding
+    windows (every window's call with its own frames and ad_params) meeting our step wrapper."""
+    nodes = [animatediff(8)]
+    ref = check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, False, "ad_windows"), fused_kernels=False)
+    plain, _ = run_output(comfy_packs, ad_graph(models, [], "stock", False, "ad_none"))
+    assert_changed(ref, plain, "the motion modules")
 
 
 def test_animatediff_with_fused_kernels_after_a_stock_run_is_stock(comfy_packs, models):
     """The user's first AnimateDiff run is stock; ComfyUI keeps that model loaded, temporal modules inserted
     into the UNet's blocks. Then the same graph with the Accelerated KSampler: our folded copies of the blocks
     must not take those modules in (AnimateDiff inserts its own into our copies when it loads our clone)."""
-    nodes = [animatediff(8, seed=6)]
+    nodes = [animatediff(0, seed=6)]
     check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, True, "ad_fused"), fused_kernels=True,
                  orders=("ours",))
 
 
-def test_a_plain_graph_after_an_animatediff_run_is_stock(comfy_packs, models):
-    """Same hazard without AnimateDiff in the accelerated graph: the plain model's blocks are planned while the
-    AnimateDiff clone of the same checkpoint is loaded and injected."""
-    run_output(comfy_packs, ad_graph(models, [animatediff(8, seed=7)], "stock", False, "ad_before_plain"))
-    ref, _ = run_output(comfy_packs, model_graph(models, [], "stock", seed=8, prefix="plain_after_ad"))
-    got, entry = run_output(comfy_packs, model_graph(models, [], "ours", seed=8, prefix="plain_after_ad"))
+def test_animatediff_v1_groupnorm_across_frames_is_kept_with_fused_kernels(comfy_packs, models):
+    """AnimateDiff v1 models swap the GroupNorm classes' forward during the UNet call so that each norm spans
+    all frames; our fused norms must not bypass it. The plain model is loaded first, so that our blocks are
+    planned with no AnimateDiff model injected (the hazard of the test above) and only this one is tested."""
+    run_output(comfy_packs, model_graph(models, [], "stock", prefix="ad_v1_unload"))
+    nodes = [animatediff(0, version="v1", seed=9)]
+    got, entry = run_output(comfy_packs, ad_graph(models, nodes, "ours", True, "ad_v1"))
     report_of(entry)
+    ref, _ = run_output(comfy_packs, ad_graph(models, nodes, "stock", True, "ad_v1"))
+    assert_matches(got, ref, exact=False, what="ours")
+
+
+def test_a_plain_graph_after_an_animatediff_run_is_stock(comfy_packs, models):
+    """The same hazard without AnimateDiff in the accelerated graph: the plain model's blocks are planned while
+    the AnimateDiff clone of the same checkpoint is loaded and injected (channels_last off: options no earlier
+    test used, so that this plan is made now, not found in the cache of clones)."""
+    run_output(comfy_packs, ad_graph(models, [animatediff(8, seed=7)], "stock", False, "ad_before_plain"))
+    wf = model_graph(models, [], "ours", seed=8, prefix="plain_after_ad")
+    wf[SAMPLER]["inputs"]["channels_last"] = False
+    got, entry = run_output(comfy_packs, wf)     # before the stock reference, which would unload the AnimateDiff clone
+    report_of(entry)
+    ref, _ = run_output(comfy_packs, model_graph(models, [], "stock", seed=8, prefix="plain_after_ad"))
     assert_matches(got, ref, exact=False, what="ours")
 
 
@@ -254,3 +271,36 @@ def test_advanced_controlnet_keyframes_act_and_ours_reports_it_left_stock(comfy_
     _, entry = run_output(comfy_packs, cn_graph(models, ["acn"], "ours", prefix="acn_kf"))
     notes = " ".join(report_of(entry)["notes"])
     assert "left stock: ControlNetAdvancedLike is not a full ControlNet" in notes, notes
+
+
+# -- Impact Pack: a detailer sampling a crop at another size inside its node ------------------------------
+def detailer_graph(models, order, ksampler="impact", fused_kernels=True, prefix="det", detail=True):
+    """txt2img, then the detailer on a 32 px region upscaled to 48 px (a 6x6 latent after the main pass's 8x8).
+    `order`: "stock"; "ours": Accelerated KSampler for the main pass, the detailer's `ksampler` for the region;
+    "apply": Apply SD Accel on the model both samplers use."""
+    wf = model_graph(models, [], "apply_first" if order == "apply" else order, fused_kernels, prefix=prefix)
+    if not detail:
+        return wf
+    wf["d"] = {"class_type": "ImpactLikeDetailer", "inputs": {
+        "image": ["8", 0], "model": wf[SAMPLER]["inputs"]["model"], "vae": ["4", 2], "positive": ["6", 0],
+        "negative": ["7", 0], "seed": 11, "steps": 2, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
+        "denoise": 0.5, "crop": "16,16,48,48", "guide_size": 48, "noise_mask": True, "noise_mask_feather": 4,
+        "ksampler": ksampler}}
+    wf["9"]["inputs"]["images"] = ["d", 0]
+    return wf
+
+
+def test_detailer_with_a_ksampler_inside_is_stock_with_ours_inside(comfy_packs, models):
+    """The detailer calls KSampler (stock graph) or the Accelerated KSampler (ours) on the region."""
+    ref, _ = run_output(comfy_packs, detailer_graph(models, "stock", "KSampler", prefix="det_ks"))
+    got, entry = run_output(comfy_packs, detailer_graph(models, "ours", "SDAccelKSampler", prefix="det_ks"))
+    assert_matches(got, ref, exact=False, what="Accelerated KSampler inside the detailer")
+    assert entry["outputs"]["d"]["sdaccel_report"], "the detailer's inner Accelerated KSampler reported"
+    report_of(entry)
+
+
+def test_detailer_sampling_the_impact_way_on_an_accelerated_model_is_stock(comfy_packs, models):
+    ref = check_orders(comfy_packs, lambda o: detailer_graph(models, o, prefix="det_impact"), fused_kernels=True,
+                       orders=("ours", "apply"))
+    plain, _ = run_output(comfy_packs, detailer_graph(models, "stock", prefix="det_impact", detail=False))
+    assert_changed(ref, plain, "the detailer")
