@@ -112,13 +112,26 @@ def assert_changed(with_pack, without, what):
 
 
 def check_orders(srv, build, fused_kernels, orders=ORDERS):
-    """Runs build("stock"), then build(order) for each order: each output equals stock's. Returns stock's."""
+    """Runs build("stock"), then build(order) for each order: each output equals stock's. Returns (stock's
+    output, {order: its history entry})."""
     ref, _ = run_output(srv, build("stock"))
+    entries = {}
     for order in orders:
-        got, entry = run_output(srv, build(order))
-        report_of(entry)
+        got, entries[order] = run_output(srv, build(order))
+        report_of(entries[order])
         assert_matches(got, ref, exact=not fused_kernels, what=order)
-    return ref
+    return ref, entries
+
+
+STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
+             "ImpactLikeDetailer")
+
+
+def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
+    bad = [ln for ln in comfy_packs.log_text().splitlines() if "IMPORT FAILED" in ln]
+    assert not bad, bad
+    info = comfy_packs.object_info()
+    assert not [n for n in STAND_INS + ("SDAccelKSampler", "SDAccelApply") if n not in info]
 
 
 # -- IPAdapter: attn2 replace patches ---------------------------------------------------------------------
@@ -131,8 +144,8 @@ def ipadapter(weight=1.5, start_at=0.0, end_at=0.6, seed=3):
 @pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
 def test_ipadapter_in_every_order_is_stock(comfy_packs, models, fused_kernels):
     nodes = [ipadapter()]
-    ref = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, fused_kernels, prefix="ipa"),
-                       fused_kernels)
+    ref, _ = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, fused_kernels, prefix="ipa"),
+                          fused_kernels)
     if fused_kernels:
         plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="ipa_none"))
         assert_changed(ref, plain, "the IPAdapter stand-in")
@@ -141,7 +154,7 @@ def test_ipadapter_in_every_order_is_stock(comfy_packs, models, fused_kernels):
 def test_two_stacked_ipadapters_in_every_order_are_stock(comfy_packs, models):
     """The second IPAdapter finds the first one's patch objects and adds itself to them in place."""
     nodes = [ipadapter(seed=3), ipadapter(weight=-1.0, end_at=1.0, seed=4)]
-    ref = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, prefix="ipa2"), fused_kernels=True)
+    ref, _ = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, prefix="ipa2"), fused_kernels=True)
     one, _ = run_output(comfy_packs, model_graph(models, nodes[:1], "stock", prefix="ipa2_one"))
     assert_changed(ref, one, "the second IPAdapter stand-in")
 
@@ -178,7 +191,7 @@ def test_animatediff_in_every_order_is_stock(comfy_packs, models):
     """Fused kernels off: no object patch of ours, so this is the injection, the wrappers and the sliding
     windows (every window's call with its own frames and ad_params) meeting our step wrapper."""
     nodes = [animatediff(8)]
-    ref = check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, False, "ad_windows"), fused_kernels=False)
+    ref, _ = check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, False, "ad_windows"), fused_kernels=False)
     plain, _ = run_output(comfy_packs, ad_graph(models, [], "stock", False, "ad_none"))
     assert_changed(ref, plain, "the motion modules")
 
@@ -255,22 +268,21 @@ def cn_graph(models, chain, order, fused_kernels=True, prefix="acn", keyframes=K
     return add_controlnets(wf, models, chain, keyframes)
 
 
-@pytest.mark.parametrize("chain", [["acn"], ["acn", "stock"], ["stock", "acn"]],
-                         ids=["acn", "stock_over_acn", "acn_over_stock"])
-def test_advanced_controlnet_in_every_order_is_stock(comfy_packs, models, chain):
-    """Its subclass runs stock inside our run (ours patches only ComfyUI's own class), also when chained
-    with a stock ControlNet that ours does accelerate, above or below it."""
+def test_advanced_controlnet_in_every_order_is_stock_and_its_keyframes_act(comfy_packs, models):
+    """Its subclass runs stock inside our run: ours patches only ComfyUI's own ControlNet class, and says so."""
+    ref, entries = check_orders(comfy_packs, lambda o: cn_graph(models, ["acn"], o, prefix="acn"), fused_kernels=True,
+                                orders=("ours", "apply"))
+    notes = " ".join(report_of(entries["ours"])["notes"])
+    assert "left stock: ControlNetAdvancedLike is not a full ControlNet" in notes, notes
+    without, _ = run_output(comfy_packs, cn_graph(models, ["acn"], "stock", prefix="acn_nokf", keyframes=()))
+    assert_changed(ref, without, "the keyframe schedule")
+
+
+@pytest.mark.parametrize("chain", [["acn", "stock"], ["stock", "acn"]], ids=["stock_over_acn", "acn_over_stock"])
+def test_advanced_controlnet_chained_with_a_stock_controlnet_is_stock(comfy_packs, models, chain):
+    """Chained with a ComfyUI ControlNet, which ours does accelerate (and re-links), above or below it."""
     check_orders(comfy_packs, lambda o: cn_graph(models, chain, o, prefix="acn_" + "_".join(chain)),
                  fused_kernels=True, orders=("ours", "apply"))
-
-
-def test_advanced_controlnet_keyframes_act_and_ours_reports_it_left_stock(comfy_packs, models):
-    with_kf, _ = run_output(comfy_packs, cn_graph(models, ["acn"], "stock", prefix="acn_kf"))
-    without, _ = run_output(comfy_packs, cn_graph(models, ["acn"], "stock", prefix="acn_nokf", keyframes=()))
-    assert_changed(with_kf, without, "the keyframe schedule")
-    _, entry = run_output(comfy_packs, cn_graph(models, ["acn"], "ours", prefix="acn_kf"))
-    notes = " ".join(report_of(entry)["notes"])
-    assert "left stock: ControlNetAdvancedLike is not a full ControlNet" in notes, notes
 
 
 # -- Impact Pack: a detailer sampling a crop at another size inside its node ------------------------------
@@ -300,7 +312,7 @@ def test_detailer_with_a_ksampler_inside_is_stock_with_ours_inside(comfy_packs, 
 
 
 def test_detailer_sampling_the_impact_way_on_an_accelerated_model_is_stock(comfy_packs, models):
-    ref = check_orders(comfy_packs, lambda o: detailer_graph(models, o, prefix="det_impact"), fused_kernels=True,
-                       orders=("ours", "apply"))
+    ref, _ = check_orders(comfy_packs, lambda o: detailer_graph(models, o, prefix="det_impact"), fused_kernels=True,
+                          orders=("apply",))
     plain, _ = run_output(comfy_packs, detailer_graph(models, "stock", prefix="det_impact", detail=False))
     assert_changed(ref, plain, "the detailer")

@@ -6,6 +6,7 @@ any other model), and while an AnimateDiff model samples, three module globals a
 openaimodel.forward_timestep_embed (to call the temporal modules), comfy.samplers.sampling_function (the
 sliding context windows) and, for v1 models, the GroupNorm forwards.
 """
+import copy
 import math
 
 import comfy.sample
@@ -14,7 +15,6 @@ from comfy.ldm.modules.diffusionmodules import openaimodel
 from comfy.model_patcher import ModelPatcher
 
 from . import motion as mm
-from .hooks_current import groupnorm_swapped
 
 
 class ModelPatcherAndInjectorLike(ModelPatcher):
@@ -27,7 +27,7 @@ class ModelPatcherAndInjectorLike(ModelPatcher):
         n.patches = {k: v[:] for k, v in m.patches.items()}
         n.patches_uuid = m.patches_uuid
         n.object_patches = m.object_patches.copy()
-        n.model_options = __import__("copy").deepcopy(m.model_options)
+        n.model_options = copy.deepcopy(m.model_options)
         n.model_keys = m.model_keys
         n.backup, n.object_patches_backup = m.backup, m.object_patches_backup
         n.motion, n.motion_params = getattr(m, "motion", None), getattr(m, "motion_params", None)
@@ -68,7 +68,8 @@ def motion_sample_factory(orig_sample):
         state = mm.SamplingState(model.motion, model.motion_params, full_length=args[-1].size(0))
         state.start()
         saved = openaimodel.forward_timestep_embed, comfy.samplers.sampling_function
-        gn = groupnorm_swapped(state, _manual_cast_groupnorm()) if model.motion_params["motion_version"] == "v1" else None
+        v1 = model.motion_params["motion_version"] == "v1"
+        gn = mm.groupnorm_swapped(state, _manual_cast_groupnorm()) if v1 else None
         try:
             openaimodel.forward_timestep_embed = forward_timestep_embed
             comfy.samplers.sampling_function = evolved_sampling_function_factory(state)
@@ -100,38 +101,46 @@ def _step_counting(callback, state):
 _ORIG_FORWARD_TIMESTEP_EMBED = openaimodel.forward_timestep_embed
 
 
-def forward_timestep_embed(ts, x, emb, context=None, transformer_options={}, output_shape=None, *args, **kwargs):  # noqa: B006
+def forward_timestep_embed(ts, x, emb, context=None, transformer_options={}, *args, **kwargs):  # noqa: B006
     """The host's own function, with the temporal modules called as AnimateDiff's replacement calls them."""
-    for i, layer in enumerate(ts):
+    for layer in ts:
         if isinstance(layer, mm.TemporalModuleLike):
             x = layer(x, context)
         else:
-            x = _ORIG_FORWARD_TIMESTEP_EMBED([layer], x, emb, context, transformer_options, output_shape, *args, **kwargs)
+            x = _ORIG_FORWARD_TIMESTEP_EMBED([layer], x, emb, context, transformer_options, *args, **kwargs)
     return x
 
 
 def evolved_sampling_function_factory(state):
-    def evolved_sampling_function(model, x, timestep, uncond, cond, cond_scale, model_options={}, seed=None):  # noqa: B006
+    """The 2024 AnimateDiff's sampling function: ad_params in transformer_options, the sliding windows around
+    ComfyUI's calc_cond_uncond_batch, then CFG as the 2024 ComfyUI computes it."""
+    def evolved_sampling_function(model, x, timestep, uncond, cond, cond_scale, model_options={},  # noqa: B006
+                                  seed=None):
         uncond_ = uncond
         if math.isclose(cond_scale, 1.0) and not model_options.get("disable_cfg1_optimization", False):
             uncond_ = None
         model_options = model_options.copy()
         to = model_options["transformer_options"] = dict(model_options.get("transformer_options", {}))
         to["ad_params"] = state.exposed_params()
+
+        def batch(conds, xx, t):
+            return comfy.samplers.calc_cond_uncond_batch(model, conds[0], conds[1], xx, t, model_options)
         if state.using_context():
-            call = lambda c, xx, t: comfy.samplers.calc_cond_uncond_batch(model, c[0], c[1], xx, t, model_options)  # noqa: E731
-            cond_pred, uncond_pred = mm.run_windows(call, [cond, uncond_], x, timestep, state, to)
+            cond_pred, uncond_pred = mm.run_windows(batch, [cond, uncond_], x, timestep, state, to)
         else:
-            cond_pred, uncond_pred = comfy.samplers.calc_cond_uncond_batch(model, cond, uncond_, x, timestep, model_options)
-        if "sampler_cfg_function" in model_options:
-            args = {"cond": x - cond_pred, "uncond": x - uncond_pred, "cond_scale": cond_scale, "timestep": timestep,
-                    "input": x, "sigma": timestep}
-            cfg_result = x - model_options["sampler_cfg_function"](args)
-        else:
-            cfg_result = uncond_pred + (cond_pred - uncond_pred) * cond_scale
-        for fn in model_options.get("sampler_post_cfg_function", []):
-            cfg_result = fn({"denoised": cfg_result, "cond": cond, "uncond": uncond, "model": model,
-                             "uncond_denoised": uncond_pred, "cond_denoised": cond_pred, "sigma": timestep,
-                             "model_options": model_options, "input": x})
-        return cfg_result
+            cond_pred, uncond_pred = batch([cond, uncond_], x, timestep)
+        return _cfg(model, x, timestep, cond, uncond, cond_pred, uncond_pred, cond_scale, model_options)
     return evolved_sampling_function
+
+
+def _cfg(model, x, timestep, cond, uncond, cond_pred, uncond_pred, cond_scale, model_options):
+    if "sampler_cfg_function" in model_options:
+        args = {"cond": x - cond_pred, "uncond": x - uncond_pred, "cond_scale": cond_scale, "timestep": timestep,
+                "input": x, "sigma": timestep}
+        result = x - model_options["sampler_cfg_function"](args)
+    else:
+        result = uncond_pred + (cond_pred - uncond_pred) * cond_scale
+    for fn in model_options.get("sampler_post_cfg_function", []):
+        result = fn({"denoised": result, "cond": cond, "uncond": uncond, "model": model, "uncond_denoised": uncond_pred,
+                     "cond_denoised": cond_pred, "sigma": timestep, "model_options": model_options, "input": x})
+    return result

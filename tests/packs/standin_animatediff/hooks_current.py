@@ -7,8 +7,6 @@ CALC_COND_BATCH wrapper runs the sliding context windows.
 """
 import math
 
-import torch
-
 import comfy.model_patcher
 import comfy.patcher_extension as pe
 import comfy.samplers
@@ -89,7 +87,8 @@ def evolved_sampling_function(model, x, timestep, uncond, cond, cond_scale, mode
     if math.isclose(cond_scale, 1.0) and not model_options.get("disable_cfg1_optimization", False):
         uncond_ = None
     cond_pred, uncond_pred = comfy.samplers.calc_cond_batch(model, [cond, uncond_], x, timestep, model_options)
-    return comfy.samplers.cfg_function(model, cond_pred, uncond_pred, cond_scale, x, timestep, model_options, cond, uncond)
+    return comfy.samplers.cfg_function(model, cond_pred, uncond_pred, cond_scale, x, timestep, model_options, cond,
+                                       uncond)
 
 
 def sliding_calc_cond_batch(executor, model, conds, x_in, timestep, model_options):
@@ -104,32 +103,6 @@ def _groupnormed(state):
     """AnimateDiff v1 models expect each GroupNorm to normalise across all frames of a video: for the diffusion
     model's call, the GroupNorm classes' forward are swapped (torch's and ComfyUI's cast-weights one)."""
     def wrapper(executor, *args, **kwargs):
-        with groupnorm_swapped(state):
+        with mm.groupnorm_swapped(state):
             return executor(*args, **kwargs)
     return wrapper
-
-
-class groupnorm_swapped:  # noqa: N801 - used as a context manager, as AnimateDiff's helper is
-    def __init__(self, state, ops_class=None):
-        import comfy.ops
-        self.state = state
-        self.ops_class = ops_class or comfy.ops.disable_weight_init.GroupNorm
-
-    def __enter__(self):
-        self.saved = torch.nn.GroupNorm.forward, self.ops_class.forward_comfy_cast_weights
-        torch.nn.GroupNorm.forward = groupnorm_across_frames(self.state, cast=False)
-        self.ops_class.forward_comfy_cast_weights = groupnorm_across_frames(self.state, cast=True)
-
-    def __exit__(self, *exc):
-        torch.nn.GroupNorm.forward, self.ops_class.forward_comfy_cast_weights = self.saved
-
-
-def groupnorm_across_frames(state, cast):
-    def forward(self, input):
-        import comfy.ops
-        b = input.size(0) // state.frames_per_norm()
-        x = input.reshape(b, -1, *input.shape[1:]).transpose(1, 2)        # (b f) c h w -> b c f h w
-        w, bias = (comfy.ops.cast_bias_weight(self, input)[:2] if cast else (self.weight, self.bias))
-        x = torch.nn.functional.group_norm(x, self.num_groups, w, bias, self.eps)
-        return x.transpose(1, 2).reshape(input.shape)
-    return forward

@@ -81,8 +81,9 @@ class MotionModelLike(nn.Module):
     def __init__(self, diffusion_model, seed, heads=8):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.down_blocks = nn.ModuleList(TemporalModuleLike(c, heads, g) for c in _targets(diffusion_model.input_blocks))
-        self.up_blocks = nn.ModuleList(TemporalModuleLike(c, heads, g) for c in _targets(diffusion_model.output_blocks))
+        down, up = _targets(diffusion_model.input_blocks), _targets(diffusion_model.output_blocks)
+        self.down_blocks = nn.ModuleList(TemporalModuleLike(c, heads, g) for c in down)
+        self.up_blocks = nn.ModuleList(TemporalModuleLike(c, heads, g) for c in up)
 
     def modules_in_order(self):
         return list(self.down_blocks) + list(self.up_blocks)
@@ -271,3 +272,30 @@ class SamplingState:
 
     def frames_per_norm(self):
         return self.context_length if self.using_context() else self.full_length
+
+
+# -- the v1 GroupNorm across frames ----------------------------------------------------------------------
+class groupnorm_swapped:  # noqa: N801 - used as a context manager, as AnimateDiff's helper is
+    """AnimateDiff v1 models expect each GroupNorm to normalise across all frames of a video: while this is
+    entered, the GroupNorm classes' forward (torch's, and ComfyUI's cast-weights one of `ops_class`) do that."""
+    def __init__(self, state, ops_class=None):
+        self.state = state
+        self.ops_class = ops_class or comfy.ops.disable_weight_init.GroupNorm
+
+    def __enter__(self):
+        self.saved = torch.nn.GroupNorm.forward, self.ops_class.forward_comfy_cast_weights
+        torch.nn.GroupNorm.forward = groupnorm_across_frames(self.state, cast=False)
+        self.ops_class.forward_comfy_cast_weights = groupnorm_across_frames(self.state, cast=True)
+
+    def __exit__(self, *exc):
+        torch.nn.GroupNorm.forward, self.ops_class.forward_comfy_cast_weights = self.saved
+
+
+def groupnorm_across_frames(state, cast):
+    def forward(self, input):
+        b = input.size(0) // state.frames_per_norm()
+        x = input.reshape(b, -1, *input.shape[1:]).transpose(1, 2)        # (b f) c h w -> b c f h w
+        w, bias = (comfy.ops.cast_bias_weight(self, input)[:2] if cast else (self.weight, self.bias))
+        x = torch.nn.functional.group_norm(x, self.num_groups, w, bias, self.eps)
+        return x.transpose(1, 2).reshape(input.shape)
+    return forward

@@ -38,7 +38,8 @@ def blurred_mask(h, w, feather):
     mask[..., h // 4:h - h // 4, w // 4:w - w // 4] = 1.0
     if feather > 0:
         k = 2 * feather + 1
-        mask = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(mask, [feather] * 4, mode="replicate"), k, stride=1)
+        padded = torch.nn.functional.pad(mask, [feather] * 4, mode="replicate")
+        mask = torch.nn.functional.avg_pool2d(padded, k, stride=1)
     return mask[0, 0]
 
 
