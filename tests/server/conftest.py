@@ -24,21 +24,23 @@ HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
 COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
 MODELS = os.path.join(HOME, "models")
 PRESET = "small"
-FIXTURES = {  # file -> (kind, folder)
+FIXTURES = {  # file -> (kind, folder[, preset]); the key in `models` is the kind, or kind_preset for a preset
     "sdaccel_random_sd15_%s.safetensors" % PRESET: ("sd15", "checkpoints"),
     "sdaccel_random_cn15_%s.safetensors" % PRESET: ("cn15", "controlnet"),
     "sdaccel_random_lora15_%s.safetensors" % PRESET: ("lora15", "loras"),
+    # SD1.5's layout in small: the deepest level without attention (tests/server/test_other_packs.py)
+    "sdaccel_random_sd15_small_plain_deep.safetensors": ("sd15", "checkpoints", "small_plain_deep"),
 }
 
 
 def _build_fixtures():
-    for name, (kind, folder) in FIXTURES.items():
+    for name, (kind, folder, *preset) in FIXTURES.items():
         path = os.path.join(MODELS, folder, name)
         if os.path.exists(path):
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
         subprocess.run([sys.executable, os.path.join(REPO, "dev", "fixtures.py"), "--comfy-dir", COMFY,
-                        "--kind", kind, "--preset", PRESET, "--out", path],
+                        "--kind", kind, "--preset", (preset or [PRESET])[0], "--out", path],
                        check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
@@ -80,4 +82,4 @@ def comfy_packs():
 
 @pytest.fixture(scope="session")
 def models():
-    return {kind: name for name, (kind, _) in FIXTURES.items()}
+    return {"_".join([kind] + preset): name for name, (kind, _, *preset) in FIXTURES.items()}

@@ -331,3 +331,15 @@ def test_detailer_sampling_the_impact_way_on_an_accelerated_model_is_stock(comfy
                           orders=("apply",))
     plain, _ = run_output(comfy_packs, detailer_graph(models, "stock", prefix="det_impact", detail=False))
     assert_changed(ref, plain, "the detailer")
+
+
+def test_animatediff_injects_into_an_sd15_layout_with_fused_kernels(comfy_packs, models):
+    """SD1.5's deepest level has no attention: AnimateDiff places a temporal module there after the first block
+    whose class is named "ResBlock" (an exact name test), so our ResBlock stand-ins must leave it a place."""
+    run_output(comfy_packs, model_graph(models, [], "stock", prefix="ad_deep_unload"))   # no AnimateDiff loaded
+    deep = dict(models, sd15=models["sd15_small_plain_deep"])
+    nodes = [animatediff(0, seed=10)]
+    got, entry = run_output(comfy_packs, ad_graph(deep, nodes, "ours", True, "ad_deep"))
+    report_of(entry)
+    ref, _ = run_output(comfy_packs, ad_graph(deep, nodes, "stock", True, "ad_deep"))
+    assert_matches(got, ref, exact=False, what="ours")
