@@ -152,7 +152,8 @@ def test_ipadapter_in_every_order_is_stock(comfy_packs, models, fused_kernels):
 
 
 def test_two_stacked_ipadapters_in_every_order_are_stock(comfy_packs, models):
-    """The second IPAdapter finds the first one's patch objects and adds itself to them in place."""
+    """The second IPAdapter finds the first one's patch objects (in its clone's deep copy of the options) and
+    adds itself to them in place."""
     nodes = [ipadapter(seed=3), ipadapter(weight=-1.0, end_at=1.0, seed=4)]
     ref, _ = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, prefix="ipa2"), fused_kernels=True)
     one, _ = run_output(comfy_packs, model_graph(models, nodes[:1], "stock", prefix="ipa2_one"))

@@ -5,7 +5,8 @@ Mechanism reproduced (docs/other_packs.md; read in IPAdapterPlus.py and CrossAtt
   * the node clones the model, copies `model_options["transformer_options"]`, its "patches_replace" and its
     "attn2" dict, and puts one callable object per cross-attention block under ComfyUI's SD1.5 keys
     (("input", id), ("output", id), ("middle", 1)); a second IPAdapter on the same chain finds the object
-    and `.add()`s itself to it in place (the object is shared with the upstream model);
+    and `.add()`s itself to it in place (its clone's: ModelPatcher.clone deep-copies model_options, patch
+    objects and their tensors included);
   * on every attn2 call the object runs ComfyUI's optimized_attention, reads the current sigma with
     `extra_options["sigmas"].detach().cpu()[0].item()` (a host sync), and adds each adapter whose
     [sigma_end, sigma_start] range holds that sigma (Python branching on a tensor value);
