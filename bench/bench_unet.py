@@ -48,13 +48,13 @@ def graph(model, clip, vae, size, batch, seed, sampler):
 
 
 def measure(model, clip, vae, size, batch, sampler):
-    from sd_accel.kernels import _triton
-    launches0 = dict(_triton.first_launches)
+    from sd_accel.kernels import _launch
+    launches0 = dict(_launch.first_launches)
     first = graph(model, clip, vae, size, batch, 1, sampler)
-    first["triton_first_launches"] = _triton.first_launches["count"] - launches0["count"]
-    first["triton_first_launch_s"] = _triton.first_launches["seconds"] - launches0["seconds"]
-    first["triton_ahead"] = _triton.first_launches["ahead"] - launches0["ahead"]
-    first["triton_ahead_s"] = _triton.first_launches["ahead_seconds"] - launches0["ahead_seconds"]
+    first["triton_first_launches"] = _launch.first_launches["count"] - launches0["count"]
+    first["triton_first_launch_s"] = _launch.first_launches["seconds"] - launches0["seconds"]
+    first["triton_ahead"] = _launch.first_launches["ahead"] - launches0["ahead"]
+    first["triton_ahead_s"] = _launch.first_launches["ahead_seconds"] - launches0["ahead_seconds"]
     runs = [graph(model, clip, vae, size, batch, 100 + r, sampler) for r in range(OPT.reps)]
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
     return {"its": OPT.steps / med("sample_s"), "sample_s": med("sample_s"), "e2e_s": med("e2e_s"),

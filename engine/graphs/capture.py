@@ -71,7 +71,11 @@ def _on_side_stream(graph, pool):
     current = torch.cuda.current_stream()
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        except RuntimeError as e:     # an allocator refused to begin: undo what it began
+            recover(pool)
+            raise CaptureInvalidated(str(e)) from e
         try:
             yield
         finally:

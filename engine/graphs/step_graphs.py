@@ -182,7 +182,7 @@ class StepGraphs:
         full = (key, tuple(tuple(v.reshape(-1).tolist()) for v in host_values.values()))
         entry = self.entries.get(full)
         if entry is not None and any(a is not b for a, b in zip(entry.soft, soft)):
-            entry = self._soft_changed(full, key)
+            entry = self._soft_changed(full, key, soft)
             if entry is False:
                 return self._eager(fn, args, kwargs, self.verdicts[key].result.reason, key=key, device=device)
         fresh = entry is None
@@ -206,10 +206,13 @@ class StepGraphs:
             kernel_report.replayed(entry.kernel_calls)
         return keys.map_tensors(entry.static_out, lambda t: t.clone())
 
-    def _soft_changed(self, full, key):
+    def _soft_changed(self, full, key, soft):
         """A tensor inside the call's objects is another object than the capture read (by address): the graph
         is captured again; a key whose tensors change before every call is refused. None (capture) or False."""
-        del self.entries[full]
+        old = self.entries.pop(full).soft
+        changed = [i for i, (a, b) in enumerate(zip(old, soft)) if a is not b]
+        log.log(DIAG_LEVEL, "[SD Accel] %s: tensors inside the call's objects replaced (%s): captured again", self.name,
+                ", ".join("#%d %s" % (i, tuple(soft[i].shape)) for i in changed[:4]))
         v = self.verdicts[key]
         v.soft_changes += 1
         if v.soft_changes <= CHURN:
@@ -227,7 +230,9 @@ class StepGraphs:
 
     def _capture(self, fn, args, kwargs, tensors, key, full, device, host_values):
         self._make_room(key)
-        if self.pool is None:
+        if self.pool is None or not self.entries:
+            # a pool handle lives only while a graph captured into it does: capturing into one whose graphs
+            # are all gone fails an assert inside torch's allocators and leaves them half in capture mode
             self.pool = torch.cuda.graph_pool_handle()
         entry = _Entry()
         entry.static_in = [keys.static_copy(t, device) for t in tensors]   # CPU conds get GPU buffers
@@ -258,11 +263,11 @@ class StepGraphs:
         reason = "capture failed (%s: %s)" % (type(e).__name__, first_line(e, 160))
         log.warning("[SD Accel] CUDA graph capture failed for %s (%s); running eagerly", self.name, reason)
         log.log(DIAG_LEVEL, "[SD Accel] where the capture failed", exc_info=True)
-        invalidated = isinstance(e, capture.CaptureInvalidated)
-        if invalidated:
-            # what the invalidated capture allocated is referenced by the traceback, the graph and its pool;
-            # freeing it aborts the process under cudaMallocAsync: kept, and this model's pool is not reused
-            capture.keep_until_exit((e, graph, self.pool, entry.static_in))
+        # what the failed capture allocated (referenced by the traceback, the graph and its pool) is kept: under
+        # cudaMallocAsync freeing an unreplayed capture's allocations aborts the process, and the driver would
+        # hand an invalidated capture's addresses out again; a key fails at most once, so this is bounded
+        capture.keep_until_exit((e, graph, self.pool, entry.static_in))
+        if isinstance(e, capture.CaptureInvalidated):
             self.stats["invalidations"] += 1
             self.clear("a capture was invalidated")
         if isinstance(e, torch.cuda.OutOfMemoryError):

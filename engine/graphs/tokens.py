@@ -85,7 +85,7 @@ class _Walk:
         self.left = BUDGET
         self.seen = {}
 
-    def leaf(self, obj, depth):
+    def leaf(self, obj, depth, top=False):
         self.left -= 1
         if isinstance(obj, (Token, *_PRIMITIVE)):
             return obj
@@ -100,9 +100,9 @@ class _Walk:
         if hit is not None:
             return ("again", hit)
         self.seen[id(obj)] = len(self.seen)
-        return self.compound(obj, depth)
+        return self.compound(obj, depth, top)
 
-    def compound(self, obj, depth):
+    def compound(self, obj, depth, top=False):
         if isinstance(obj, dict):
             return ("D",) + tuple((_dict_key(k), self.leaf(v, depth - 1)) for k, v in obj.items())
         if isinstance(obj, (list, tuple, set, frozenset)):
@@ -120,15 +120,16 @@ class _Walk:
             return ("bound", Token(owner), Token(obj.__func__),
                     self.leaf(attrs, depth - 1) if isinstance(attrs, dict) and not is_opaque(owner) else None)
         if isinstance(obj, types.FunctionType):
-            return self.function(obj, depth) if depth >= DEPTH else ("code", Token(obj.__code__))
+            return self.function(obj, depth) if top else ("code", Token(obj.__code__))
         if isinstance(obj, functools.partial):
             return ("partial", self.leaf(obj.func, depth - 1), self.leaf(obj.args, depth - 1),
                     self.leaf(obj.keywords, depth - 1))
         attrs = getattr(obj, "__dict__", None)
-        attrs = self.leaf(attrs, depth - 1) if isinstance(attrs, dict) else None
+        walk = isinstance(attrs, dict) and (self.deep or callable(obj)) and not isinstance(obj, type)
+        attrs = self.leaf(attrs, depth - 1) if walk else None
         if callable(obj) and not isinstance(obj, type):
             return ("obj", Token(obj), attrs)
-        return ("plain", type(obj).__qualname__, attrs if self.deep else None)
+        return ("plain", type(obj).__qualname__, attrs)
 
     def function(self, fn, depth):
         cells = []
@@ -164,12 +165,12 @@ def _generator_state(g):
 
 def signature(obj, soft=None):
     """What a graph key holds for `obj` (see the module doc); GPU tensors inside it appended to `soft`."""
-    return _Walk(deep=False, soft=soft).leaf(obj, DEPTH)
+    return _Walk(deep=False, soft=soft).leaf(obj, DEPTH, top=True)
 
 
 def state_of(obj):
     """A snapshot of the Python state reachable from `obj`, to compare before and after a call."""
-    return _Walk(deep=True).leaf(obj, DEPTH + 1)
+    return _Walk(deep=True).leaf(obj, DEPTH + 1, top=True)
 
 
 def dead_tokens(key):

@@ -16,6 +16,8 @@ import logging
 
 import torch
 
+from ...kernels.errors import first_line
+
 log = logging.getLogger("sd_accel")
 
 SLAB_MIN = 64 << 20     # a slab holds many small buffers; a larger buffer gets a slab of its power of two
@@ -52,7 +54,7 @@ def _allocate(n, pin):
             if not _warned:
                 _warned.append(str(e))
                 log.warning("SD Accel: pinned host memory unavailable (%s); using pageable memory "
-                            "(slower copies to the GPU)", str(e).splitlines()[0] if str(e) else type(e).__name__)
+                            "(slower copies to the GPU)", first_line(e, 10 ** 9))
     return torch.empty(n, dtype=torch.uint8)
 
 

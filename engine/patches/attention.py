@@ -14,6 +14,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from ...kernels._dispatch import REFERENCE, Outcome
 from ..reports import kernel_report
 
 BACKENDS = ("auto", "sdpa", "xformers", "sage")
@@ -79,26 +80,15 @@ def eligible(backend, q, heads):
 _IMPL = {"sdpa": sdpa, "xformers": _xformers, "sage": _sage}
 
 
-class _Recorder:
-    """Adapts a backend choice to kernel_report's (fn.last_path, fn.last_reason) convention: the
-    backend's name when it ran, "reference" (plain SDPA) with the reason when it could not."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        self.last_path = None
-        self.last_reason = ""
-
-
 def attention_fn(backend):
     if backend not in _IMPL:
         raise ValueError("attention backend must be one of %s" % (BACKENDS[1:],))
-    rec = _Recorder(backend)
+    ran = Outcome(backend)   # what kernel_report files: the backend's name, or "reference" (SDPA) and why
 
     def attend(q, k, v, heads):
         ok, why = eligible(backend, q, heads)
-        rec.last_path, rec.last_reason = (backend, "") if ok else ("reference", why)
         out = _IMPL[backend if ok else "sdpa"](q, k, v, heads)
-        kernel_report.record("attention_" + backend, rec)
+        kernel_report.record("attention_" + backend, ran if ok else Outcome(REFERENCE, why))
         return out
     attend.sd_accel_backend = backend
     return attend

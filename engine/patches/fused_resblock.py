@@ -57,7 +57,7 @@ class FusedResBlock:
         norm = out[0]
         nw, nb = fm.weights_of(norm, h) if norm.weight is not None else (None, None)
         h = group_norm_silu(h, norm.num_groups, nw, nb, norm.eps, activation="silu", add=add)
-        kernel_report.record("resblock_add_norm", group_norm_silu)
+        kernel_report.record("resblock_add_norm", group_norm_silu.last_call)
         drop, conv = out[2], out[3]
         h = drop(h)
         if not _identity_in_this_mode(drop):
@@ -73,7 +73,7 @@ class FusedResBlock:
         else:
             r = skip(x)
         h = bias_residual_add(h, r, b, rb, out=h)   # in place: h is this call's own temporary
-        kernel_report.record("resblock_bias_residual", bias_residual_add)
+        kernel_report.record("resblock_bias_residual", bias_residual_add.last_call)
         return h
 
 

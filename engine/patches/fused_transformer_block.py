@@ -16,6 +16,7 @@ them, so their own patches (fused norms, GEGLU, attention backends) apply.
 """
 from torch import nn
 
+from ...kernels._dispatch import REFERENCE, Outcome
 from ...kernels.add_layer_norm import add_layer_norm
 from . import fused_modules as fm
 from ..reports import kernel_report
@@ -38,7 +39,7 @@ class FusedTransformerBlock:
         if stock_path.active():
             return super().forward(x, context=context, transformer_options=to)
         if not _plain_call(to):
-            kernel_report.record("transformer_add_norm", _HostSteps)
+            kernel_report.record("transformer_add_norm", _HOST_STEPS)
             return super().forward(x, context=context, transformer_options=to)
         n = self._attention("attn1", self.norm1(x), None, to)
         x, n = _add_norm(self.norm2, n, x)
@@ -60,16 +61,15 @@ class FusedTransformerBlock:
         return attn.to_out(patch(attn.to_q(n), attn.to_k(kv), attn.to_v(kv), extra))
 
 
-class _HostSteps:
-    """What kernel_report reads when the block ran the host's own steps."""
-    last_path = "reference"
-    last_reason = "a transformer patch acts inside the block (another pack's attention or output patch)"
+# what kernel_report files when the block ran the host's own steps
+_HOST_STEPS = Outcome(REFERENCE,
+                      "a transformer patch acts inside the block (another pack's attention or output patch)")
 
 
 def _add_norm(norm, n, x):
     w, b = fm.weights_of(norm, n) if norm.weight is not None else (None, norm.bias)
     x, n = add_layer_norm(n, x, norm.normalized_shape, w, b, norm.eps)
-    kernel_report.record("transformer_add_norm", add_layer_norm)
+    kernel_report.record("transformer_add_norm", add_layer_norm.last_call)
     return x, n
 
 

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from ...kernels.errors import first_line
 from .cache_keys import CACHE_FORMAT_VERSION
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class ConditionCache:
                 obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                 return self._validate(obj, key, expect_hw, expect_channels)
             except Exception as e:  # noqa: BLE001 - any failure to load or validate means "bad entry"
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                reason = f"{type(e).__name__}: {first_line(e)}"
         self._reject(path, st, reason)
         return None
 

@@ -1,16 +1,17 @@
 """Which fused kernels actually ran and which fell back, and why.
 
-Each kernel function sets `fn.last_path` ("triton" or "reference") and `fn.last_reason` on every
-call; the fused modules record them here right after the call. Inside a CUDA graph the Python side runs
-only at capture: the graph runner keeps the calls its capture recorded and adds them again on every
-replay (`replayed`), so the counts are the kernels the GPU actually ran, eager or replayed.
+Each fused op keeps its latest call's outcome (`op.last_call`: the path, "triton" or "reference", and
+why the reference ran); the fused modules record it here right after the call, under their own name.
+Inside a CUDA graph the Python side runs only at capture: the graph runner keeps the calls its capture
+recorded and adds them again on every replay (`replayed`), so the counts are the kernels the GPU actually
+ran, eager or replayed.
 A fallback reason is logged once per (op, reason), not once per call.
 """
 import logging
 import threading
 from collections import Counter
 
-from ...kernels import _triton
+from ...kernels import _compile_ahead
 
 log = logging.getLogger("sd_accel")
 _lock = threading.Lock()
@@ -19,14 +20,15 @@ _reasons = {}                # op -> set of reasons it fell back for
 _logged = set()
 
 
-def record(op, fn):
-    path = getattr(fn, "last_path", "unknown")
+def record(op, outcome):
+    """Count one call of `op` by its `outcome` (a kernels._dispatch.Outcome; None: unknown)."""
+    path = outcome.path if outcome is not None else "unknown"
     with _lock:
         _counts[(op, path)] += 1
         if path == "reference":
-            reason = getattr(fn, "last_reason", None) or "not eligible"
+            reason = outcome.reason or "not eligible"
             _reasons.setdefault(op, set()).add(reason)
-            if (op, reason) not in _logged and not _triton.compiling_ahead():
+            if (op, reason) not in _logged and not _compile_ahead.compiling_ahead():
                 _logged.add((op, reason))
                 log.info("[SD Accel] %s: using the stock path (%s)", op, reason)
 

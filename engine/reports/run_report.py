@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from ...kernels import _triton
+from ...kernels import _launch
 
 
 class RunTimer:
@@ -27,8 +27,8 @@ class RunTimer:
 
 
 def compile_snapshot():
-    """Kernels compiled ahead so far and the seconds it took (kernels/_triton.run_compiling_ahead)."""
-    return _triton.first_launches["ahead"], _triton.first_launches["ahead_seconds"]
+    """Kernels compiled ahead so far and the seconds it took (kernels/_compile_ahead.run_compiling_ahead)."""
+    return _launch.first_launches["ahead"], _launch.first_launches["ahead_seconds"]
 
 
 def compile_note(before, after):

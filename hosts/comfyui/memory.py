@@ -36,6 +36,7 @@ from ...engine.graphs import eager
 from ...engine.memory import stream_units, vram_plan
 from ...engine.memory.vram_plan import GIB
 from ...engine.reports import vram_report
+from ...kernels.errors import first_line
 from . import lowvram
 from .memory_scopes import (activation_bytes, activation_estimate, budget_scope, budget_supported,
                             diffusion_model, expandable_segments_scope, mirror_models, model_management,
@@ -173,7 +174,7 @@ def run_in_pool(settings, patcher, run, mm=None, total_bytes=None, before_retry=
         mm.free_memory(1e30, device)
         mm.soft_empty_cache()
         what = "out of memory at budget %s, offload %s (%s): memory freed, retried once with offload %s, budget %s" % (
-            _gib(budget), offload, str(first).splitlines()[0][:120] if str(first) else type(first).__name__,
+            _gib(budget), offload, first_line(first, 120),
             retry_offload, _gib(retry_budget))
         notes.append(what)
         log.warning("[SD Accel] VRAM Pool: %s", what)

@@ -156,16 +156,16 @@ def test_a_run_that_compiled_kernels_ahead_says_so_and_a_warm_one_does_not(model
     (the first run's extra time); the compile counters are stood in for (on a GPU, run_compiling_ahead
     moves them; tests/gpu/test_compile_ahead_gpu.py)."""
     from sd_accel.engine.reports import run_report
-    from sd_accel.kernels import _triton
-    monkeypatch.setitem(_triton.first_launches, "ahead", 7)
-    monkeypatch.setitem(_triton.first_launches, "ahead_seconds", 1.0)
+    from sd_accel.kernels import _launch
+    monkeypatch.setitem(_launch.first_launches, "ahead", 7)
+    monkeypatch.setitem(_launch.first_launches, "ahead_seconds", 1.0)
     import importlib
     comfy_nodes = importlib.import_module("nodes")
     real = comfy_nodes.common_ksampler
 
     def cold(*a, **k):   # the run compiles 12 kernels in 3.5 s
-        _triton.first_launches["ahead"] += 12
-        _triton.first_launches["ahead_seconds"] += 3.5
+        _launch.first_launches["ahead"] += 12
+        _launch.first_launches["ahead_seconds"] += 3.5
         return real(*a, **k)
     monkeypatch.setattr(comfy_nodes, "common_ksampler", cold)
     notes = _node_sample(model)["ui"]["sdaccel_report"][0]["notes"]

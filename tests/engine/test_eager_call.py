@@ -1,6 +1,6 @@
 """`graphs.eager.eager_call`: a step's first eager call compiles its Triton kernels in parallel; when any were
 compiled, that pass (references in their place) is discarded with what it added to the kernel report, and
-the step runs again. Triton's async compile mode is stood in for (kernels/_triton's own tests cover the
+the step runs again. Triton's async compile mode is stood in for (tests/kernels/test_launch.py covers the
 launch side; tests/gpu/test_compile_ahead_gpu.py the real compilation)."""
 import logging
 
@@ -9,12 +9,10 @@ import torch
 
 from sd_accel.engine.reports import kernel_report
 from sd_accel.engine.graphs import eager
-from sd_accel.kernels import _triton
+from sd_accel.kernels import _compile_ahead, _triton
+from sd_accel.kernels._dispatch import Outcome
 
-
-class _Op:
-    """An op as kernel_report sees it: which path its last call took."""
-    last_path, last_reason = "triton", ""
+FUSED = Outcome("triton")
 
 
 @pytest.fixture
@@ -26,10 +24,8 @@ def available(monkeypatch):
 def _step(calls, compiling_pass):
     def fn(x, scale=1):
         calls.append(x)
-        op = _Op()
-        if compiling_pass():
-            op.last_path, op.last_reason = "reference", _triton.CompilingAhead.reason
-        kernel_report.record("test_op", op)
+        ran = Outcome("reference", _compile_ahead.CompilingAhead.reason) if compiling_pass() else FUSED
+        kernel_report.record("test_op", ran)
         return x * scale
     return fn
 
@@ -41,16 +37,16 @@ def test_a_pass_that_compiled_kernels_is_discarded_and_the_step_runs_again(avail
         passes.append("ahead")
         if len(passes) > 1:
             return f(), 0
-        monkeypatch.setattr(_triton, "compiling_ahead", lambda: True)
+        monkeypatch.setattr(_compile_ahead, "compiling_ahead", lambda: True)
         try:
             return f(), 3
         finally:
-            monkeypatch.setattr(_triton, "compiling_ahead", lambda: False)
+            monkeypatch.setattr(_compile_ahead, "compiling_ahead", lambda: False)
     monkeypatch.setattr(_triton, "run_compiling_ahead", fake_ahead)
     calls = []
     before = kernel_report.snapshot()
     with caplog.at_level(logging.INFO, logger="sd_accel"):
-        out = eager.eager_call(_step(calls, _triton.compiling_ahead), (2,), {"scale": 5})
+        out = eager.eager_call(_step(calls, lambda: _compile_ahead.compiling_ahead()), (2,), {"scale": 5})
     assert out == 10 and calls == [2, 2] and passes == ["ahead", "ahead"]
     summary = kernel_report.summarize(before, kernel_report.snapshot())
     assert summary["test_op"] == {"fused": 1, "fallback": 0, "reasons": []}   # only the kept pass counts
@@ -79,9 +75,7 @@ def test_without_the_parallel_path_under_a_budget_or_inside_a_capture_it_is_the_
 
 def test_rollback_restores_counts_and_reasons():
     before = kernel_report.snapshot()
-    op = _Op()
-    op.last_path, op.last_reason = "reference", "odd shape"
-    kernel_report.record("rolled_op", op)
+    kernel_report.record("rolled_op", Outcome("reference", "odd shape"))
     assert "rolled_op" in kernel_report.summarize(before, kernel_report.snapshot())
     kernel_report.rollback(before)
     after = kernel_report.snapshot()

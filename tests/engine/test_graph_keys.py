@@ -186,3 +186,19 @@ def test_plain_holders_enter_by_type_and_their_state_by_attributes():
     a, b = Holder(0.1), Holder(0.5)
     assert _key({"easycache": a})[1] == _key({"easycache": b})[1]
     assert tokens.state_of(a) != tokens.state_of(b)
+
+
+def test_a_plain_holders_tensors_are_neither_key_nor_soft_inputs():
+    """EasyCache's holder keeps the step's last tensors; wrappers outside the graph read it, so its tensors
+    must not make every call recapture."""
+    class Holder:
+        def __init__(self):
+            self.x_prev = torch.empty(1, 4, 8, 8, device="meta")
+
+    def wrapper(executor, *args):
+        return executor(*args)
+    h = Holder()
+    a = keys.flatten({"easycache": h, "wrappers": {"diffusion_model": {"easycache": [wrapper]}}})
+    h.x_prev = torch.empty(1, 4, 8, 8, device="meta")
+    b = keys.flatten({"easycache": h, "wrappers": {"diffusion_model": {"easycache": [wrapper]}}})
+    assert a.key == b.key and a.soft == [] and b.soft == []

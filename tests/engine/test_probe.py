@@ -157,3 +157,26 @@ def test_random_draws_leave_the_generators_as_one_stock_call_does(monkeypatch):
     out, v = _probe(lambda x: x * torch.rand(4), x)
     assert not v.capturable and torch.equal(out, ref)
     assert torch.equal(torch.default_generator.get_state(), after_one)
+
+
+def test_a_helper_closure_made_per_call_is_not_python_state():
+    """ToMe's merge patch stores the unmerge function it made into a cell its output patch reads in the same
+    call: a new function each call, never read across calls (its first call sets the cell: a StepGraphs key
+    is probed twice, so that first change does not count; here the patch has run once already)."""
+    def make(ratio=0.3):
+        unmerge = None
+
+        def tome_in(x):
+            nonlocal unmerge
+            idx = torch.randperm(4)
+
+            def unmerge_fn(y):
+                return y[..., idx.argsort()]
+            unmerge = unmerge_fn
+            return x
+        return tome_in
+    patch = make()
+    patch(torch.ones(4))
+    _, v = _probe(lambda x, to: to["patches"]["attn1_patch"][0](x), torch.ones(4),
+                  {"patches": {"attn1_patch": [patch]}})
+    assert v.capturable, v.reason
