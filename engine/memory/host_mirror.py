@@ -2,9 +2,10 @@
 
 Under a VRAM budget the models take turns on the GPU every prompt: the text encoders for the prompt, the
 UNet's share for sampling, the VAE for the decode. The host moves a model off the GPU with `Module.to(cpu)`,
-which copies every weight into new pageable host memory, and back from there at pageable speed (device run
-31, SDXL at 4 GiB: the text encoders' 1.6 GiB copied out took 147 ms inside the sampling call, and 283 ms to
-come back before it).
+which copies every weight into new pageable host memory, and back from there at pageable speed. With SDXL
+under a 4 GiB budget that reshuffling is a large part of a prompt: bench/RESULTS.md's table "span (SDXL 1024²
+at 4 GiB)" has the text encoders' load before sampling and ComfyUI's `free_memory` at sampling, with plain
+`Module.to` and with these copies.
 
 A mirrored module keeps, for each parameter, the host tensor it last had: the first trip off the GPU copies
 into pinned memory (pageable where pinning is unavailable) and the parameter keeps pointing there; the host's

@@ -9,8 +9,10 @@ shrunk to the power of two its contents need. A buffer is a
 view of its slab, so the slab lives as long as any of its buffers does; copies from a view are copies from
 pinned memory (torch checks a tensor's storage, the slab), full speed and capturable in a CUDA graph.
 
-(Exactly sized buffers through `cudaHostRegister` were tried first, device run 61: torch 2.11 does not count
-registered memory as pinned, so a CUDA graph refused to capture copies from it.)
+Why slabs and not exactly sized buffers registered with `cudaHostRegister`: torch 2.11 does not count
+registered memory as pinned, so a CUDA graph refuses to capture copies from it ("Cannot copy between CPU and
+CUDA tensors during CUDA graph capture unless the CPU tensor is pinned"). The measurements, and copies from
+slab views at pinned speed: bench/RESULTS.md, "Host memory of the VRAM Pool's lowvram streaming".
 """
 import logging
 

@@ -66,7 +66,8 @@ def _place_search(sizes, depth, ring, budget=20000):
 def ring_layout(sizes, depth):
     """(offsets, ring bytes) for streamed blocks of `sizes` (execution order) with prefetch `depth`; see
     `_ring_layout`. Memoized: the planner asks for the same layouts at every prompt, and laying out SDXL's 95
-    units takes ~65-250 ms of CPU (bench/RESULTS.md, "Device runs 36-43")."""
+    units takes ~65-250 ms of CPU (bench/RESULTS.md: the profile of SD1.5 at a 1 GiB budget, where "the
+    placement planner" is most of the host time between ComfyUI's loader and the capture)."""
     offsets, ring = _ring_layout_cached(tuple(int(s) for s in sizes), int(depth))
     return list(offsets), ring
 

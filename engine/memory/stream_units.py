@@ -7,7 +7,8 @@ each transformer block of a SpatialTransformer, the transformer's own layers joi
 them (norm and proj_in the ResBlock before its blocks, proj_out its last block). Units smaller than a top-level
 block keep the streaming ring small: SDXL's largest top-level block (ten transformer blocks) is 0.66 GiB, so a
 ring holding two of them would take 1.32 GiB of a 4 GiB budget; its largest unit is 0.095 GiB, and what the
-ring does not take stays resident instead of being copied every step (bench/RESULTS.md, "Device runs 36-43").
+ring does not take stays resident instead of being copied every step (bench/RESULTS.md: the VRAM Pool table
+whose row "+ stream units" follows the whole-block streaming it replaced).
 """
 import torch
 

@@ -34,8 +34,8 @@ PREFETCH_DEPTH = 1       # streamed blocks copied ahead of the one computing
 PROMOTE_MARGIN = 0.05    # of the budget, kept free of promoted blocks: ComfyUI's activation estimate is rough
 # ComfyUI's activation estimate for the run's shape, times this, is what a run's placement keeps free: with
 # the promoted blocks filling the room up to the margin, the estimate alone ran short (SDXL 1024² at 4 GiB
-# peaked 0.29 GiB above ComfyUI's estimate of 0.64 GiB; bench/RESULTS.md, "Device runs 36-43", has the runs
-# before and after the margin)
+# peaked 0.29 GiB above ComfyUI's estimate of 0.64 GiB). bench/RESULTS.md's VRAM Pool table with the rows
+# "+ stream units" and "+ 1.5× activation margin" has the speed and peaks before and after the margin
 ACTIVATION_SAFETY = 1.5
 
 
@@ -195,8 +195,9 @@ def loader_budget(plan, budget, comfy_reserve=None):
     # ComfyUI keeps its own reserve (0.8 GiB) free of weights, more than an SD1.5 step needs besides the ring,
     # so it is shown that much more; but never more than the budget: shown more, it loads the UNet's share
     # while the text encoders or the VAE are still there, and the run goes over the budget (SDXL at 4 GiB
-    # peaked at 4.09 GiB: bench/RESULTS.md, "Device runs 36-43"). What room it leaves is filled after it
-    # loaded, from pinned buffers (the promoted blocks, RunPlacement.after_load)
+    # peaked at 4.09 GiB: bench/RESULTS.md's VRAM Pool table, rows "+ stream units" to "+ loader never shown
+    # more than the budget (final)"). What room it leaves is filled after it loaded, from pinned buffers (the
+    # promoted blocks, RunPlacement.after_load)
     return min(max(budget - window - plan.activation_bytes + reserve, 0), budget)
 
 

@@ -2,8 +2,9 @@
 
 Each ResBlock computes `emb_layers(emb)` = Linear(SiLU(emb)) from the same `emb` and, in the fused ResBlock
 (engine/patches/fused_resblock.py), adds its first conv's bias in fp32: SiLU, GEMM, two casts and an add, five
-launches of tiny kernels per ResBlock (110 per SD1.5 step, about 0.3 ms of the H200's 6.3 ms graph, mostly
-launch gaps: device run 26). Here the first ResBlock that sees a new `emb` computes them for all of the
+launches of tiny kernels per ResBlock (110 per SD1.5 step, in a graph of 6.3 ms on the H200 whose 870 kernels
+leave ~0.34 ms of gaps between them: bench/RESULTS.md, the `profile_step.py` diagnosis of SD1.5 512² b1 with
+"870 kernels per step"). Here the first ResBlock that sees a new `emb` computes them for all of the
 model's ResBlocks at once: one SiLU, the Linear weights and biases concatenated (read through the host's
 casting, so LoRA and low-VRAM casting apply), one GEMM with the bias in cuBLAS's epilogue, one cast, one
 add of the concatenated conv biases. Each ResBlock then reads its columns in place (the GroupNorm kernel

@@ -2,8 +2,9 @@
 
 Current ComfyUI restores and re-applies every object patch of a loaded model at each prompt
 (`ModelPatcher.partially_load`: `unpatch_model` then `patch_model`), one `set_attr` down a dotted path each
-way. SD1.5's plan is 224 patches (~500 for SDXL): 4.4 ms of every SD1.5 512² prompt on the H200's host
-(device run 52), 3% of its 20 steps. Folded, it is a handful.
+way. SD1.5's plan is 224 patches (~500 for SDXL): 4.4 ms of every SD1.5 512² prompt on the H200's host, 3%
+of its 20 steps. Folded, it is a handful (bench/RESULTS.md: "Where a 512² prompt's time goes outside the
+steps" and "Object patches folded").
 
 `fold(patches, bases)` takes the plan as a host would apply it, `{path: module}` in order, each later patch set
 through the modules the earlier ones put in place, and returns an equivalent plan with the patches under each

@@ -1,8 +1,9 @@
 """The engine's module swaps as ComfyUI object patches on a clone (a UNet's or a ControlNet's), folded into a few.
 
 Current ComfyUI restores and re-applies a loaded model's object patches at every prompt (`partially_load`):
-one patch per swapped module would cost 4.4 ms per SD1.5 prompt on the H200's host (224 patches; device
-run 52). So the plan (engine/patches/patching.py, engine/patches/layout_modules.py) is folded per top-level block
+one patch per swapped module would cost 4.4 ms per SD1.5 prompt on the H200's host (224 patches;
+bench/RESULTS.md, "Where a 512² prompt's time goes outside the steps"). So the plan (engine/patches/patching.py,
+engine/patches/layout_modules.py) is folded per top-level block
 (engine/patches/patch_folding.py): `diffusion_model.input_blocks`, `.middle_block`, `.output_blocks`, `.out` become
 patched copies that share every tensor and untouched module with the original, which is never modified
 (a ControlNet's: `input_blocks`, `middle_block`, ...).
@@ -12,8 +13,8 @@ right now with its patches applied, so each top-level block is taken as this clo
 patch there, else the original that ComfyUI keeps in the clones' shared backup, else the live one; an earlier
 SD Accel copy stands for the original it was made from.
 
-Left unfolded, as before: a block under which the clone already has another pack's object patch (ComfyUI
-applies that first, to the original; a copy made now would hide it). A pack that adds one later, after
+Left unfolded, patched module by module: a block under which the clone already has another pack's object
+patch (ComfyUI applies that first, to the original; a copy made now would hide it). A pack that adds one later, after
 Apply SD Accel, has it set inside our copy; ComfyUI restores patches in the order it applied them, which
 would put that copy's module back into the original, so before each run (ON_PRE_RUN, current ComfyUI) our
 blocks are moved to the end of the restore order. ComfyUI 2024 has no such callback, and it patches a loaded
