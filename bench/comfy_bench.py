@@ -93,11 +93,13 @@ def versions(env, comfy_dir):
 POS, NEG = "a photograph of an astronaut riding a horse", "blurry"
 
 
-def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_conds=None, decoder="stock"):
+def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_conds=None, decoder="stock",
+              accel=None):
     """One execution of the whole graph (encode, latent, KSampler or Accelerated KSampler, decode),
     as ComfyUI's executor runs it: times, peak VRAM over sampling, the image and our node's report.
     `add_to_conds(pos, neg) -> (pos, neg)` inserts extra conditioning nodes (e.g. ControlNets). decoder: "stock"
-    (VAE Decode) or "ours" (VAE Decode (SD Accel), its defaults: planned decode, cache released after)."""
+    (VAE Decode) or "ours" (VAE Decode (SD Accel), its defaults: planned decode, cache released after).
+    `accel`: Accelerated KSampler inputs other than its defaults, e.g. {"cuda_graph": False}."""
     import time as _t
     torch, nodes = env.torch, env.nodes
     from sd_accel.nodes.sampler_nodes import SDAccelKSampler
@@ -115,7 +117,7 @@ def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_c
         t1 = _t.perf_counter()
         report = line = None
         if sampler == "ours":
-            res = SDAccelKSampler().sample(model, seed, steps, 7.0, "euler", "normal", pos, neg, lat)
+            res = SDAccelKSampler().sample(model, seed, steps, 7.0, "euler", "normal", pos, neg, lat, **(accel or {}))
             out, report, line = res["result"][0], res["ui"]["sdaccel_report"][0], res["ui"]["text"][0]
         else:
             out = nodes.KSampler().sample(model, seed, steps, 7.0, "euler", "normal", pos, neg, lat)[0]

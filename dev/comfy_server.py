@@ -30,8 +30,11 @@ def free_port():
 
 
 def link_pack(comfy_dir, repo=REPO):
-    """Symlink the repo into custom_nodes; replaces only a symlink of ours, never a real folder."""
+    """Symlink the repo into custom_nodes; replaces only a symlink of ours, never a real folder. A repo
+    cloned there under that name (the README's install) is already in place."""
     dst = os.path.join(comfy_dir, "custom_nodes", PACK_DIR_NAME)
+    if os.path.isdir(dst) and not os.path.islink(dst) and os.path.samefile(dst, repo):
+        return dst
     if os.path.islink(dst):
         if os.path.realpath(dst) == os.path.realpath(repo):
             return dst
@@ -68,8 +71,10 @@ class ComfyServer:
         link_pack(self.comfy_dir)
         cfg = os.path.join(self.work_dir, "extra_model_paths.yaml")
         with open(cfg, "w") as f:
+            # diffusion_models -> checkpoints: current ComfyUI's UNETLoader loads a checkpoint's UNet
+            # (with weight_dtype fp8_e4m3fn, say), so the fixture checkpoints serve it too
             f.write("sd_accel_test:\n    base_path: %s\n    checkpoints: checkpoints\n    controlnet: controlnet\n"
-                    "    loras: loras\n    vae: vae\n" % self.models_dir)
+                    "    loras: loras\n    vae: vae\n    diffusion_models: checkpoints\n" % self.models_dir)
             if self.extra_nodes:
                 f.write("sd_accel_test_nodes:\n    base_path: %s\n    custom_nodes: custom_nodes\n"
                         % self._link_extra_nodes())
@@ -204,7 +209,6 @@ def load_api_workflow(path, **overrides):
     """An API-format workflow from workflows/, with `{node_id: {input: value}}` overrides."""
     with open(path) as f:
         wf = json.load(f)
-    wf = {k: v for k, v in wf.items() if not k.startswith("_")}
     for node_id, inputs in overrides.items():
         wf[str(node_id)]["inputs"].update(inputs)
     return wf

@@ -1,0 +1,217 @@
+"""GPU only: ComfyUI's own model patch nodes under the Accelerated KSampler, in-process on the current ComfyUI
+(the `comfy_env` of test_graphs_gpu.py: the small random SD1.5 checkpoint, 256 px, euler, 6 steps).
+
+Per patch node (dev/patch_nodes.py's table): the Accelerated KSampler's latent equals stock KSampler's with the
+same patch (relative error < 2e-2: fp16 noise; every patch moves stock's image by more than 3e-2, so a lost
+patch fails), on the first prompt (warm-up and capture) and on the second, where the CUDA graphs replay: the
+issue promises graphs for every node here, and a run that replays nothing must say in `graphs.refused` which
+patch it refused. Then: plain -> patched -> plain on the same loaded model never replays a stale graph; a
+capture that fails is followed, in the same process, by a working stock KSampler, CUDA RNG and allocator and
+by another key's capture (a subprocess: an abort there must not take this session down, and its exit is
+checked); EasyCache with the Accelerated KSampler in a real ComfyUI server on the GPU leaves it up.
+"""
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from test_graphs_gpu import COMFY, REPO, WORK, _rel, _sample, comfy_env  # noqa: F401  (the shared module fixture)
+
+sys.path.insert(0, os.path.join(REPO, "dev"))
+import patch_nodes  # noqa: E402
+
+SIZE, STEPS, TOL = 256, 6, 2e-2
+CASES = patch_nodes.cases(SIZE)
+# fp16 noise between ours and stock is a few 1e-3 after 6 steps; a patch that moves stock's image by more than
+# this is caught when lost (ours would then be that far from stock with the patch)
+MIN_EFFECT = TOL + 1e-2
+CACHES = ("EasyCache", "LazyCache")
+STALE_CASES = ("ModelSamplingDiscrete_v_prediction", "FreeU_V2", "PatchModelAddDownscale")
+CAPTURE_FAILURE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capture_failure_run.py")
+
+
+@pytest.fixture(scope="module")
+def plain_ref(comfy_env):  # noqa: F811
+    ref, _ = _sample(comfy_env, comfy_env.model, ours=False)
+    return ref
+
+
+def _patched(env, case):
+    if case == patch_nodes.FP8_UNET:
+        import folder_paths
+        folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
+        return patch_nodes.load_fp8_unet("gpu_small.safetensors")
+    return patch_nodes.apply_case(env.model, CASES[case])
+
+
+def _case_names(case):
+    """What a refusal of this case's patch can name: its node ids (the fp8 case: its loader and dtype)."""
+    if case == patch_nodes.FP8_UNET:
+        return ["UNETLoader", "fp8", "float8"]
+    return [node for node, _ in CASES[case]]
+
+
+class _Log(logging.Handler):
+    """The messages logged at INFO or above meanwhile (EasyCache and LazyCache log how many steps they
+    skipped); the root logger is at INFO for the scope (in-process, nothing set it up as main.py does)."""
+
+    def __enter__(self):
+        self.lines = []
+        root = logging.getLogger()
+        self.level_before = root.level
+        root.setLevel(logging.INFO)
+        root.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        root = logging.getLogger()
+        root.removeHandler(self)
+        root.setLevel(self.level_before)
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _skipped(lines, case):
+    found = [line for line in lines if line.startswith("%s - skipped " % case)]
+    assert len(found) == 1, (case, lines[-20:])
+    return int(found[0].split("skipped ")[1].split("/")[0])
+
+
+def _assert_accelerated(report, what):
+    failed = [n for n in report["notes"] if "accelerated run failed" in n]
+    assert not failed, (what, failed)
+
+
+def _assert_graphs_replayed(report, names, what):
+    """Every call of the prompt ran through a graph (at most one eager call), or, where none replayed, the
+    report's refusal names the patch."""
+    graphs = report["graphs"]
+    refused = graphs.get("refused") or {}
+    if graphs.get("replays", 0) == 0:
+        assert refused and patch_nodes.names_any(list(refused), names), (what, "nothing replayed and no refusal "
+                                                                          "names the patch", graphs, names)
+        pytest.fail("graphs are promised for %s, but were refused: %s" % (what, refused))
+    assert graphs.get("eager", 0) <= 1, (what, "calls ran eagerly on a prompt whose keys were all seen", graphs)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_patch_node_equals_stock_and_replays_graphs(comfy_env, plain_ref, case):  # noqa: F811
+    model = _patched(comfy_env, case)
+    with _Log() as stock_log:
+        ref, _ = _sample(comfy_env, model, ours=False)
+    assert _rel(ref, plain_ref) > MIN_EFFECT, (case, "the patch moves the image too little to test", _rel(ref, plain_ref))
+    with _Log() as first_log:
+        first, rep1 = _sample(comfy_env, model)
+    with _Log() as second_log:
+        second, rep2 = _sample(comfy_env, model)
+    for prompt, out, rep in ((1, first, rep1), (2, second, rep2)):
+        assert _rel(out, ref) < TOL, (case, prompt, _rel(out, ref), rep["graphs"])
+        _assert_accelerated(rep, case)
+    names = patch_nodes.patch_names(comfy_env.model, model, _case_names(case))
+    _assert_graphs_replayed(rep2, names, case)
+    if case in CACHES:   # the cache skipped steps in every run, ours as many as stock's
+        skipped = _skipped(stock_log.lines, case)
+        assert skipped >= 1, stock_log.lines[-20:]
+        assert _skipped(first_log.lines, case) == skipped and _skipped(second_log.lines, case) == skipped
+
+
+@pytest.mark.parametrize("case", STALE_CASES)
+def test_plain_patched_plain_never_replays_a_stale_graph(comfy_env, plain_ref, case):  # noqa: F811
+    """The plain model's graphs exist (captured and replayed) when the same model gets the patch, and the
+    patched model's graphs exist when it runs plain again: each must be recomputed, never replayed."""
+    before, _ = _sample(comfy_env, comfy_env.model)
+    before, rep_before = _sample(comfy_env, comfy_env.model)
+    assert rep_before["graphs"]["replays"] >= 1, rep_before["graphs"]
+    model = _patched(comfy_env, case)
+    ref, _ = _sample(comfy_env, model, ours=False)
+    assert _rel(ref, plain_ref) > MIN_EFFECT, (case, _rel(ref, plain_ref))
+    for prompt in range(2):
+        out, rep = _sample(comfy_env, model)
+        assert _rel(out, ref) < TOL, (case, prompt, _rel(out, ref), rep["graphs"])
+    after, rep_after = _sample(comfy_env, comfy_env.model)
+    assert _rel(before, plain_ref) < TOL and _rel(after, plain_ref) < TOL, (
+        case, _rel(before, plain_ref), _rel(after, plain_ref), rep_after["graphs"])
+
+
+def test_a_failed_capture_leaves_stock_rng_allocator_and_other_keys_working(comfy_env):  # noqa: F811
+    """capture_failure_run.py, in its own process: a patch whose host sync fails the capture, then stock
+    KSampler (plain, and ToMe drawing from the CUDA generator), a plain torch CUDA graph, and the Accelerated
+    KSampler on keys never seen before (another size; another patch). The process must exit 0."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, CAPTURE_FAILURE_SCRIPT, COMFY, WORK], env=env, capture_output=True,
+                       text=True, timeout=500)
+    tail = p.stdout[-3000:] + p.stderr[-5000:]
+    assert p.returncode == 0, (p.returncode, tail)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, tail
+    r = json.loads(lines[0][len("RESULT "):])
+    for prompt, (rel, report) in enumerate(zip(r["failing_rel"], r["failing_reports"])):
+        assert rel < TOL, ("the failing patch's prompt", prompt, rel, report["graphs"])
+        _assert_accelerated(report, "failing patch")
+        assert report["graphs"]["replays"] == 0, ("the capture did not fail: nothing was tested", report["graphs"])
+        refused = report["graphs"].get("refused") or {}
+        assert refused and patch_nodes.names_any(list(refused), r["failing_names"]), (report["graphs"], r["failing_names"])
+    assert r["stock_plain_rel"] < 1e-3 and r["stock_tome_rel"] < 1e-3, r
+    assert r["torch_graph_ok"] and r["cuda_rng_ok"], r
+    for what in ("new_size", "other_patch"):
+        rel, report = r[what]
+        assert rel < TOL, (what, rel, report["graphs"])
+        _assert_accelerated(report, what)
+        assert report["graphs"]["captures"] >= 1 and report["graphs"]["replays"] >= 1, (what, report["graphs"])
+
+
+def _image_psnr(path_a, path_b):
+    import numpy as np
+    from PIL import Image
+    a, b = (np.asarray(Image.open(p).convert("RGB")).astype(np.float64) for p in (path_a, path_b))
+    mse = float(((a - b) ** 2).mean())
+    return 99.0 if mse == 0 else float(10 * np.log10(255.0 ** 2 / mse))
+
+
+def _server_graph(sampler, prefix):
+    g = {
+        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "gpu_small.safetensors"}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["4", 1]}},
+        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["4", 1]}},
+        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+        "20": {"class_type": "EasyCache", "inputs": dict(patch_nodes.CACHE, model=["4", 0])},
+        "3": {"class_type": sampler, "inputs": {"seed": 5, "steps": STEPS, "cfg": 7.0, "sampler_name": "euler",
+                                                "scheduler": "normal", "denoise": 1.0, "model": ["20", 0],
+                                                "positive": ["6", 0], "negative": ["7", 0], "latent_image": ["5", 0]}},
+        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["4", 2]}},
+        "9": {"class_type": "SaveImage", "inputs": {"filename_prefix": prefix, "images": ["8", 0]}},
+    }
+    if sampler == "SDAccelKSampler":
+        g["3"]["inputs"].update(fused_kernels=True, cuda_graph=True, channels_last=True)
+    return g
+
+
+def test_easycache_with_accelerated_ksampler_in_a_gpu_server_stays_up(comfy_env):  # noqa: F811
+    """A real ComfyUI server on the GPU (the pack in its custom_nodes): EasyCache + stock KSampler, then
+    EasyCache + Accelerated KSampler twice (warm-up and capture, then replays). Every prompt succeeds, the
+    server still answers /object_info after, and ours gives stock's image."""
+    import comfy_server
+    work = tempfile.mkdtemp(prefix="sdaccel_gpu_server_")
+    srv = comfy_server.ComfyServer(COMFY, sys.executable, work, WORK, cpu=False)
+    srv.start()
+    try:
+        stock = srv.run(_server_graph("KSampler", "ec_stock"))
+        for prompt in range(2):
+            ours = srv.run(_server_graph("SDAccelKSampler", "ec_ours%d" % prompt))
+            report = ours["outputs"]["3"]["sdaccel_report"][0]
+            _assert_accelerated(report, "EasyCache in the server")
+            db = _image_psnr(srv.output_images(stock)[0], srv.output_images(ours)[0])
+            assert db >= 35, (prompt, db, report)
+        assert srv.proc.poll() is None, srv.log_tail()
+        assert "EasyCache" in srv.object_info()
+    finally:
+        log = srv.log_text()
+        srv.stop()
+    assert "terminate called" not in log and "previous error during capture" not in log, log[-4000:]
