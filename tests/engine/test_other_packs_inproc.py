@@ -46,7 +46,7 @@ def test_animatediff_places_its_modules_as_on_stock_with_our_gpu_layout_stand_in
     its temporal module after the block's last `type(c) == SpatialTransformer` (an exact class test), else after
     the first ResBlock: with the stand-in in place it lands before the transformer, another network."""
     import comfy.model_management as mm
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     ad = _load_pack("standin_animatediff")
     monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
     animated = ad.ADLikeApplyMotion().apply(model, 5, "v2", 0, 4, "standard_uniform", "pyramid")[0]
@@ -64,7 +64,7 @@ def test_animatediff_places_its_modules_as_on_stock_with_our_gpu_layout_stand_in
 def test_the_gpu_layout_stand_ins_alone_match_stock_on_this_cpu(model, monkeypatch):
     """The control for the test above: without AnimateDiff the same forced plan gives stock's latent."""
     import comfy.model_management as mm
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
     mm.unload_all_models()
     ours, _ = host.accelerate(model.clone(), host.AccelOptions(fused_kernels=False, cuda_graph=False))
