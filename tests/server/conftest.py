@@ -47,12 +47,12 @@ def _build_fixtures():
 PACKS = os.path.join(REPO, "tests", "packs")
 
 
-def _server(extra_nodes=(), log_suffix="", triton_interpret="1"):
+def _server(extra_nodes=(), log_suffix="", env=None):
     if not os.path.isfile(os.path.join(COMFY, "main.py")):
         pytest.fail("no ComfyUI at %s: run dev/setup_env.sh (or set SDACCEL_COMFYUI)" % COMFY)
     _build_fixtures()
     work = tempfile.mkdtemp(prefix="sdaccel_server_")
-    srv = comfy_server.ComfyServer(COMFY, sys.executable, work, MODELS, env={"TRITON_INTERPRET": triton_interpret},
+    srv = comfy_server.ComfyServer(COMFY, sys.executable, work, MODELS, env=env or {"TRITON_INTERPRET": "1"},
                                    extra_nodes=extra_nodes)
     srv.start()
     yield srv
@@ -74,10 +74,12 @@ def comfy_packs():
     interpreter: the fused modules are swapped in as on a GPU (object patches, folded blocks, the step wrapper)
     and run their torch references, which is what meeting other packs' patches depends on; the kernels'
     own math is tested by tests/kernels and through `comfy`. Interpreted, one 64 px prompt with fused kernels
-    takes ~100 s on this machine, and the stand-ins' graphs need dozens."""
+    takes ~100 s on this machine, and the stand-ins' graphs need dozens. The eager path is forced to the fused
+    modules (SDACCEL_EAGER_PATH): on a CPU the eager step would otherwise run every stand-in's host forward,
+    while on the GPU the fused modules run, in the graphs and wherever they are the faster eager path."""
     packs = sorted(os.path.join(PACKS, d) for d in os.listdir(PACKS)
                    if os.path.isfile(os.path.join(PACKS, d, "__init__.py")))
-    yield from _server(packs, log_suffix=".packs", triton_interpret="0")
+    yield from _server(packs, log_suffix=".packs", env={"TRITON_INTERPRET": "0", "SDACCEL_EAGER_PATH": "fused"})
 
 
 @pytest.fixture(scope="session")
