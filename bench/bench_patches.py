@@ -9,8 +9,8 @@ median of --reps timed runs; whether the graphs replayed and, where not, what th
 PSNR of the decoded image against stock's with the same patch and seed. ComfyUI is booted in main.py's order
 (comfy_bench.boot: its default cudaMallocAsync allocator) on random full-size checkpoints built here.
 
-Two passes in one process: `fresh`, every config in order (SD1.5 with the patches the issue saw abort or break
-later captures last, then SDXL; each record's notes list the configs before it that replayed no graph), then
+Two passes in one process: `fresh`, every config in order (SDXL, then SD1.5 with the patches the issue saw abort
+or break later captures last; each record's notes list the configs before it that replayed no graph), then
 `after_refused`: a patch whose capture fails runs first (dev/patch_nodes.py's capture-breaking patch, and EasyCache
 with `--refuse-first uncapturable,easycache`; records `patch_uncapturable` / `patch_easycache_first`), then the
 SD1.5 configs again, named `<config>_after_refused`: stock's it/s and ours must not change. One JSON line per
@@ -41,10 +41,11 @@ VARIANTS = {"stock": ("stock", None), "ours": ("ours", None), "eager": ("ours", 
 
 
 def config_table(patch_nodes):
-    """{config: (family, case id)} in the order measured: SD1.5 (the risky ones last), then SDXL."""
+    """{config: (family, case id)} in the order measured: SDXL (EasyCache last), then SD1.5 (the risky ones last),
+    whose model the after_refused pass reuses; a deadline then cuts the end of that pass first."""
+    table = {"patch_%s_sdxl" % c.lower(): ("sdxl", c) for c in SDXL_NODES}
     sd15 = sorted(patch_nodes.cases(512), key=lambda c: c in RISKY)
-    table = {"patch_%s" % c.lower(): ("sd15", c) for c in sd15}
-    table.update({"patch_%s_sdxl" % c.lower(): ("sdxl", c) for c in SDXL_NODES})
+    table.update({"patch_%s" % c.lower(): ("sd15", c) for c in sd15})
     return table
 
 
