@@ -85,8 +85,8 @@ def cuda_rng_works(torch):
 
 
 def main(comfy_dir, work):
-    import patch_nodes
     env = boot(os.path.abspath(comfy_dir), work)
+    import patch_nodes                       # dev/, on the path once booted
     torch = env.torch
     stock_plain, _ = sample(env, env.model, ours=False)
     tome = patch_nodes.apply_case(env.model, [("TomePatchModel", {"ratio": 0.3})])
