@@ -79,7 +79,7 @@ if "sd_accel" not in sys.modules:   # the repo root as the package `sd_accel`, a
     _pkg.__path__ = [REPO]
     _pkg.__file__ = os.path.join(REPO, "__init__.py")
     sys.modules["sd_accel"] = _pkg
-from sd_accel.engine import kernel_report  # noqa: E402
+from sd_accel.engine.reports import kernel_report  # noqa: E402
 from sd_accel.hosts import a1111  # noqa: E402
 
 try:

@@ -30,7 +30,8 @@ if "sd_accel" not in sys.modules:  # the repo root is a package under whatever f
 sys.path.insert(0, os.path.join(REPO, "tests", "engine"))
 
 from sd_accel.engine import preprocess as pp  # noqa: E402
-from sd_accel.engine.condition_cache import ConditionCache, frame_key, maps_to_image  # noqa: E402
+from sd_accel.engine.preprocess.cache_keys import frame_key  # noqa: E402
+from sd_accel.engine.preprocess.condition_cache import ConditionCache, maps_to_image  # noqa: E402
 from sd_accel.engine.preprocess import depth as depth_mod  # noqa: E402
 from sd_accel.engine.preprocess import pose as pose_mod  # noqa: E402
 from sd_accel.engine.preprocess.pose_render import render  # noqa: E402

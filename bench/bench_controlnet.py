@@ -61,7 +61,7 @@ if OPT.configs is None:
 ENV = cb.boot(OPT, ("checkpoints", "controlnet"))
 torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
 say, psnr = cb.say, cb.psnr
-from sd_accel.hosts import comfyui_controlnet as host_cn  # noqa: E402
+from sd_accel.hosts.comfyui import controlnet as host_cn  # noqa: E402
 
 PRESET = "tiny" if OPT.smoke else "sd15"
 LOADED = {}

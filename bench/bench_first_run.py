@@ -1,6 +1,6 @@
 """First-run overhead on a cold Triton cache (a user's first generation after installing, or after a Triton or
 driver upgrade), with the step's kernels compiled one by one as they are reached and compiled in parallel ahead
-of their first launch (kernels/_triton.run_compiling_ahead, the default).
+of their first launch (kernels/_compile_ahead.run_compiling_ahead, the default).
 
 Each variant is one `bench_unet.py` process (stock and SD Accel side by side, as always) with its own empty
 TRITON_CACHE_DIR, so both start equally cold; the first accelerated run minus a warm one is `first_run_s`.
@@ -32,7 +32,7 @@ os.makedirs(opt.out, exist_ok=True)
 for variant in opt.variants.split(","):
     sub_out = os.path.join(opt.out, variant)
     os.makedirs(sub_out, exist_ok=True)
-    # the defaults (cuDNN autotuning off, engine/cuda_graph.CUDNN_AUTOTUNE) unless the variant names it:
+    # the defaults (cuDNN autotuning off, engine/graphs/eager.CUDNN_AUTOTUNE) unless the variant names it:
     # "parallel-autotune" turns it on ("parallel-noautotune", session 7's name, is the default "parallel")
     autotune = variant.endswith("-autotune")
     env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton_cold_"),

@@ -1,16 +1,15 @@
 """Times torch GEGLU (chunk, erf GELU, mul) against the fused Triton kernel on real SD shapes (GPU only).
 
-    python bench/bench_geglu.py [--dtype fp16|bf16|fp32]
+    python bench/bench_geglu.py [--dtype fp16|bf16|fp32] [--out DIR]
 
-Times are eager and CUDA-graph replay (GPU time alone, as a graphed UNet step pays); achieved
-bandwidth, from the graph time, counts one read of h (..., 2D) and one write of the (..., D) output.
+Times are eager and CUDA-graph replay (kernel_timing.py); achieved bandwidth, from the graph time, counts
+one read of h (..., 2D) and one write of the (..., D) output.
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_timing import DTYPES, eager_us, graph_us  # noqa: E402  (also registers sd_accel)
+from kernel_timing import Case, run  # noqa: E402  (also registers sd_accel)
 
 import torch  # noqa: E402
 
@@ -23,26 +22,13 @@ SHAPES = [
 ]
 
 
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="fp16", choices=DTYPES)
-    dtype = DTYPES[ap.parse_args().dtype]
-    torch.manual_seed(0)
-    print(f"{'model':5} {'shape':20} {'dtype':9} {'torch us':>9} {'ours us':>9} {'speedup':>7} "
-          f"{'torch graph':>11} {'ours graph':>10} {'speedup':>7} {'GB/s':>6} {'max err':>9}")
+def setup(dtype):
     for tag, shape in SHAPES:
         h = torch.randn(shape, device="cuda", dtype=dtype) * 2
-        ours = geglu(h)
-        assert geglu.last_path == "triton", geglu.last_reason
-        err = (ours.float() - geglu_reference(h.float())).abs().max().item()
-        fns = (lambda: geglu_reference(h), lambda: geglu(h))
-        e_t, e_o = [eager_us(fn) for fn in fns]
-        g_t, g_o = [graph_us(fn) for fn in fns]
-        gbs = 1.5 * h.numel() * h.element_size() / (g_o * 1e-6) / 1e9
-        print(f"{tag:5} {str(shape):20} {str(dtype)[6:]:9} {e_t:9.1f} {e_o:9.1f} {e_t / e_o:6.2f}x "
-              f"{g_t:11.1f} {g_o:10.1f} {g_t / g_o:6.2f}x {gbs:6.0f} {err:9.2e}")
+        err = (geglu(h).float() - geglu_reference(h.float())).abs().max().item()
+        yield Case((tag, shape), lambda h=h: geglu_reference(h), lambda h=h: geglu(h),
+                   int(1.5 * h.numel() * h.element_size()), err)
 
 
 if __name__ == "__main__":
-    main()
+    run(geglu, setup, [("model", 5), ("shape", 20)], description=__doc__)

@@ -1,25 +1,23 @@
 """Times torch GroupNorm + SiLU against the fused Triton kernels on real SD shapes (GPU only).
 
-    python bench/bench_group_norm_silu.py [--dtype fp16|bf16|fp32]
+    python bench/bench_group_norm_silu.py [--dtype fp16|bf16|fp32] [--out DIR]
 
-Prints shape, layout, dtype, torch and fused median times (triton.testing.do_bench) called eagerly
-and replayed from a CUDA graph (GPU time alone, as a graphed UNet step pays), the speedups, the fused
-op's achieved bandwidth in the graph counting one read and one write of x, and the max abs error
-against the fp32 reference. The torch side gets weights already in x's dtype, as ComfyUI casts them.
-`plan` is the Triton path the sizes pick (`1prog`: one launch, one program per (sample, group);
-`split`: statistics + apply, two launches); for `1prog` shapes, `split graph` is the split path forced
-on the same call, the comparison that tunes `_ONE_TILE_MAX`.
+Prints shape, layout, dtype, torch and fused median times called eagerly and replayed from a CUDA graph
+(kernel_timing.py), the speedups, the fused op's achieved bandwidth in the graph counting one read and one
+write of x, and the max abs error against the fp32 reference. The torch side gets weights already in x's
+dtype, as ComfyUI casts them. `plan` is the Triton path the sizes pick (`1prog`: one launch, one program per
+(sample, group); `split`: statistics + apply, two launches); for `1prog` shapes, `split graph` is the split
+path forced on the same call, the comparison that tunes `ONE_TILE_MAX` (kernels/_group_norm_tiling.py).
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_timing import DTYPES, eager_us, graph_us  # noqa: E402  (also registers sd_accel)
+from kernel_timing import Case, graph_us, run  # noqa: E402  (also registers sd_accel)
 
 import torch  # noqa: E402
 
-from sd_accel.kernels import group_norm_silu as gn  # noqa: E402
+from sd_accel.kernels import _group_norm_tiling as tiling  # noqa: E402
 from sd_accel.kernels.group_norm_silu import group_norm_silu, group_norm_silu_reference  # noqa: E402
 
 SHAPES = [
@@ -32,15 +30,16 @@ SHAPES = [
 ]
 
 
+def _split_graph_us(fused):
+    """The split path's graph time on a call that picks one program per group."""
+    keep, tiling.ONE_TILE_MAX = tiling.ONE_TILE_MAX, 0
+    try:
+        return f"{graph_us(fused):.1f}"
+    finally:
+        tiling.ONE_TILE_MAX = keep
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="fp16", choices=DTYPES)
-    dtype = DTYPES[ap.parse_args().dtype]
-    torch.manual_seed(0)
-    print(f"{'model':5} {'shape':20} {'layout':6} {'dtype':9} {'torch us':>9} {'ours us':>9} {'speedup':>7} "
-          f"{'torch graph':>11} {'ours graph':>10} {'speedup':>7} {'GB/s':>6} {'max err':>9} {'plan':>5} "
-          f"{'split graph':>11}")
+
+def setup(dtype):
     for tag, shape in SHAPES:
         for layout in ("nchw", "cl"):
             x = torch.randn(shape, device="cuda", dtype=dtype) * 2 + 0.5
@@ -49,25 +48,15 @@ def main():
             w = torch.randn(shape[1], device="cuda", dtype=dtype)
             b = torch.randn(shape[1], device="cuda", dtype=dtype)
             ours = group_norm_silu(x, 32, w, b)
-            assert group_norm_silu.last_path == "triton", group_norm_silu.last_reason
-            plan = "1prog" if group_norm_silu.last_plan == "one program per group" else "split"
+            plan = "1prog" if group_norm_silu.last_call.plan == "one program per group" else "split"
             ref = group_norm_silu_reference(x.float(), 32, w.float(), b.float())
             err = (ours.float() - ref).abs().max().item()
-            fns = (lambda: group_norm_silu_reference(x, 32, w, b), lambda: group_norm_silu(x, 32, w, b))
-            e_t, e_o = [eager_us(fn) for fn in fns]
-            g_t, g_o = [graph_us(fn) for fn in fns]
-            gbs = 2 * x.numel() * x.element_size() / (g_o * 1e-6) / 1e9
-            split = "-"
-            if plan == "1prog":
-                keep, gn._ONE_TILE_MAX = gn._ONE_TILE_MAX, 0
-                try:
-                    split = f"{graph_us(fns[1]):.1f}"
-                finally:
-                    gn._ONE_TILE_MAX = keep
-            print(f"{tag:5} {str(shape):20} {layout:6} {str(dtype)[6:]:9} {e_t:9.1f} {e_o:9.1f} "
-                  f"{e_t / e_o:6.2f}x {g_t:11.1f} {g_o:10.1f} {g_t / g_o:6.2f}x {gbs:6.0f} {err:9.2e} {plan:>5} "
-                  f"{split:>11}")
+            fused = lambda x=x, w=w, b=b: group_norm_silu(x, 32, w, b)  # noqa: E731
+            split = _split_graph_us(fused) if plan == "1prog" else "-"
+            yield Case((tag, shape, layout), lambda x=x, w=w, b=b: group_norm_silu_reference(x, 32, w, b), fused,
+                       2 * x.numel() * x.element_size(), err, (plan, split))
 
 
 if __name__ == "__main__":
-    main()
+    run(group_norm_silu, setup, [("model", 5), ("shape", 20), ("layout", 6)], [("plan", 5), ("split graph", 11)],
+        description=__doc__)

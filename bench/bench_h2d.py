@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_timing  # noqa: E402,F401  (registers the repo as the package sd_accel)
-from sd_accel.engine import pinned_memory  # noqa: E402
+from sd_accel.engine.memory import pinned_memory  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--gib", type=float, default=1.5)
@@ -56,7 +56,7 @@ def timed(fn, reps=5):
 
 def host_buffers(sizes, kind):
     """fp16 host tensors of `sizes` elements: torch's pinned allocator, one allocation each ("pinned"), SD
-    Accel's views of packed pinned slabs (engine/pinned_memory.py, "pinned slabs"), or pageable."""
+    Accel's views of packed pinned slabs (engine/memory/pinned_memory.py, "pinned slabs"), or pageable."""
     if kind == "pinned slabs":
         return [b.view(torch.float16) for b in pinned_memory.host_buffers([2 * n for n in sizes], True)]
     return [torch.empty(n, dtype=torch.float16, pin_memory=kind == "pinned") for n in sizes]

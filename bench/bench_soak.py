@@ -134,7 +134,7 @@ def is_oom(e):
 
 
 def pool_model(model):
-    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
+    from sd_accel.hosts.comfyui.memory import WRAPPER_KEY
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
     import comfy.patcher_extension as pe
     exp = OPT.expandable == "on" or (OPT.expandable == "auto" and ENV.cuda

@@ -31,7 +31,7 @@ ENV = cb.boot(OPT, ("checkpoints",))
 torch, nodes, mm, fixtures = ENV.torch, ENV.nodes, ENV.mm, ENV.fixtures
 CUDA, DEV = ENV.cuda, ENV.dev
 say, psnr = cb.say, cb.psnr
-from sd_accel.engine import layout_modules, patching  # noqa: E402
+from sd_accel.engine.patches import layout_modules, patching  # noqa: E402
 
 GEOM = {"sd15_512_b1": ("sd15", 512, 1), "sd15_512_b4": ("sd15", 512, 4), "sd15_768_b1": ("sd15", 768, 1),
         "sdxl_1024_b1": ("sdxl", 1024, 1)}
@@ -48,13 +48,13 @@ def graph(model, clip, vae, size, batch, seed, sampler):
 
 
 def measure(model, clip, vae, size, batch, sampler):
-    from sd_accel.kernels import _triton
-    launches0 = dict(_triton.first_launches)
+    from sd_accel.kernels import _launch
+    launches0 = dict(_launch.first_launches)
     first = graph(model, clip, vae, size, batch, 1, sampler)
-    first["triton_first_launches"] = _triton.first_launches["count"] - launches0["count"]
-    first["triton_first_launch_s"] = _triton.first_launches["seconds"] - launches0["seconds"]
-    first["triton_ahead"] = _triton.first_launches["ahead"] - launches0["ahead"]
-    first["triton_ahead_s"] = _triton.first_launches["ahead_seconds"] - launches0["ahead_seconds"]
+    first["triton_first_launches"] = _launch.first_launches["count"] - launches0["count"]
+    first["triton_first_launch_s"] = _launch.first_launches["seconds"] - launches0["seconds"]
+    first["triton_ahead"] = _launch.first_launches["ahead"] - launches0["ahead"]
+    first["triton_ahead_s"] = _launch.first_launches["ahead_seconds"] - launches0["ahead_seconds"]
     runs = [graph(model, clip, vae, size, batch, 100 + r, sampler) for r in range(OPT.reps)]
     med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
     return {"its": OPT.steps / med("sample_s"), "sample_s": med("sample_s"), "e2e_s": med("e2e_s"),
@@ -85,7 +85,7 @@ def unet_rel_err(model, size, batch, profile_tag=None):
     with torch.inference_mode():
         mm.load_models_gpu([model])
         ref = dm(x, t, context=ctx, **kw).float()
-        # the host's patch set (hosts/comfyui.py): the channels_last SpatialTransformer stand-ins first,
+        # the host's patch set (hosts/comfyui/accelerate.py): the channels_last SpatialTransformer stand-ins first,
         # then the fused modules and ResBlock stand-ins (COMFY_OPS) set through them
         backups = []
         try:

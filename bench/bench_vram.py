@@ -60,7 +60,7 @@ def load(kind):
 
 def pool_model(model, budget, offload):
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
-    from sd_accel.hosts.comfyui_memory import pool_settings
+    from sd_accel.hosts.comfyui.memory import pool_settings
     res = SDAccelVRAMPool().apply(model, budget_gib=budget, offload=offload)
     clone = res["result"][0]
     settings = pool_settings(clone)

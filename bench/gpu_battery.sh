@@ -11,9 +11,12 @@
 # (profile_step.py: where an Accelerated KSampler run's time goes, SD1.5 and SDXL at 4 GiB, ~2.5 min; a diagnosis,
 # nothing for results.jsonl), first_run (bench_first_run.py: SD1.5 768² on a cold Triton cache, kernels compiled
 # one by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
-# constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl), patches
-# (bench_patches.py: each ComfyUI patch node, stock vs ours vs ours without graphs, fresh and after a refused
-# capture; its --deadline stops starting configs at 330 s, the part is killed at 360 s).
+# constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl), forge
+# (bench_forge.py: Forge's own UNet and sampling code, stock vs SD Accel, SD1.5 512² and SDXL 1024², ~3 min; needs
+# vendor/forge from `bench_forge.py --vendor-from <Forge tree>`, carried, with Forge's diffusers/huggingface_hub
+# wheels in vendor/forge/wheels), patches (bench_patches.py: each ComfyUI patch node, stock vs ours vs ours without
+# graphs, fresh and after a refused capture; its --deadline stops starting configs at 330 s, the part is killed at
+# 360 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -52,6 +55,11 @@ for p in "$@"; do
     profile) part profile 240 python3 bench/profile_step.py --comfy-dir $COMFY ;;
     first_run) part first_run 500 python3 bench/bench_first_run.py --comfy-dir $COMFY ;;
     tune_gn) part tune_gn 300 python3 bench/tune_group_norm.py ;;
+    forge)
+      # Forge's pins of diffusers and huggingface_hub in a folder of their own: the other parts keep the image's
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
+        vendor/forge/wheels/*.whl
+      PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge 420 python3 bench/bench_forge.py ;;
     patches) part patches 360 python3 bench/bench_patches.py --comfy-dir $COMFY --deadline 330 ;;
     h2d)
       mkdir -p "$OUT/h2d"
@@ -59,10 +67,10 @@ for p in "$@"; do
       grep -v "^\[W\|This is technically allowed" "$OUT/h2d/log.txt" | tail -16 ;;
     kernels)
       mkdir -p "$OUT/kernels"
-      for b in group_norm_silu layer_norm geglu bias_residual_add; do
+      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn patches)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches)"; exit 2 ;;
   esac
 done

@@ -37,7 +37,8 @@ OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 torch, mm = ENV.torch, ENV.mm
 say = cb.say
-from sd_accel.engine import cuda_graph, host_mirror  # noqa: E402
+from sd_accel.engine.memory import host_mirror  # noqa: E402
+from sd_accel.engine.graphs import step_graphs  # noqa: E402
 
 LOADED = {}
 LINES = []
@@ -54,7 +55,7 @@ class StepClock:
 
     def __init__(self):
         self.calls = []
-        self.orig = cuda_graph.StepGraphs.run
+        self.orig = step_graphs.StepGraphs.run
 
     def __enter__(self):
         clock = self
@@ -68,11 +69,11 @@ class StepClock:
             e1.record()
             clock.calls.append((t0, time.perf_counter(), e0, e1, graphs.name))
             return r
-        cuda_graph.StepGraphs.run = run
+        step_graphs.StepGraphs.run = run
         return self
 
     def __exit__(self, *exc):
-        cuda_graph.StepGraphs.run = self.orig
+        step_graphs.StepGraphs.run = self.orig
 
 
 class HostEvents:
@@ -84,7 +85,7 @@ class HostEvents:
         self.targets = targets or [
             (mm, "load_models_gpu"), (mm, "free_memory"), (mp.ModelPatcher, "partially_load"),
             (mp.ModelPatcher, "partially_unload"), (mp.ModelPatcher, "detach"), (mp.ModelPatcher, "load"),
-            (cuda_graph.StepGraphs, "_capture"), (cuda_graph.StepGraphs, "clear"), (torch.cuda, "empty_cache"),
+            (step_graphs.StepGraphs, "_capture"), (step_graphs.StepGraphs, "clear"), (torch.cuda, "empty_cache"),
             (torch.cuda.CUDAGraph, "capture_begin"), (torch.cuda.CUDAGraph, "capture_end"),
             (host_mirror.HostMirror, "offload")]
         self.events, self.saved = [], []
@@ -378,24 +379,13 @@ def main():
         mm.soft_empty_cache()
         settings = None
         if budget is not None:
-            from sd_accel.hosts.comfyui_memory import pool_settings
+            from sd_accel.hosts.comfyui.memory import pool_settings
             model = SDAccelVRAMPool().apply(model, budget_gib=budget, offload="lowvram")["result"][0]
             settings = pool_settings(model)
 
         def run(seed):
             return cb.run_graph(ENV, model, clip, vae, size, batch, seed, "ours", OPT.steps)
         out("== %s" % tag)
-        if settings is not None:
-            # A/B in this process: first as before session 6 (captures through torch.cuda.graph(), which empties
-            # the allocator's cache; no host copies), then the current defaults
-            cuda_graph.CAPTURE_EMPTIES_CACHE, settings.host_copies = True, False
-            for s in (1, 2):
-                r = run(s)
-                out("  [before] warm run %d: %.1f it/s" % (s, OPT.steps / r["sample_s"]))
-            out("  [before] timeline (capture through torch.cuda.graph, no host copies):")
-            host_timeline(run)
-            cuda_graph.CAPTURE_EMPTIES_CACHE, settings.host_copies = False, True
-            out("  [now] (capture on a side stream without emptying the cache, host copies):")
         for s in (1, 2):
             r = run(s)
             out("  warm run %d: %.1f it/s (%s)" % (s, OPT.steps / r["sample_s"], (r["line"] or "")[:300]))
@@ -411,7 +401,7 @@ def main():
         if budget is None and OPT.outside:
             outside_steps(model, clip, vae, size, batch)
         import gc
-        graphs = [o for o in gc.get_objects() if isinstance(o, cuda_graph.StepGraphs) and o.entries]
+        graphs = [o for o in gc.get_objects() if isinstance(o, step_graphs.StepGraphs) and o.entries]
         if budget is None:   # a streamed graph replayed outside its run would read released host buffers
             replay_alone(graphs)
         profiled(run, tag)

@@ -5,10 +5,10 @@
 The call mix is one SD1.5 forward at CFG batch 2, channels_last fp16, as the patched UNet makes them (shape,
 SiLU or not, a timestep-embedding add or not, and how many times per forward: counted on CPU by running
 ComfyUI's UNetModel with the SD Accel patches). Every configuration's kernels are compiled in parallel first
-(kernels/_triton.run_compiling_ahead); each call is then timed as 20 calls replayed from one CUDA graph (GPU
+(kernels/_compile_ahead.run_compiling_ahead); each call is then timed as 20 calls replayed from one CUDA graph (GPU
 time, what a graphed step pays). Prints, per resolution, the weighted µs per forward of the current
-constants and of the best configurations, and each shape's best; the constants in kernels/group_norm_silu.py
-come from here.
+constants and of the best configurations, and each shape's best; the constants in
+kernels/_group_norm_tiling.py come from here.
 """
 import argparse
 import itertools
@@ -21,7 +21,8 @@ import kernel_timing  # noqa: E402,F401  (registers sd_accel)
 
 import torch  # noqa: E402
 
-from sd_accel.kernels import _triton  # noqa: E402
+from sd_accel.kernels import _compile_ahead, _device, _launch  # noqa: E402
+from sd_accel.kernels import _group_norm_tiling as tiling  # noqa: E402
 from sd_accel.kernels import group_norm_silu as gn  # noqa: E402
 
 # (C, H, activation, has add): count per SD1.5 forward (CFG batch 2), at 512² (H = latent side) and 768²
@@ -35,10 +36,10 @@ MIX = {
 }
 MIX[768] = {(c, h * 3 // 2, a, d): n for (c, h, a, d), n in MIX[512].items()}
 
-KNOBS = ("_ONE_TILE_MAX", "_TILE", "_CL_TARGET_C", "_MAX_CHUNKS", "_MERGE_MAX", "_WARPS")
-# _CL_TARGET_C None: the row width the op picks per channel count (_cl_target_c)
-GRID = {"_ONE_TILE_MAX": (16384, 8192, 4096), "_TILE": (2048, 4096), "_CL_TARGET_C": (None, 32, 64, 128),
-        "_MAX_CHUNKS": (64,), "_MERGE_MAX": (512,), "_WARPS": (None,)}
+KNOBS = ("ONE_TILE_MAX", "TILE", "CL_TARGET_C", "MAX_CHUNKS", "MERGE_MAX", "WARPS")   # of _group_norm_tiling
+# CL_TARGET_C None: the row width the op picks per channel count (cl_target_c)
+GRID = {"ONE_TILE_MAX": (16384, 8192, 4096), "TILE": (2048, 4096), "CL_TARGET_C": (None, 32, 64, 128),
+        "MAX_CHUNKS": (64,), "MERGE_MAX": (512,), "WARPS": (None,)}
 
 
 def timed_us(fn, calls=20, reps=15):
@@ -68,7 +69,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/tune_gn"))
     opt = ap.parse_args()
     os.makedirs(opt.out, exist_ok=True)
-    default = {k: getattr(gn, k) for k in KNOBS}
+    default = {k: getattr(tiling, k) for k in KNOBS}
     configs = [dict(zip(KNOBS, v)) for v in itertools.product(*(GRID[k] for k in KNOBS))]
     configs = [default] + [c for c in configs if c != default]
     torch.manual_seed(0)
@@ -87,15 +88,16 @@ def main():
 
     def setc(c):
         for k, v in c.items():
-            setattr(gn, k, v)
+            setattr(tiling, k, v)
 
     # one plan per (config, shape) is what runs; configs that plan a shape identically share its timing
+    sms = _device.sm_count(torch.device("cuda"))
     def plan_key(c, key):
         C, H = key[0], key[1]
         setc(c)
-        if gn.one_program_per_group(C, H * H, 32):
+        if tiling.one_program_per_group(C, H * H, 32):
             return ("1prog", key)
-        return ("split", key, gn._split_config(2, C, H * H, 32, True), gn._WARPS)
+        return ("split", key, tiling.split_config(2, C, H * H, 32, True, sms), tiling.WARPS)
 
     plans = {}
     for c in configs:
@@ -106,14 +108,14 @@ def main():
         for c, key in plans.values():
             setc(c)
             call(key)
-    _, n = _triton.run_compiling_ahead(compile_all)
+    _, n = _compile_ahead.run_compiling_ahead(compile_all)
     print("[tune] %d distinct plans, %d kernels compiled ahead in %.1f s" % (
-        len(plans), n, _triton.first_launches["ahead_seconds"]), flush=True)
+        len(plans), n, _launch.first_launches["ahead_seconds"]), flush=True)
     us = {}
     for pk, (c, key) in plans.items():
         setc(c)
         out = call(key)
-        assert gn.group_norm_silu.last_path == "triton", gn.group_norm_silu.last_reason
+        assert gn.group_norm_silu.last_call.path == "triton", gn.group_norm_silu.last_call.reason
         x, w, b, e, act = inputs[key]
         ref = gn.group_norm_silu_reference(x.float(), 32, w.float(), b.float(), activation=act, add=e)
         err = (out.float() - ref).abs().max().item()

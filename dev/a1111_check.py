@@ -49,13 +49,13 @@ def wait_ready(url, proc, timeout):
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc is not None and proc.poll() is not None:
-            raise SystemExit("A1111 exited with %s before it was ready" % proc.returncode)
+            raise SystemExit("the WebUI exited with %s before it was ready" % proc.returncode)
         try:
             call(url, "/sdapi/v1/sd-models", timeout=5)
             return time.time() - t0
         except (urllib.error.URLError, ConnectionError, OSError):
             time.sleep(1.0)
-    raise SystemExit("A1111 not ready after %d s" % timeout)
+    raise SystemExit("the WebUI was not ready after %d s" % timeout)
 
 
 # -- PNG (stdlib) ---------------------------------------------------------------------------------
@@ -166,6 +166,10 @@ class Checker:
         print("[status] %s" % json.dumps({k: s.get(k) for k in ("patched", "counts", "channels_last",
                                           "state_dict_keys_unchanged", "unet_option", "graphs")}), flush=True)
         self.check(s["patched"] > 0 and s["state_dict_keys_unchanged"], "enabled: %d modules patched" % s["patched"])
+        self.check(sum(s["counts"].values()) == s["patched"], "the per-op counts %s add up to the %d patched"
+                   % (s["counts"], s["patched"]))
+        self.check(s.get("settings") == {"section": "SD Accel", "category": "Stable Diffusion"},
+                   "settings filed under %s (the category of A1111's Optimizations section)" % s.get("settings"))
         k0 = self.status().get("kernels", {})
         img_on = self.txt2img("SD Accel on")
         s = self.status()

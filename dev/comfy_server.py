@@ -4,7 +4,9 @@ Used by the tests (tests/server/conftest.py) and by the demo (dev/demo.py). The 
 `<ComfyUI>/custom_nodes/<PACK_DIR_NAME>`, the name users clone it as, so the frontend serves our JS under
 `/extensions/<PACK_DIR_NAME>/`. Models come from a folder given through `--extra-model-paths-config`;
 inputs and outputs go to folders of the run, so the ComfyUI checkout itself stays clean apart from
-that one link.
+that one link. Other custom-node packs (`extra_nodes`: the tests' stand-ins for other packs) are linked into a
+custom_nodes folder of the run, which ComfyUI is told of through the same config file, so two servers on one
+ComfyUI checkout can load different packs.
 """
 import json
 import os
@@ -28,8 +30,11 @@ def free_port():
 
 
 def link_pack(comfy_dir, repo=REPO):
-    """Symlink the repo into custom_nodes; replaces only a symlink of ours, never a real folder."""
+    """Symlink the repo into custom_nodes; replaces only a symlink of ours, never a real folder. A repo
+    cloned there under that name (the README's install) is already in place."""
     dst = os.path.join(comfy_dir, "custom_nodes", PACK_DIR_NAME)
+    if os.path.isdir(dst) and not os.path.islink(dst) and os.path.samefile(dst, repo):
+        return dst
     if os.path.islink(dst):
         if os.path.realpath(dst) == os.path.realpath(repo):
             return dst
@@ -41,8 +46,10 @@ def link_pack(comfy_dir, repo=REPO):
 
 
 class ComfyServer:
-    def __init__(self, comfy_dir, python, work_dir, models_dir, extra_args=(), env=None, port=None, cpu=True):
+    def __init__(self, comfy_dir, python, work_dir, models_dir, extra_args=(), env=None, port=None, cpu=True,
+                 extra_nodes=()):
         self.comfy_dir = os.path.abspath(comfy_dir)
+        self.extra_nodes = [os.path.abspath(p) for p in extra_nodes]
         self.python = python
         self.work_dir = os.path.abspath(work_dir)
         self.models_dir = os.path.abspath(models_dir)
@@ -68,6 +75,9 @@ class ComfyServer:
             # (with weight_dtype fp8_e4m3fn, say), so the fixture checkpoints serve it too
             f.write("sd_accel_test:\n    base_path: %s\n    checkpoints: checkpoints\n    controlnet: controlnet\n"
                     "    loras: loras\n    vae: vae\n    diffusion_models: checkpoints\n" % self.models_dir)
+            if self.extra_nodes:
+                f.write("sd_accel_test_nodes:\n    base_path: %s\n    custom_nodes: custom_nodes\n"
+                        % self._link_extra_nodes())
         cmd = [self.python, "main.py"] + (["--cpu"] if self.cpu else []) + ["--listen", "127.0.0.1", "--port", str(self.port),
                "--disable-auto-launch", "--output-directory", self.output_dir, "--input-directory",
                self.input_dir, "--temp-directory", os.path.join(self.work_dir, "temp"),
@@ -90,6 +100,21 @@ class ComfyServer:
                 time.sleep(0.5)
         self.stop()
         raise RuntimeError("ComfyUI did not answer within %ss:\n%s" % (timeout, self.log_tail()))
+
+    def _link_extra_nodes(self):
+        """Symlinks each of `extra_nodes` into <work_dir>/custom_nodes under its own folder name (the module
+        name ComfyUI imports it as); returns <work_dir>."""
+        folder = os.path.join(self.work_dir, "custom_nodes")
+        os.makedirs(folder, exist_ok=True)
+        names = [os.path.basename(p) for p in self.extra_nodes]
+        if len(set(names)) != len(names):
+            raise ValueError("extra_nodes need distinct folder names: %s" % names)
+        for src, name in zip(self.extra_nodes, names):
+            dst = os.path.join(folder, name)
+            if os.path.islink(dst):
+                os.unlink(dst)
+            os.symlink(src, dst)
+        return self.work_dir
 
     def stop(self):
         if self.proc and self.proc.poll() is None:
@@ -184,7 +209,6 @@ def load_api_workflow(path, **overrides):
     """An API-format workflow from workflows/, with `{node_id: {input: value}}` overrides."""
     with open(path) as f:
         wf = json.load(f)
-    wf = {k: v for k, v in wf.items() if not k.startswith("_")}
     for node_id, inputs in overrides.items():
         wf[str(node_id)]["inputs"].update(inputs)
     return wf

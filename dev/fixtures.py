@@ -25,6 +25,7 @@ UNET_PRESETS = {
     # levels (channel_mult), res blocks per level, transformer depth per level
     "tiny": ([1], 1, [1]),
     "small": ([1, 2], 1, [1, 1]),
+    "small_plain_deep": ([1, 2], 1, [1, 0]),   # its deepest level without attention, as SD1.5's
     "sd15": ([1, 2, 4, 4], 2, [1, 1, 1, 0]),
 }
 VAE_DDCONFIG = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,

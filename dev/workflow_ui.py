@@ -4,6 +4,8 @@
 The widget order comes from a live server's /object_info, so the file matches what the frontend builds:
   python dev/workflow_ui.py --server http://127.0.0.1:8188 workflows/X.api.json  ->  workflows/X.json
 Seed-like INT inputs get the frontend's extra "control_after_generate" widget value ("fixed").
+The workflow's title and description live in the twin (`extra.sd_accel`) and are kept when it is rewritten:
+an API file holds nodes only, since ComfyUI refuses a prompt with any other top-level key.
 """
 import argparse
 import json
@@ -17,9 +19,9 @@ def _is_link(v):
     return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
 
 
-def api_to_ui(api, info):
+def api_to_ui(api, info, meta=None):
     nodes, links = [], []
-    ids = {k: i + 1 for i, k in enumerate(k for k in api if not k.startswith("_"))}
+    ids = {k: i + 1 for i, k in enumerate(api)}
     out_links = {}
     order = sorted(ids, key=lambda k: _depth(api, k))
     col_y = {}
@@ -60,9 +62,8 @@ def api_to_ui(api, info):
         for slot, typ in enumerate(spec["output"]):
             n["outputs"].append({"name": spec.get("output_name", spec["output"])[slot], "type": typ,
                                  "links": out_links.get((n["id"], slot), []), "slot_index": slot})
-    meta = api.get("_meta", {})
     return {"last_node_id": max(by_id), "last_link_id": len(links), "nodes": nodes, "links": links,
-            "groups": [], "config": {}, "extra": {"sd_accel": meta}, "version": 0.4}
+            "groups": [], "config": {}, "extra": {"sd_accel": meta or {}}, "version": 0.4}
 
 
 def _depth(api, k, seen=()):
@@ -79,8 +80,12 @@ def main():
     for path in a.api_files:
         api = json.load(open(path))
         out = path.replace(".api.json", ".json")
+        meta = {}
+        if os.path.exists(out):
+            with open(out) as f:
+                meta = json.load(f).get("extra", {}).get("sd_accel", {})
         with open(out, "w") as f:
-            json.dump(api_to_ui(api, info), f, indent=1)
+            json.dump(api_to_ui(api, info, meta), f, indent=1)
         print("wrote", out)
 
 

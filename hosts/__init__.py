@@ -1,1 +1,10 @@
-"""Host adapters: how each host (ComfyUI, A1111) applies the engine's patches its own reversible way."""
+"""Hosts: how each UI applies the engine's patches its own reversible way.
+
+  comfyui/   ComfyUI: object patches and wrappers on cloned ModelPatchers, the per-run AcceleratedRun, the
+             ControlNets, the VRAM Pool, the VAE and condition-map nodes' glue
+  a1111.py   AUTOMATIC1111 WebUI: in-place module swaps with a way back, graphs through its sd_unet hook
+  forge.py, forge_plan.py  Stable Diffusion WebUI Forge: object patches on its UnetPatcher, graphs through
+             its model_function_wrapper
+  webui.py   what A1111 and Forge share: the settings, their section, the status counts
+May import engine/ and kernels/; nodes/ and scripts/ import hosts, never the other way round.
+"""

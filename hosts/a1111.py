@@ -1,4 +1,4 @@
-"""AUTOMATIC1111 WebUI host (and Forge): applies the engine's patches to the loaded SD model.
+"""AUTOMATIC1111 WebUI host: applies the engine's patches to the loaded SD model.
 
 A1111 has no object patches, so the UNet's leaves are swapped in place and swapped back:
 * fused kernels: `patching.plan_patches` on `sd_model.model.diffusion_model`, applied with
@@ -13,68 +13,27 @@ A1111 has no object patches, so the UNet's leaves are swapped in place and swapp
 * CUDA graphs: through A1111's own UNet hook, an `sd_unet.SdUnetOption` listed by `on_list_unets`
   (what the TensorRT extension uses). With "SD Unet" = Automatic (A1111's default) it is picked for
   the loaded checkpoint while the toggle is on; A1111 deactivates it before every weight reload. Its
-  forward calls the stock UNet forward through `engine.cuda_graph.StepGraphs`. The UNet's own
+  forward calls the stock UNet forward through `engine.graphs.step_graphs.StepGraphs`. The UNet's own
   `forward` is never rebound.
-* Forge (`sd_model.forge_objects.unet`, a ComfyUI-style ModelPatcher): per sampling run on a clone
-  (`forge_accelerate`), through `hosts.comfyui.accelerate` for the wrapper. Untested: see README.
+Forge has a host of its own (hosts/forge.py); what both share is in hosts/webui.py.
 
 This module imports nothing from A1111 at import time: the caller passes what it needs (the
 `sd_unet` module, an options object), so tests drive it with a stand-in of A1111's API.
 """
-import contextlib
 import logging
-import math
 import sys
-from collections import Counter
-from dataclasses import dataclass, fields
 
 import torch
 
-from ..engine import fused_modules, kernel_report, patching
-from ..engine.cuda_graph import StepGraphs
+from ..engine.patches import fused_modules, patching
+from ..engine.graphs.step_graphs import StepGraphs
+from . import webui
+from .webui import kernel_summary  # noqa: F401 - the extension script's status route reads it here
 
 log = logging.getLogger("sd_accel")
 
-PREFIX = "sd_accel_"
-SECTION = ("sd_accel", "SD Accel")
-FORGE_OPS = ("group_norm", "layer_norm", "geglu")   # no SiLU folding: Forge's group_norm_wrapper
 UNET_LABEL = "SD Accel (CUDA graphs)"
-
-
-@dataclass(frozen=True)
-class A1111Options:
-    enabled: bool = True
-    fused_kernels: bool = True
-    cuda_graph: bool = True
-    channels_last: bool = True
-
-    def want(self, name):
-        return bool(self.enabled and getattr(self, name))
-
-
-# (field, label, info) of every setting; the key is PREFIX + field, the default A1111Options'.
-SETTINGS = (
-    ("enabled", "Enable SD Accel",
-     "master switch: off restores the UNet's original modules"),
-    ("fused_kernels", "Fused kernels (GroupNorm+SiLU, LayerNorm, GEGLU)",
-     "Triton kernels on CUDA; the stock torch ops elsewhere"),
-    ("cuda_graph", "CUDA graphs for the UNet step",
-     "CUDA only; works through 'SD Unet' = Automatic; replays are dropped when weights or LoRAs change"),
-    ("channels_last", "channels_last conv weights",
-     "CUDA only; values unchanged"),
-)
-
-
-def setting_key(name):
-    return PREFIX + name
-
-
-def options_from(opts):
-    """A1111Options from A1111's `shared.opts` (missing keys: defaults)."""
-    d = {}
-    for f in fields(A1111Options):
-        d[f.name] = bool(getattr(opts, setting_key(f.name), f.default))
-    return A1111Options(**d)
+A1111Options = webui.WebUIOptions
 
 
 # -- per UNet state -------------------------------------------------------------------------------
@@ -120,18 +79,11 @@ def _intact(unet, st):
     return True
 
 
-def _skip_host_cast(unet, patches):
-    """Leaves out modules whose host casts their weights on the fly (Forge's `parameters_manual_cast`,
-    offloaded or low-precision weights), with the folded SiLU that goes with a fused norm."""
-    out = dict(patches)
-    for path, mod in patches.items():
-        if getattr(mod, "parameters_manual_cast", False):
-            out.pop(path, None)
-            if getattr(mod, "sdaccel_act", None):
-                parent, _, last = path.rpartition(".")
-                if last.isdigit():
-                    out.pop(("%s.%d" % (parent, int(last) + 1)) if parent else str(int(last) + 1), None)
-    return out
+def _skip_host_cast(patches):
+    """Leaves out modules whose host casts their weights on the fly (`parameters_manual_cast`: offloaded
+    or low-precision weights), with the folded SiLU that goes with a fused norm."""
+    cast = [p for p, m in patches.items() if getattr(m, "parameters_manual_cast", False)]
+    return webui.drop_with_partners(patches, cast)
 
 
 def _sync_host_attrs(src, dst):
@@ -180,7 +132,7 @@ def apply_fused(unet, ops=patching.ALL_OPS):
         remove_fused(unet)
     before = _keys(unet)
     plan = patching.plan_patches(unet, ops)
-    patches = _skip_host_cast(unet, plan.patches)
+    patches = _skip_host_cast(plan.patches)
     backup = patching.apply_patches(unet, patches)
     after = _keys(unet)
     if after != before:
@@ -192,15 +144,8 @@ def apply_fused(unet, ops=patching.ALL_OPS):
         if fused_modules.is_fused(new) and new.sdaccel_kind in ("group_norm", "layer_norm"):
             new.register_forward_pre_hook(_lora_pre_hook)
     st.backup, st.replacements, st.keys, st.keys_ok = backup, patches, before, True
-    counts = {}
-    for m in patches.values():
-        kind = getattr(m, "sdaccel_kind", None)
-        if kind == "group_norm":
-            kind = "group_norm_silu" if m.sdaccel_act else "group_norm"
-        if kind and kind != "silu_folded":
-            counts[kind] = counts.get(kind, 0) + 1
-    st.counts = counts
-    return dict(counts)
+    st.counts = webui.replacement_counts(patches)
+    return dict(st.counts)
 
 
 def remove_fused(unet):
@@ -286,25 +231,18 @@ def status(unet):
     return out
 
 
-# -- the SD model (A1111) / Forge -----------------------------------------------------------------
-
-def is_forge(sd_model):
-    return sd_model is not None and hasattr(sd_model, "forge_objects") and not hasattr(sd_model, "model")
-
+# -- the SD model --------------------------------------------------------------------------------
 
 def unet_of(sd_model):
-    """The ldm/sgm UNet of an A1111 SD model, or None (no model, or Forge)."""
+    """The ldm/sgm UNet of an A1111 SD model, or None (no model loaded, or not an ldm/sgm model)."""
     inner = getattr(sd_model, "model", None)
     return getattr(inner, "diffusion_model", None)
 
 
 def sync(sd_model, options, reason=""):
-    """Applies or removes per `options` on A1111's loaded model (Forge: nothing here, see
-    `forge_accelerate`). Returns the status dict; logs one line."""
+    """Applies or removes per `options` on A1111's loaded model. Returns the status dict; logs one line."""
     unet = unet_of(sd_model)
     if unet is None:
-        if is_forge(sd_model):
-            return {"model": "forge", "patched": 0, "note": "Forge: applied per sampling run"}
         return status(None)
     st = _state(unet)
     if st.keys is not None and not check_keys(unet):
@@ -330,17 +268,10 @@ def new_sampling_run(sd_model):
 # -- CUDA graphs through A1111's sd_unet hook -----------------------------------------------------
 
 def _structure(unet, st):
-    """Module classes and their forwards, and hook counts: a class swap (ToMe), an attention
-    optimisation switched by sd_hijack, or a hook added by another extension makes a new graph key.
-    Computed once per sampling run."""
+    """`webui.structure_signature`, computed once per sampling run."""
     if st.structure is not None and st.structure[0] is st.epoch and st.epoch is not None:
         return st.structure[1]
-    classes, hooks = {}, 0
-    for m in unet.modules():
-        c = type(m)
-        classes.setdefault(c, c.__dict__.get("forward") or getattr(c, "forward", None))
-        hooks += len(m._forward_hooks) + len(m._forward_pre_hooks)
-    sig = (tuple(sorted((c.__module__ + "." + c.__qualname__, id(f)) for c, f in classes.items())), hooks)
+    sig = webui.structure_signature(unet)
     st.structure = (st.epoch, sig)
     return sig
 
@@ -355,50 +286,7 @@ def host_state(unet, st):
     hns = tuple((getattr(h, "name", id(h)), getattr(h, "multiplier", None))
                 for h in getattr(shared, "loaded_hypernetworks", ()) or ())
     functional = bool(getattr(getattr(shared, "opts", None), "lora_functional", False))
-    ac = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) if torch.cuda.is_available() else None
-    return (loras, functional, hns, ac, _structure(unet, st))
-
-
-_freqs = {}   # (half, max_period, device) -> the sinusoid frequencies, already on the device
-
-
-def _graphable_timestep_embedding(original):
-    """ldm's (and sgm's) `timestep_embedding`, with the frequencies built on the CPU exactly as there
-    (so the result is bitwise the same) but copied to the device once and kept: ldm copies them on
-    every call, and a host-to-device copy from pageable memory cannot be captured in a CUDA graph.
-    The graph's eager warm-up call always fills the cache before a capture needs it."""
-    def timestep_embedding(timesteps, dim, max_period=10000, repeat_only=False):
-        if repeat_only:
-            return original(timesteps, dim, max_period, repeat_only)
-        half = dim // 2
-        key = (half, max_period, timesteps.device)
-        freqs = _freqs.get(key)
-        if freqs is None:
-            freqs = _freqs[key] = torch.exp(
-                -math.log(max_period) * torch.arange(start=0, end=half, dtype=torch.float32) / half
-            ).to(device=timesteps.device)
-        args = timesteps[:, None].float() * freqs[None]
-        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-        if dim % 2:
-            embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
-        return embedding
-    timestep_embedding.sd_accel_original = original
-    return timestep_embedding
-
-
-@contextlib.contextmanager
-def _capturable_unet_module(unet):
-    """For the duration of one graph-path call, the UNet's module uses `_graphable_timestep_embedding`."""
-    mod = sys.modules.get(type(unet).__module__)
-    original = getattr(mod, "timestep_embedding", None)
-    if original is None or getattr(original, "sd_accel_original", None) is not None:
-        yield
-        return
-    mod.timestep_embedding = _graphable_timestep_embedding(original)
-    try:
-        yield
-    finally:
-        mod.timestep_embedding = original
+    return (loras, functional, hns, webui.autocast_state(), _structure(unet, st))
 
 
 def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs):
@@ -408,7 +296,7 @@ def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs
         st.graphs = StepGraphs(unet, name=type(unet).__name__)
 
     def fn(*a, **k):
-        with _capturable_unet_module(unet):
+        with webui.capturable_timestep_embedding(unet):
             if torch.cuda.is_available() and torch.is_autocast_enabled("cuda"):
                 # a graph must not reuse autocast's cast cache across replays
                 with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
@@ -454,7 +342,7 @@ def make_unet_option(sd_unet, get_sd_model, get_options, original_forward_for):
         def model_name(self):
             # "Automatic" picks the option whose model_name is the loaded checkpoint's: ours, while on
             sd_model = get_sd_model()
-            if sd_model is None or is_forge(sd_model) or not get_options().want("cuda_graph"):
+            if unet_of(sd_model) is None or not get_options().want("cuda_graph"):
                 return None
             info = getattr(sd_model, "sd_checkpoint_info", None)
             return getattr(info, "model_name", None)
@@ -463,32 +351,3 @@ def make_unet_option(sd_unet, get_sd_model, get_options, original_forward_for):
             return SDAccelUnet()
 
     return SDAccelUnetOption()
-
-
-# -- Forge ----------------------------------------------------------------------------------------
-
-def forge_accelerate(unet_patcher, options):
-    """Forge (untested here): a clone of `sd_model.forge_objects.unet` with SD Accel applied, for
-    `process_before_every_sampling` to assign back. Fused GroupNorm/LayerNorm/GEGLU as object patches
-    (no SiLU folding: Forge's `group_norm_wrapper` calls the norm alone), skipping modules Forge casts
-    on the fly; CUDA graphs and channels_last through `hosts.comfyui.accelerate`'s model wrapper."""
-    from . import comfyui
-    clone = unet_patcher.clone()
-    info = {"patched": {}}
-    if options.want("fused_kernels"):
-        plan = patching.plan_patches(clone.model.diffusion_model, FORGE_OPS, prefix="diffusion_model.")
-        for path, module in _skip_host_cast(None, plan.patches).items():
-            clone.add_object_patch(path, module)
-            kind = getattr(module, "sdaccel_kind", None)
-            info["patched"][kind] = info["patched"].get(kind, 0) + 1
-    if options.want("cuda_graph") or options.want("channels_last"):
-        clone, winfo = comfyui.accelerate(clone, comfyui.AccelOptions(
-            fused_kernels=False, cuda_graph=options.want("cuda_graph"), channels_last=options.want("channels_last")))
-        comfyui.new_sampling_run(winfo)
-        info["wrapper"] = winfo.get("wrapper")
-    return clone, info
-
-
-def kernel_summary(before=None):
-    """Fused/fallback calls per op since `before` (a kernel_report.snapshot(); None: since start)."""
-    return kernel_report.summarize(before or (Counter(), {}), kernel_report.snapshot())

@@ -4,16 +4,16 @@ A transformer block adds each sub-layer's output to its residual stream and the 
 normalizing that stream (SD's BasicTransformerBlock: attn1 -> add -> norm2 -> attn2 -> add -> norm3).
 `add_layer_norm(a, r, ...)` returns (s, y) with s = a + r in the inputs' dtype, exactly as torch's add
 rounds it, and y = LayerNorm(s) computed from that rounded s (fp32 statistics, two passes over the
-registers: layer_norm.py's `normalize_rows`): what the add kernel and the norm kernel give one after the other, with one
-read of the sum and one launch fewer. 32 launches fewer per SD1.5 step, 140 per SDXL step.
+registers: layer_norm.py's `normalize_rows`): what the add kernel and the norm kernel give one after the
+other, with one read of the sum and one launch fewer. 32 launches fewer per SD1.5 step, 140 per SDXL step.
 """
 import torch
-import torch.nn.functional as F
 
 from . import layer_norm as _ln
-from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record
-
-_TILE = 4096
+from ._dispatch import fused_op
+from ._launch import launch
+from ._tiling import cdiv, num_warps_for
+from ._triton import forward_only_ineligible, get_triton
 
 _tt = get_triton()
 if _tt is not None:
@@ -38,11 +38,8 @@ if _tt is not None:
 
 
 def _launch(a, r, weight, bias, eps):
-    D = a.shape[-1]
-    M = a.numel() // D
+    M, D, block_m, block_d = _ln.row_tiles(a)
     s, y = torch.empty_like(a), torch.empty_like(a)
-    block_d = max(2, next_pow2(D))
-    block_m = max(2, min(_TILE // block_d, next_pow2(M)))
     launch(_add_layer_norm_kernel, (cdiv(M, block_m),),
         a, r, s, y, weight if weight is not None else y, bias if bias is not None else y, M, D, float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_D=block_d,
@@ -56,33 +53,21 @@ def eligible(a, r, normalized_shape, weight=None, bias=None):
         return False, "residual differs from the input in shape, dtype or device"
     if not r.is_contiguous():
         return False, "non-contiguous residual"
-    if torch.is_grad_enabled() and r.requires_grad:
-        return False, "autograd needed (kernel is forward only)"
+    why = forward_only_ineligible(r)
+    if why:
+        return False, why
     return _ln.eligible(a, normalized_shape, weight, bias)
 
 
-@init_record
+@fused_op(eligible=eligible, launch=_launch)
 def add_layer_norm(a, r, normalized_shape, weight=None, bias=None, eps=1e-5):
     """(a + r, F.layer_norm(a + r)) over the last dim, both in a's dtype. Triton when `eligible`, else the
-    reference; `add_layer_norm.last_path` / `.last_reason` / `.calls` say which ran."""
-    ok, why = eligible(a, r, normalized_shape, weight, bias)
-    if ok:
-        try:
-            out = _launch(a, r, weight, bias, eps)
-            record(add_layer_norm, "triton")
-            return out
-        except NotWarmedUp as e:
-            why = e.reason
-    record(add_layer_norm, "reference", why)
-    return add_layer_norm_reference(a, r, normalized_shape, weight, bias, eps)
+    reference; `add_layer_norm.last_call` says which ran."""
+    return a, r, normalized_shape, weight, bias, eps
 
 
+@add_layer_norm.fallback
 def add_layer_norm_reference(a, r, normalized_shape, weight=None, bias=None, eps=1e-5):
-    """Plain torch, in the inputs' dtype (weight and bias cast to it, as ComfyUI's ops do)."""
+    """Plain torch, in the inputs' dtype: torch's add, then layer_norm's reference on that sum."""
     s = a + r
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
-    if s.is_floating_point():
-        weight = weight.to(s.dtype) if weight is not None else None
-        bias = bias.to(s.dtype) if bias is not None else None
-    return s, F.layer_norm(s, tuple(normalized_shape), weight, bias, eps)
+    return s, _ln.layer_norm_reference(s, normalized_shape, weight, bias, eps)

@@ -15,8 +15,11 @@ itself (`out=x`: x is a temporary its caller owns).
 """
 import torch
 
-from ._triton import (NotWarmedUp, activation_ineligible, cdiv, get_triton, init_record, is_channels_last, launch,
-                      next_pow2, num_warps_for, per_channel_ineligible, record)
+from ._dispatch import fused_op
+from ._launch import launch
+from ._tiling import cdiv, next_pow2, num_warps_for
+from ._triton import (activation_ineligible, forward_only_ineligible, get_triton, is_channels_last,
+                      vectors_ineligible)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 2048     # output elements per program (three loads per element: x, residual, and the biases)
@@ -53,7 +56,6 @@ if _tt is not None:
         if HAS_RB:
             r += tl.load(RB + offs_c, mask=cmask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + offs_x, (r + x).to(Y.dtype.element_ty), mask=mask)
-
 
 
 def _ncs_strides(t):
@@ -121,7 +123,7 @@ def eligible(x, residual, bias=None, residual_bias=None, out=None):
         return False, "residual of another dtype or device"
     if _ncs_strides(residual) is None or min(residual.stride()) < 0 or _max_offset(residual) >= 2**31:
         return False, "residual layout not addressable as (N, C, H*W)"
-    why = per_channel_ineligible(x, bias=bias, residual_bias=residual_bias)
+    why = vectors_ineligible(x, x.shape[1], "C", bias=bias, residual_bias=residual_bias)
     if why:
         return False, why
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
@@ -129,29 +131,24 @@ def eligible(x, residual, bias=None, residual_bias=None, out=None):
         return False, "out not of x's shape, dtype and strides"
     if out is not None and any(_overlaps(t, out) for t in (x, residual)):
         return False, "out overlaps an input other than element for element"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, residual, bias, residual_bias)):
-        return False, "autograd needed (kernel is forward only)"
+    why = forward_only_ineligible(x, residual, bias, residual_bias)
+    if why:
+        return False, why
     return True, ""
 
 
-@init_record
+@fused_op(eligible=eligible, launch=_launch)
 def bias_residual_add(x, residual, bias=None, residual_bias=None, out=None):
     """`(residual + residual_bias[c]) + (x + bias[c])` for x, residual of shape (N, C, ...) and biases [C].
 
     The output has x's dtype and memory format; `out` (optional) receives it, and may be x itself.
-    Runs the Triton kernel when `eligible`, else the reference; `bias_residual_add.last_path`
-    ("triton" / "reference"), `.last_reason` and `.calls` say which ran.
+    Runs the Triton kernel when `eligible`, else the reference; `bias_residual_add.last_call` says which ran.
     """
-    ok, why = eligible(x, residual, bias, residual_bias, out)
-    if ok:
-        try:
-            y = _launch(x, residual, bias, residual_bias, out)
-            record(bias_residual_add, "triton")
-            return y
-        except NotWarmedUp as e:
-            why = e.reason
-    record(bias_residual_add, "reference", why)
+    return x, residual, bias, residual_bias, out
+
+
+@bias_residual_add.fallback
+def _reference_as_kernel_writes(x, residual, bias, residual_bias, out):
     y = bias_residual_add_reference(x, residual, bias, residual_bias)
     if out is not None:
         return out.copy_(y)

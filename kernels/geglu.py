@@ -10,7 +10,10 @@ power of two dividing D where one exists (SD's D = 1280, 2560, 5120), so no lane
 import torch
 import torch.nn.functional as F
 
-from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record, triton_runnable
+from ._dispatch import fused_op
+from ._launch import launch
+from ._tiling import cdiv, next_pow2, num_warps_for
+from ._triton import dense_ineligible, device_dtype_ineligible, forward_only_ineligible, get_triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 4096  # output elements per program (it reads twice that)
@@ -58,39 +61,28 @@ def _launch(h):
 
 def eligible(h):
     """(True, "") when the Triton kernel handles `h`, else (False, why)."""
-    ok, why = triton_runnable(h)
-    if not ok:
+    why = device_dtype_ineligible(h, _DTYPES)
+    if why:
         return False, why
-    if h.dtype not in _DTYPES:
-        return False, f"dtype {h.dtype}"
     if h.dim() < 1 or h.shape[-1] % 2:
         return False, "last dim not even"
-    if h.numel() == 0:
-        return False, "empty input"
-    if not h.is_contiguous():
-        return False, "non-contiguous input"
-    if h.numel() >= 2**31:
-        return False, "too large for int32 offsets"
-    if torch.is_grad_enabled() and h.requires_grad:
-        return False, "autograd needed (kernel is forward only)"
+    why = dense_ineligible(h) or forward_only_ineligible(h)
+    if why:
+        return False, why
     return True, ""
 
 
-@init_record
+@fused_op(eligible=eligible, launch=_launch)
 def geglu(h):
     """a * gelu(gate) for `a, gate = h.chunk(2, -1)`; contiguous (..., D) output in h's dtype.
 
-    Triton when `eligible`, else the reference; `geglu.last_path` / `.last_reason` / `.calls` say which.
+    Triton when `eligible`, else the reference; `geglu.last_call` says which ran.
     """
-    ok, why = eligible(h)
-    if ok:
-        try:
-            out = _launch(h)
-            record(geglu, "triton")
-            return out
-        except NotWarmedUp as e:
-            why = e.reason
-    record(geglu, "reference", why)
+    return (h,)
+
+
+@geglu.fallback
+def _reference_contiguous(h):
     return geglu_reference(h).contiguous()
 
 

@@ -8,7 +8,10 @@ and one write of x. grid (row tiles,); BLOCK_D = next power of two >= D, BLOCK_M
 import torch
 import torch.nn.functional as F
 
-from ._triton import NotWarmedUp, cdiv, get_triton, init_record, launch, next_pow2, num_warps_for, record, triton_runnable
+from ._dispatch import fused_op
+from ._launch import launch
+from ._tiling import cdiv, next_pow2, num_warps_for
+from ._triton import dense_ineligible, device_dtype_ineligible, forward_only_ineligible, get_triton, vectors_ineligible
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE = 4096
@@ -63,12 +66,18 @@ def _normalized_dim(normalized_shape):
     return shape[0] if len(shape) == 1 else None
 
 
-def _launch(x, weight, bias, eps):
+def row_tiles(x):
+    """(M, D, block_m, block_d): contiguous `x` as M rows of D, tiled in whole rows (block_d, a power of two,
+    >= D) of about _TILE elements. Shared with add_layer_norm.py's launcher."""
     D = x.shape[-1]
     M = x.numel() // D
-    y = torch.empty_like(x)
     block_d = max(2, next_pow2(D))
-    block_m = max(2, min(_TILE // block_d, next_pow2(M)))
+    return M, D, max(2, min(_TILE // block_d, next_pow2(M))), block_d
+
+
+def _launch(x, weight, bias, eps):
+    M, D, block_m, block_d = row_tiles(x)
+    y = torch.empty_like(x)
     launch(_layer_norm_kernel, (cdiv(M, block_m),),
         x, y, weight if weight is not None else y, bias if bias is not None else y, M, D, float(eps),
         HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_D=block_d,
@@ -78,52 +87,33 @@ def _launch(x, weight, bias, eps):
 
 def eligible(x, normalized_shape, weight=None, bias=None):
     """(True, "") when the Triton kernel handles these arguments, else (False, why)."""
-    ok, why = triton_runnable(x)
-    if not ok:
+    why = device_dtype_ineligible(x, _DTYPES)
+    if why:
         return False, why
-    if x.dtype not in _DTYPES:
-        return False, f"dtype {x.dtype}"
     D = _normalized_dim(normalized_shape)
     if x.dim() < 1 or D is None or x.shape[-1] != D:
         return False, "normalized_shape is not (x.shape[-1],)"
     if D > _MAX_D:
         return False, f"D={D} > {_MAX_D}"
-    if x.numel() == 0:
-        return False, "empty input"
-    if not x.is_contiguous():
-        return False, "non-contiguous input"
-    if x.numel() >= 2**31:
-        return False, "too large for int32 offsets"
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        if p.device != x.device or not p.is_floating_point() or p.shape != (D,) or p.stride() != (1,):
-            return False, f"{name} not a contiguous float [D] tensor on x's device"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return False, "autograd needed (kernel is forward only)"
+    why = (dense_ineligible(x) or vectors_ineligible(x, D, "D", weight=weight, bias=bias)
+           or forward_only_ineligible(x, weight, bias))
+    if why:
+        return False, why
     return True, ""
 
 
-@init_record
+@fused_op(eligible=eligible, launch=_launch)
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """F.layer_norm over the last dim; output in x's dtype. Triton when `eligible`, else the reference;
-    `layer_norm.last_path` / `.last_reason` / `.calls` say which ran."""
+    `layer_norm.last_call` says which ran."""
     if not x.is_contiguous():
         # torch's own layer_norm makes this same copy (expect_contiguous); A1111's ldm hands the first
         # norm of each transformer block a rearranged, non-contiguous view
         x = x.contiguous()
-    ok, why = eligible(x, normalized_shape, weight, bias)
-    if ok:
-        try:
-            y = _launch(x, weight, bias, eps)
-            record(layer_norm, "triton")
-            return y
-        except NotWarmedUp as e:
-            why = e.reason
-    record(layer_norm, "reference", why)
-    return layer_norm_reference(x, normalized_shape, weight, bias, eps)
+    return x, normalized_shape, weight, bias, eps
 
 
+@layer_norm.fallback
 def layer_norm_reference(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Plain torch, in x's dtype: weight and bias are cast to it first, as ComfyUI's ops do."""
     if isinstance(normalized_shape, int):

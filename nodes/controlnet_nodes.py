@@ -1,109 +1,17 @@
 """ComfyUI nodes for ControlNet condition maps (canny, depth, pose) with the persistent disk cache.
 
-Thin layer over `engine/preprocess` and `engine/condition_cache`. ComfyUI modules (`folder_paths`,
-`comfy`) are imported lazily inside functions, so this module imports without ComfyUI.
+Thin nodes over hosts/comfyui/condition_maps.py (engine/preprocess's preprocessors and the ComfyUI glue: model
+folders, the cache's place, progress); this module imports without ComfyUI.
 """
 from __future__ import annotations
 
-import logging
-import os
-
-from ..engine import condition_cache as cc
-from ..engine import preprocess as pp
-from ..engine.preprocess.canny import BLUR_SIZES
-from ..engine.preprocess.depth import DEFAULT_DEPTH_MODEL, list_depth_models
-from ..engine.preprocess.pose import DETECTOR_FILE, POSE_FILE, list_onnx_files, pose_search_dirs
-
-log = logging.getLogger(__name__)
+from ..hosts.comfyui import condition_maps as host
+from ..hosts.comfyui.condition_maps import BLUR_SIZES, DEFAULT_DEPTH_MODEL, DETECTOR_FILE, POSE_FILE
 
 CATEGORY = "SD Accel/controlnet"
 USE_CACHE_TIP = ("Reuse condition maps saved on disk by earlier runs (keyed by the exact pixels, every "
                  "setting and the model files). Turn off to always recompute; nothing is written then.")
 IMAGE_TIP = "The source image or batch of video frames; each frame is cached on its own."
-
-
-# ------------------------------------------------------------------------------- host helpers
-def _folder_paths():
-    try:
-        import folder_paths
-        return folder_paths
-    except Exception:  # noqa: BLE001 - not running inside ComfyUI
-        return None
-
-
-def model_dirs(kind: str) -> list[str]:
-    """ComfyUI's folders for a model kind ("depth", "pose"), registering `models/<kind>` if absent."""
-    fp = _folder_paths()
-    if fp is None:
-        return []
-    default = os.path.join(fp.models_dir, kind)
-    try:
-        paths = fp.get_folder_paths(kind)
-    except KeyError:
-        paths = []
-    if default not in paths:
-        fp.add_model_folder_path(kind, default, is_default=not paths)
-    return fp.get_folder_paths(kind)
-
-
-def aux_ckpts_roots() -> list[str]:
-    """comfyui_controlnet_aux's `ckpts` folders under ComfyUI's custom_nodes folders."""
-    fp = _folder_paths()
-    if fp is None:
-        return []
-    try:
-        roots = fp.get_folder_paths("custom_nodes")
-    except KeyError:
-        return []
-    return [os.path.join(r, "comfyui_controlnet_aux", "ckpts") for r in roots]
-
-
-def cache_directory() -> str:
-    """$SDACCEL_CONDITION_CACHE_DIR, else <ComfyUI user dir>/sd_accel/condition_cache (temp dir outside ComfyUI)."""
-    fp = _folder_paths()
-    base = None
-    if fp is not None:
-        try:
-            base = fp.get_user_directory()
-        except Exception:  # noqa: BLE001
-            base = None
-    return cc.default_cache_dir(base)
-
-
-def get_cache() -> cc.ConditionCache:
-    return cc.shared_cache(cache_directory())
-
-
-def torch_device():
-    try:
-        import comfy.model_management as mm
-        return mm.get_torch_device()
-    except Exception:  # noqa: BLE001
-        return "cpu"
-
-
-def progress_callback(total: int):
-    """Per-frame progress for the ComfyUI frontend, and a check for the user's cancel; None outside ComfyUI."""
-    try:
-        import comfy.model_management as mm
-        import comfy.utils
-    except Exception:  # noqa: BLE001
-        return None
-    bar = comfy.utils.ProgressBar(total)
-
-    def cb(i, n):
-        mm.throw_exception_if_processing_interrupted()
-        bar.update(1)
-    return cb
-
-
-def run_node(pre, image, use_cache: bool):
-    cache = get_cache() if use_cache else None
-    out, report = pp.run(pre, image, cache=cache, progress=progress_callback(int(image.shape[0])))
-    if report.misses or report.hits:
-        log.info("[SD Accel] %s map: %d cached, %d computed, %.3f s", pre.name, report.hits,
-                 report.misses, report.seconds)
-    return {"ui": {"sdaccel_cache": [report.ui()]}, "result": (out,)}
 
 
 def _tip(text, **opts):
@@ -145,9 +53,7 @@ class SDAccelCannyMap(_ConditionMapNode):
 
     def execute(self, image, low_threshold=100, high_threshold=200, blur="0", l2_gradient=False,
                 use_cache=True):
-        pre = pp.get_preprocessor("canny", low_threshold=low_threshold, high_threshold=high_threshold,
-                                  blur=int(blur), l2_gradient=l2_gradient)
-        return run_node(pre, image, use_cache)
+        return host.canny_map(image, low_threshold, high_threshold, blur, l2_gradient, use_cache)
 
 
 class SDAccelDepthMap(_ConditionMapNode):
@@ -159,8 +65,7 @@ class SDAccelDepthMap(_ConditionMapNode):
 
     @classmethod
     def INPUT_TYPES(cls):
-        names = list_depth_models(model_dirs("depth"))
-        choices = [DEFAULT_DEPTH_MODEL] + [n for n in names if n != DEFAULT_DEPTH_MODEL]
+        choices = host.depth_model_choices()
         return {"required": {
             "image": ("IMAGE", _tip(IMAGE_TIP)),
             "model": (choices, _tip("Model folder under models/depth (transformers format).",
@@ -175,9 +80,7 @@ class SDAccelDepthMap(_ConditionMapNode):
         }}
 
     def execute(self, image, model=DEFAULT_DEPTH_MODEL, resolution=0, use_cache=True, model_path=""):
-        pre = pp.get_preprocessor("depth", model=model_path.strip() or model, search_dirs=model_dirs("depth"),
-                                  resolution=resolution, device=torch_device())
-        return run_node(pre, image, use_cache)
+        return host.depth_map(image, model, resolution, use_cache, model_path)
 
 
 class SDAccelPoseMap(_ConditionMapNode):
@@ -188,14 +91,8 @@ class SDAccelPoseMap(_ConditionMapNode):
     OUTPUT_TOOLTIPS = ("The pose skeleton image, ready for Apply ControlNet (OpenPose models).",)
 
     @classmethod
-    def _dirs(cls):
-        return pose_search_dirs(model_dirs("pose"), aux_ckpts_roots())
-
-    @classmethod
     def INPUT_TYPES(cls):
-        found = list_onnx_files(cls._dirs())
-        dets = [DETECTOR_FILE] + [f for f in found if f != DETECTOR_FILE and "yolo" in f.lower()]
-        poses = [POSE_FILE] + [f for f in found if f != POSE_FILE and "yolo" not in f.lower()]
+        dets, poses = host.pose_file_choices()
         return {"required": {
             "image": ("IMAGE", _tip(IMAGE_TIP)),
             "detector": (dets, _tip("Person detector ONNX file (YOLOX).", default=DETECTOR_FILE)),
@@ -209,10 +106,7 @@ class SDAccelPoseMap(_ConditionMapNode):
 
     def execute(self, image, detector=DETECTOR_FILE, pose_model=POSE_FILE, include_body=True,
                 include_hands=True, include_face=True, use_cache=True):
-        pre = pp.get_preprocessor("pose", detector=detector, pose_model=pose_model, search_dirs=self._dirs(),
-                                  include_body=include_body, include_hands=include_hands,
-                                  include_face=include_face)
-        return run_node(pre, image, use_cache)
+        return host.pose_map(image, detector, pose_model, include_body, include_hands, include_face, use_cache)
 
 
 class SDAccelConditionCache:
@@ -242,15 +136,7 @@ class SDAccelConditionCache:
         return float("nan")  # always re-run: the numbers change between prompts
 
     def execute(self, clear=False, max_size_mb=0):
-        cache = get_cache()
-        lines = []
-        if max_size_mb:
-            evicted = cache.set_max_bytes(int(max_size_mb) * 1024 ** 2)
-            lines.append(f"cap set to {max_size_mb} MiB" + (f", evicted {evicted} entries" if evicted else ""))
-        if clear:
-            n, b = cache.clear()
-            lines.append(f"cleared {n} entries ({b / 1024 ** 2:.1f} MiB)")
-        text = cache.stats().as_text() + ("\n" + "\n".join(lines) if lines else "")
+        text = host.cache_report(clear, max_size_mb)
         return {"ui": {"text": [text]}, "result": (text,)}
 
 

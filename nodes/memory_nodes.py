@@ -1,7 +1,8 @@
 """VRAM Pool node: a VRAM budget and memory hygiene for the sampling runs of one model. A thin node over
-hosts/comfyui_memory.py, which says what each setting does and how it goes through ComfyUI's model_management."""
-from ..hosts import comfyui_memory as host
-from ..hosts.comfyui_memory import OFFLOAD, RELEASE
+hosts/comfyui/memory.py, which says what each setting does and how it goes through ComfyUI's model_management,
+and hosts/comfyui/clip_stage.py for its clip output."""
+from ..hosts.comfyui import clip_stage, memory as host
+from ..hosts.comfyui.memory import OFFLOAD, RELEASE
 
 INPUTS = {
     "model": ("MODEL", {"tooltip": "The model whose sampling runs the pool governs. Passed through on a clone: "
@@ -72,12 +73,12 @@ class SDAccelVRAMPool:
         clone, line, ui = host.make_pool(model, budget_gib, offload, release_cache, expandable_segments)
         settings = host.pool_settings(clone)
         if clip is None:
-            clip_out = host.NoClip()
+            clip_out = clip_stage.NoClip()
         elif settings is None:          # a ComfyUI without keyed wrappers: no pool to report to
             clip_out = clip
             line += " | clip: passed through (this ComfyUI cannot apply the pool)"
         else:
-            clip_out = host.pool_clip(clip, settings)
+            clip_out = clip_stage.pool_clip(clip, settings)
             line += " | clip: text encode under the pool"
         ui["clip"] = clip is not None
         return {"ui": {"text": [line], "sdaccel_memory": [ui]}, "result": (clone, clip_out)}

@@ -1,12 +1,9 @@
-"""Accelerated KSampler and Apply SD Accel: thin ComfyUI nodes over hosts/comfyui.py."""
+"""Accelerated KSampler and Apply SD Accel: thin ComfyUI nodes over hosts/comfyui/accelerate.py."""
 import importlib
 import logging
-import os
 
-from ..engine import attention, kernel_report, run_report, vram_report
-from ..hosts import comfyui as host
-from ..hosts import comfyui_controlnet as host_cn
-from ..hosts import comfyui_memory as host_memory
+from ..hosts.comfyui import accelerate as host
+from ..hosts.comfyui import run as host_run
 
 log = logging.getLogger("sd_accel")
 
@@ -21,9 +18,10 @@ ACCEL_INPUTS = {
                    "capture per shape; recaptured when a LoRA, weight patch, resolution or batch changes. "
                    "Off automatically on CPU and while weights are offloaded."}),
     "channels_last": ("BOOLEAN", {"default": True, "tooltip":
-                      "Run convolutions in channels_last (NHWC), so cuDNN needs no layout transform around "
-                      "each one. Converts the loaded UNet's conv weights in place (values unchanged), as "
-                      "ComfyUI's --force-channels-last does. GPU only."}),
+                      "Run the CUDA graphs' convolutions in channels_last (NHWC), so cuDNN needs no layout "
+                      "transform around each one. The loaded UNet's conv weights are converted in place before "
+                      "its first capture (values unchanged), as ComfyUI's --force-channels-last does; steps that "
+                      "run without graphs keep stock's layout, where stock's modules are fastest. GPU only."}),
 }
 CONTROLNET_INPUTS = {
     "controlnet": ("BOOLEAN", {"default": True, "tooltip":
@@ -45,7 +43,7 @@ CONTROLNET_INPUTS = {
 
 
 ATTENTION_INPUTS = {
-    "attention": (list(attention.BACKENDS), {"default": "auto", "tooltip":
+    "attention": (list(host.ATTENTION_BACKENDS), {"default": "auto", "tooltip":
                   "Attention backend per call: auto keeps ComfyUI's own choice; sdpa = PyTorch SDPA; "
                   "xformers and sage (SageAttention) when installed. A call a backend cannot run (CPU, "
                   "SD1.5's head dims 40/80/160 for sage) uses SDPA and the report says why."}),
@@ -59,14 +57,6 @@ def _comfy_nodes():
 
 def _options(fused_kernels, cuda_graph, channels_last, attention="auto"):
     return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last), attention)
-
-
-def _is_interrupt(e):
-    try:
-        import comfy.model_management as mm
-        return isinstance(e, mm.InterruptProcessingException)
-    except Exception:  # noqa: BLE001
-        return False
 
 
 class SDAccelKSampler:
@@ -93,71 +83,12 @@ class SDAccelKSampler:
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto",
                controlnet_cond_only=False):
-        comfy_nodes = _comfy_nodes()
-        opts = _options(fused_kernels, cuda_graph, channels_last, attention)
-        notes = []
-        if opts.any():
-            patched, info = host.accelerate(model, opts)
-        else:
-            patched, info = model, {"options": opts.__dict__.copy()}
-        cn_info = None
-        cn_pos, cn_neg = positive, negative
-        if controlnet or controlnet_cond_only:
-            cn_pos, cn_neg, cn_info = host_cn.accelerate_conds(
-                positive, negative, host_cn.ControlNetOptions(
-                    fused_kernels=bool(controlnet) and opts.fused_kernels, hint_cache=bool(controlnet),
-                    cuda_graph=bool(controlnet) and opts.cuda_graph,
-                    channels_last=bool(controlnet) and opts.channels_last, cond_only=bool(controlnet_cond_only),
-                    one_graph=bool(controlnet) and not controlnet_cond_only and host.runs_controlnets_in_graph(
-                        patched, info)))
-        host.new_sampling_run(info)
-        k0, g0, cg0 = kernel_report.snapshot(), host.graph_stats(info), host_cn.graph_stats(cn_info)
-        c0 = run_report.compile_snapshot()
-        try:
-            with run_report.RunTimer() as timer:
-                out = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, cn_pos,
-                                                  cn_neg, latent_image, denoise=denoise)
-        except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
-            accelerated = patched is not model or bool(cn_info and cn_info["controlnets"])
-            if not accelerated or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
-                raise   # SDACCEL_STRICT=1 (tests, benchmarks): an acceleration fault must be seen
-            log.error("[SD Accel] accelerated sampling failed (%s: %s); running the stock KSampler instead",
-                      type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
-            notes.append("accelerated run failed (%s), result from the stock path" % type(e).__name__)
-            st = info.get("graph_state")
-            if st is not None:
-                st.graphs.clear("error during an accelerated run")
-            with run_report.RunTimer() as timer:
-                out = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
-                                                  negative, latent_image, denoise=denoise)
-            host_cn.release(cn_info)
-            info, cn_info = {"options": {}}, None
-        finally:
-            if cn_info:
-                cg1 = host_cn.graph_stats(cn_info)
-                cn_info["graph_delta"] = {k: cg1[k] - cg0.get(k, 0) for k in cg1}
-            cn_line = host_cn.summary(cn_info)
-            host_cn.release(cn_info)
-        if cn_line:
-            notes.append(cn_line)
-        compiled = run_report.compile_note(c0, run_report.compile_snapshot())
-        if compiled:
-            notes.append(compiled)
-        g1 = host.graph_stats(info)
-        graphs = {k: g1[k] - g0.get(k, 0) for k in g1} if g1 else {}
-        st = info.get("graph_state")
-        if graphs and st is not None and not graphs.get("replays"):
-            graphs["eager_reason"] = st.graphs.last_eager_reason
-        pool = host_memory.pool_settings(model)
-        if pool is not None and pool.last_report is not None:
-            # the VRAM Pool's own measurement of this run (and of its text encode): shown with the run's report
-            notes.append("VRAM Pool: %s%s" % (vram_report.summary_of(pool.last_report),
-                                              " | " + "; ".join(pool.last_notes) if pool.last_notes else ""))
-        report = run_report.build(steps, timer, kernel_report.summarize(k0, kernel_report.snapshot()),
-                                  graphs, info.get("options", {}), notes)
-        if pool is not None and pool.last_report is not None:
-            report["memory"] = pool.last_report
-        line = run_report.one_line(report) + (" | " + cn_line if cn_line else "")
+        common_ksampler = _comfy_nodes().common_ksampler
+        run = host_run.prepare(model, positive, negative, _options(fused_kernels, cuda_graph, channels_last, attention),
+                               controlnet=controlnet, cond_only=controlnet_cond_only)
+        out = run.sample(lambda m, pos, neg: common_ksampler(m, seed, steps, cfg, sampler_name, scheduler, pos, neg,
+                                                             latent_image, denoise=denoise))
+        report, line = run.report(steps)
         log.info("[SD Accel] %s", line)
         return {"ui": {"sdaccel_report": [report], "text": [line]}, "result": (out[0], line)}
 

@@ -1,40 +1,6 @@
-"""VAE Decode (SD Accel): decodes whole when it fits the memory budget, in planned tiles when it does not.
-
-Stock ComfyUI tries a whole decode and falls back to fixed 512 px tiles only after an out-of-memory error;
-under a VRAM budget (a small card, the VRAM Pool's budget, another program on the card) this node plans the
-decode first (engine/vae_plan.py) from ComfyUI's own estimate of the decode's memory and the VAE's weights,
-and reports the stage's peak memory.
-"""
-import logging
-
-import torch
-
-from ..engine import vae_plan, vram_report
-
-log = logging.getLogger("sd_accel")
-GIB = 2 ** 30
-
-
-def _mm():
-    import comfy.model_management as mm
-    return mm
-
-
-def _vae_loaded(mm, vae):
-    return any(lm.model is vae.patcher for lm in getattr(mm, "current_loaded_models", ()))
-
-
-def decode_budget(mm, vae, budget_gib):
-    """(bytes the decode may use, why). budget_gib > 0: that. Else, on a GPU: its free memory now plus the
-    VAE's weights if they are already there. On the CPU: None (no VRAM to plan for)."""
-    weights = vae.patcher.model_size()
-    if budget_gib and budget_gib > 0:
-        return int(budget_gib * GIB), "budget %.2f GiB" % budget_gib
-    device = torch.device(vae.device)
-    if device.type != "cuda":
-        return None, "decoding on %s: no VRAM budget" % device.type
-    free = mm.get_free_memory(device)
-    return int(free + (weights if _vae_loaded(mm, vae) else 0)), "free VRAM %.2f GiB" % (free / GIB)
+"""VAE Decode (SD Accel): a thin node over hosts/comfyui/vae.py (whole when it fits the budget, planned tiles
+when it does not)."""
+from ..hosts.comfyui import vae as host
 
 
 class SDAccelVAEDecode:
@@ -65,42 +31,7 @@ class SDAccelVAEDecode:
         }}
 
     def decode(self, samples, vae, budget_gib=0.0, release_cache="after_decode"):
-        if budget_gib < 0:
-            raise ValueError("VAE Decode (SD Accel): budget_gib must be >= 0 (0 = the GPU's free memory)")
-        mm = _mm()
-        lat = samples["samples"]
-        report, notes = vram_report.MemoryReport(), []
-        plan = None
-        if lat.dim() != 4 or not isinstance(getattr(vae, "downscale_ratio", 8), int):
-            notes.append("not a 2-D image latent: decoded whole by ComfyUI")
-        else:
-            budget, why = decode_budget(mm, vae, budget_gib)
-            if budget is None:
-                notes.append(why)
-            else:
-                h, w = lat.shape[-2:]
-                per_px = vae.memory_used_decode((1,) + tuple(lat.shape[1:]), vae.vae_dtype) / float(h * w)
-                try:
-                    plan = vae_plan.plan_decode(h, w, per_px, vae.patcher.model_size(), budget)
-                except vae_plan.DecodeTooLarge as e:
-                    raise ValueError("VAE Decode (SD Accel): %s (%s). Raise budget_gib, or free the GPU."
-                                     % (e, why)) from e
-                notes.append(why)
-        with report.stage("VAE decode", getattr(vae, "device", None)):
-            if plan is not None and plan.mode == "tiled":
-                images = vae.decode_tiled(lat, tile_x=plan.tile, tile_y=plan.tile, overlap=plan.overlap)
-            else:
-                images = vae.decode(lat)
-        if images.dim() == 5:   # video VAEs: frames into the batch, as VAE Decode does
-            images = images.reshape(-1, *images.shape[-3:])
-        if release_cache == "after_decode":
-            mm.soft_empty_cache()
-            notes.append("cache released")
-        line = "%s | %s%s" % (plan.summary() if plan else "VAE decode whole", report.summary(),
-                              " | " + "; ".join(notes) if notes else "")
-        log.info("[SD Accel] %s", line)
-        ui = {"mode": plan.mode if plan else "whole", "tile_px": plan.tile * 8 if plan else 0,
-              "memory": report.to_dict(), "notes": notes}
+        images, line, ui = host.decode(vae, samples, budget_gib, release_cache)
         return {"ui": {"text": [line], "sdaccel_memory": [ui]}, "result": (images,)}
 
 

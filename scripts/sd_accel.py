@@ -1,19 +1,24 @@
-"""SD Accel for AUTOMATIC1111 WebUI (and Forge): settings, callbacks, the CUDA-graph UNet option.
+"""SD Accel for AUTOMATIC1111 WebUI and WebUI Forge: settings, callbacks, the status route.
 
-A1111 imports every `extensions/<name>/scripts/*.py` as a plain module, with the extension folder on
-sys.path for the duration of the import, where generic names (`engine`, `hosts`, `kernels`) could
-collide with other extensions. So the extension folder is loaded as a package under a name unique to
-its path, `sd_accel_ext_<hash>`, without running its ComfyUI entry point (`__init__.py`), and the
-host adapter is imported from it. Nothing is downloaded and no environment variable is changed.
+A1111 (and Forge) imports every `extensions/<name>/scripts/*.py` as a plain module, with the extension
+folder on sys.path for the duration of the import, where generic names (`engine`, `hosts`, `kernels`) could
+collide with other extensions. So the extension folder is loaded as a package under a name unique to its
+path, `sd_accel_ext_<hash>`, without running its ComfyUI entry point (`__init__.py`), and the host
+adapters are imported from it: hosts/a1111.py (A1111: modules swapped in the loaded UNet) and
+hosts/forge.py (Forge: object patches on the run's UNet patcher). Nothing is downloaded and no environment
+variable is changed.
 
-Settings (section "SD Accel", keys `sd_accel_*`) are registered when this file is imported, so
-`GET /sdapi/v1/options` lists them even with `--nowebui` (A1111 builds the API's options model
-before `on_ui_settings` runs there), and again in `on_ui_settings` (idempotent).
-Guarded: an error here is logged and A1111's start-up goes on.
+Settings (section "SD Accel" in the "Stable Diffusion" category, beside "Optimizations"; keys
+`sd_accel_*`) are registered when this file is imported and again in `on_ui_settings` (idempotent). The
+API's options model (`modules.api.models.OptionsModel`, the response model of `GET /sdapi/v1/options`) is
+built from the registered options when that module is first imported; where it was imported before this
+file (Forge's built-in ControlNet does), it is extended with ours, built from the same option data.
+Guarded: an error here is logged and the WebUI's start-up goes on.
 """
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -33,16 +38,31 @@ def _load_package():
         pkg = importlib.util.module_from_spec(spec)
         pkg.__file__ = os.path.join(_ROOT, "__init__.py")
         sys.modules[_PKG] = pkg
-    return importlib.import_module(_PKG + ".hosts.a1111")
+    return tuple(importlib.import_module(_PKG + ".hosts." + n) for n in ("webui", "a1111", "forge"))
 
 
-host = None
+def _running_in_forge():
+    """Forge ships its `modules_forge` package beside `modules`; A1111 has none."""
+    if "modules_forge" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("modules_forge") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+host = webui = forge = None
+IS_FORGE = _running_in_forge()
 try:
     from modules import script_callbacks, scripts, shared
-    host = _load_package()
+    webui, host, forge = _load_package()
 except Exception as _e:  # noqa: BLE001 - never break the host's start-up
     log.error("[SD Accel] not loaded: %s: %s", type(_e).__name__, _e)
     print("[SD Accel] not loaded: %s: %s" % (type(_e).__name__, _e), file=sys.stderr)
+
+
+def _say(line):
+    print("[SD Accel] " + line)
 
 
 def _loaded_model():
@@ -55,36 +75,73 @@ def _loaded_model():
 
 
 def _options():
-    return host.options_from(shared.opts)
+    return webui.options_from(shared.opts)
+
+
+def _describe(s):
+    return "%d modules %s" % (s.get("patched", 0), s.get("counts", {}))
 
 
 def _sync(reason):
     sd_model = _loaded_model()
     if sd_model is None:
         return None
+    if IS_FORGE:
+        s = forge.prepare(sd_model, _options())
+        if s is not None:
+            _say("%s (Forge): each generation patches %s; CUDA graphs %s, channels_last %s" % (
+                reason, _describe(s), "on" if _options().want("cuda_graph") else "off",
+                "on" if _options().want("channels_last") else "off"))
+        return s
     s = host.sync(sd_model, _options(), reason)
-    print("[SD Accel] %s: %d modules patched %s, channels_last %s, state_dict keys unchanged %s"
-          % (reason, s.get("patched", 0), s.get("counts", {}), s.get("channels_last"),
-             s.get("state_dict_keys_unchanged")))
+    _say("%s: %s patched, channels_last %s, state_dict keys unchanged %s"
+         % (reason, _describe(s), "on" if s["channels_last"] else "off", s["state_dict_keys_unchanged"]))
     return s
 
 
 def _on_setting_change():
     _sync("settings changed")
+    if IS_FORGE:
+        return
     try:   # (de)activate the CUDA-graph UNet route now, not at the next generation
         from modules import sd_unet
-        if _loaded_model() is not None and host.unet_of(_loaded_model()) is not None:
+        if host.unet_of(_loaded_model()) is not None:
             sd_unet.apply_unet()
     except Exception as e:  # noqa: BLE001
         log.warning("[SD Accel] sd_unet.apply_unet: %s", e)
 
 
+def _section_id():
+    """(id, title, category) where the WebUI files sections by category (A1111 1.6+, Forge); else (id, title)."""
+    if "category_id" in inspect.signature(shared.OptionInfo).parameters:
+        return webui.SECTION + (webui.CATEGORY,)
+    return webui.SECTION
+
+
 def _section():
     out = {}
-    for name, label, info in host.SETTINGS:
-        default = getattr(host.A1111Options, name)
-        out[host.setting_key(name)] = shared.OptionInfo(default, label, onchange=_on_setting_change).info(info)
-    return shared.options_section(host.SECTION, out)
+    for name, label, info in webui.SETTINGS:
+        default = getattr(webui.WebUIOptions, name)
+        out[webui.setting_key(name)] = shared.OptionInfo(default, label, onchange=_on_setting_change).info(info)
+    return shared.options_section(_section_id(), out)
+
+
+def _extend_api_options_model(section):
+    """Adds our options to the API's options model when it was built before they were registered."""
+    models = sys.modules.get("modules.api.models")
+    model = getattr(models, "OptionsModel", None)
+    if model is None:
+        return 0   # not built yet: it will be built from the registered options, ours included
+    known = model.model_fields if hasattr(model, "model_fields") else model.__fields__   # pydantic 2 / 1
+    missing = {k: v for k, v in section.items() if k not in known}
+    if not missing:
+        return 0
+    from typing import Optional
+    # the API module's own pydantic names (it imports create_model and Field from pydantic)
+    create_model, field = models.create_model, models.Field
+    fields = {k: (Optional[type(v.default)], field(default=v.default, description=v.label)) for k, v in missing.items()}
+    models.OptionsModel = create_model("Options", __base__=model, **fields)
+    return len(missing)
 
 
 def _register_options():
@@ -92,20 +149,17 @@ def _register_options():
     shared.options_templates.update(section)
     for key, info in section.items():
         shared.opts.add_option(key, info)   # keeps a value loaded from config.json
+    _extend_api_options_model(section)
 
 
 def _on_model_loaded(sd_model):
-    if host.is_forge(sd_model):
-        return   # Forge: per sampling run, in Script.process_before_every_sampling
     _sync("model loaded")
 
 
 def _on_script_unloaded():
-    sd_model = _loaded_model()
-    unet = host.unet_of(sd_model)
+    unet = None if IS_FORGE else host.unet_of(_loaded_model())
     if unet is not None:
-        n = host.remove(unet)
-        print("[SD Accel] script unloaded: %d original modules restored" % n)
+        _say("script unloaded: %d original modules restored" % host.remove(unet))
 
 
 def _original_forward(unet):
@@ -121,27 +175,45 @@ def _graph_route_wanted():
 
 
 def _on_list_unets(unet_list):
-    if not _graph_route_wanted():
-        return   # CUDA graphs are CUDA-only: no UNet option on a CPU-only install
+    if IS_FORGE or not _graph_route_wanted():
+        return   # CUDA graphs are CUDA-only: no UNet option on a CPU-only install; Forge: its own wrapper
     from modules import sd_unet
     unet_list.append(host.make_unet_option(sd_unet, _loaded_model, _options, _original_forward))
 
 
-def _on_app_started(demo, app):
-    def sd_accel_status():
-        sd_model = _loaded_model()
+def _settings_place():
+    """Where the WebUI files our settings: section title and category label."""
+    info = shared.opts.data_labels.get(webui.setting_key("enabled"))
+    place = {"section": getattr(info, "section", (None, None))[1], "category": None}
+    try:
+        from modules.options import categories
+        cat = categories.mapping.get(getattr(info, "category_id", None))
+        place["category"] = getattr(cat, "label", None)
+    except Exception:  # noqa: BLE001 - a WebUI without categories
+        pass
+    return place
+
+
+def _status():
+    sd_model = _loaded_model()
+    if IS_FORGE:
+        s = forge.status(sd_model)
+    else:
         s = dict(host.status(host.unet_of(sd_model)))
-        s["options"] = _options().__dict__
-        s["forge"] = host.is_forge(sd_model)
-        s["kernels"] = host.kernel_summary()
         try:
             from modules import sd_unet
-            cur = sd_unet.current_unet_option
-            s["unet_option"] = getattr(cur, "label", None)
+            s["unet_option"] = getattr(sd_unet.current_unet_option, "label", None)
         except Exception:  # noqa: BLE001
             pass
-        return s
-    app.add_api_route("/sd_accel/status", sd_accel_status, methods=["GET"])
+    s["options"] = _options().__dict__
+    s["forge"] = IS_FORGE
+    s["kernels"] = webui.kernel_summary()
+    s["settings"] = _settings_place()
+    return s
+
+
+def _on_app_started(demo, app):
+    app.add_api_route("/sd_accel/status", _status, methods=["GET"])
 
 
 if host is not None:
@@ -152,15 +224,15 @@ if host is not None:
         script_callbacks.on_script_unloaded(_on_script_unloaded)
         script_callbacks.on_list_unets(_on_list_unets)
         script_callbacks.on_app_started(_on_app_started)
-        if _loaded_model() is not None:   # "Reload UI": the unload callback restored the modules
+        if _loaded_model() is not None and not IS_FORGE:   # "Reload UI": the unload callback restored them
             _sync("script reloaded")
     except Exception as _e:  # noqa: BLE001
         log.error("[SD Accel] callbacks not registered: %s: %s", type(_e).__name__, _e)
         print("[SD Accel] callbacks not registered: %s: %s" % (type(_e).__name__, _e), file=sys.stderr)
 
     class SDAccelScript(scripts.Script):
-        """No UI: marks each sampling run for the CUDA-graph fingerprint (A1111), and on Forge
-        applies SD Accel to the run's UNet patcher."""
+        """No UI: marks each sampling run for the CUDA-graph fingerprint (A1111), and on Forge applies
+        SD Accel to the run's UNet patcher."""
 
         def title(self):
             return "SD Accel"
@@ -169,14 +241,18 @@ if host is not None:
             return scripts.AlwaysVisible
 
         def process(self, p, *args):
-            host.new_sampling_run(p.sd_model)
+            if not IS_FORGE:
+                host.new_sampling_run(p.sd_model)
 
         def process_before_every_sampling(self, p, *args, **kwargs):   # Forge only
-            if not host.is_forge(p.sd_model):
-                return
-            opts = _options()
-            if not opts.enabled:
+            if not IS_FORGE:
                 return
             fo = p.sd_model.forge_objects
-            fo.unet, info = host.forge_accelerate(fo.unet, opts)
-            log.info("[SD Accel] Forge: %s", info)
+            opts = _options()
+            if not opts.enabled:
+                fo.unet = forge.strip(fo.unet)
+                return
+            fo.unet, info = forge.accelerate(fo.unet, opts)
+            log.info("[SD Accel] Forge run: %s patched (%s), wrapper %s, CUDA graphs %s", _describe(info),
+                     "SiLU folded" if info["fold_silu"] else "SiLU not folded: group_norm_wrapper set",
+                     info["wrapper"] or "none", "on" if info["cuda_graph"] else "off")

@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..condition_cache import ConditionCache, MapReport, map_batch
+from .batch import MapReport, map_batch
+from .condition_cache import ConditionCache
 
 # Bump when the output of a preprocessor changes for the same inputs (part of every cache key).
 PREPROCESS_CODE_VERSION = 1

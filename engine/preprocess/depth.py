@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..condition_cache import file_identity, library_majors
+from .cache_keys import file_identity, library_majors
 from . import MissingWeightsError
 
 DEFAULT_DEPTH_MODEL = "Depth-Anything-V2-Small-hf"

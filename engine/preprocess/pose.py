@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..condition_cache import file_identity, library_majors
+from .cache_keys import file_identity, library_majors
 from . import MissingWeightsError
 from .canny import cv2_module
 from .pose_render import Person, render

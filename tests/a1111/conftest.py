@@ -1,4 +1,5 @@
-"""A1111 host tests: the real ldm UNet (PyPI's stable-diffusion-sdkit) and a stand-in of A1111's API.
+"""A1111 and Forge host tests: the real ldm UNet (PyPI's stable-diffusion-sdkit), a stand-in of A1111's API
+(`fake_a1111`, which Forge keeps) and one of Forge's backend (`fake_forge`, see fake_forge/README.md).
 
 `fake_a1111` puts tests/a1111/fake_a1111 first on sys.path so `import modules` is the stand-in, with
 fresh state per test; `unet_util.load_extension_script` loads `scripts/sd_accel.py` the way A1111
@@ -46,3 +47,20 @@ def stock_kernels(monkeypatch):
     import sd_accel.kernels._triton  # noqa: F401
     _set_interpreter(monkeypatch, False)
     yield lambda: _set_interpreter(monkeypatch, False)   # again once the extension's package is loaded
+
+
+@pytest.fixture
+def fake_forge():
+    """Forge's backend stand-in (fake_forge/backend) importable as `backend`, and `modules_forge` imported
+    (how the extension tells it runs in Forge)."""
+    import forge_util
+    forge_util.purge()
+    sys.path.insert(0, forge_util.FAKE_FORGE)
+    try:
+        import modules_forge  # noqa: F401
+        from backend import memory_management
+        memory_management.loaded.clear()
+        yield sys.modules["backend"]
+    finally:
+        sys.path.remove(forge_util.FAKE_FORGE)
+        forge_util.purge()

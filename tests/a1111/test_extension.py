@@ -26,14 +26,26 @@ def start(fake_a1111, stock_kernels, model=None):
     return ext, api_model, sd_model
 
 
+def test_options_listed_when_the_api_was_imported_first(fake_a1111, stock_kernels):
+    """Forge's built-in ControlNet imports the API before user extensions load, which builds the API's
+    options model without ours: the GET must list them all the same."""
+    from modules import shared
+    from modules.api import models  # noqa: F401 - imported first, as there
+    load_extension_script()
+    got = shared.api_get_options(shared.api_options_model())
+    assert {k: got.get(k, "MISSING") for k in KEYS} == {k: True for k in KEYS}
+    assert got["sd_accel_cuda_graph"] is True and len(got) == len(shared.opts.data)
+
+
 def test_options_registered_at_import_are_in_the_api(fake_a1111, stock_kernels):
     from modules import script_callbacks, shared
     ext, api_model, _ = start(fake_a1111, stock_kernels)
     assert ext.host is not None and ext.host.__name__.startswith("sd_accel_ext_")
     got = shared.api_get_options(api_model)
     assert {k: got[k] for k in KEYS} == {k: True for k in KEYS}
-    for k in KEYS:
+    for k in KEYS:   # their own section, in the category of A1111's "Optimizations" section
         assert shared.opts.data_labels[k].section == ("sd_accel", "SD Accel")
+        assert shared.opts.data_labels[k].category_id == "sd"
     script_callbacks.ui_settings_callback()   # registering again changes nothing
     assert shared.api_get_options(api_model) == got
 
@@ -115,6 +127,8 @@ def test_status_route(fake_a1111, stock_kernels):
     assert methods == ["GET"]
     s = fn()
     assert s["patched"] == 42 and s["state_dict_keys_unchanged"] is True and s["options"]["enabled"] is True
+    assert sum(s["counts"].values()) == s["patched"] and s["forge"] is False
+    assert s["settings"] == {"section": "SD Accel", "category": "Stable Diffusion"}
     shared.opts.set("sd_accel_enabled", False, is_api=True)
     assert fn()["patched"] == 0 and fn()["paths"] == []
 

@@ -1,8 +1,9 @@
 """hosts/a1111.py on the real ldm UNetModel (the class A1111 v1.10.1 runs for SD1.x)."""
 import torch
 
-from sd_accel.engine import fused_modules, kernel_report
-from sd_accel.hosts import a1111
+from sd_accel.engine.patches import fused_modules
+from sd_accel.engine.reports import kernel_report
+from sd_accel.hosts import a1111, webui
 
 from unet_util import make_unet, unet_inputs
 
@@ -23,7 +24,8 @@ def test_fused_kernels_run_and_match():
     unet, inputs = make_unet(), unet_inputs()
     ref = run(unet, inputs)
     s = a1111.apply(unet, ON)
-    assert s["counts"] == {"group_norm_silu": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}
+    assert s["counts"] == {"group_norm_silu": 11, "silu_folded": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}
+    assert s["patched"] == sum(s["counts"].values()) == 42   # every replaced module counted once
     before = kernel_report.snapshot()
     out = run(unet, inputs)
     used = kernel_report.summarize(before, kernel_report.snapshot())
@@ -112,36 +114,6 @@ def test_keys_changed_behind_our_back_restores(stock_kernels):
     assert unet.get_submodule(path) is not mod
 
 
-def test_forge_patcher_clone(stock_kernels):
-    """Forge path on a minimal ModelPatcher stand-in: object patches on a clone, no SiLU folding,
-    modules Forge casts on the fly left alone."""
-    unet = make_unet()
-    unet.input_blocks[1][0].in_layers[0].parameters_manual_cast = True
-
-    class Patcher:
-        def __init__(self, model):
-            self.model, self.object_patches = model, {}
-
-        def clone(self):
-            c = Patcher(self.model)
-            c.object_patches = dict(self.object_patches)
-            return c
-
-        def add_object_patch(self, name, obj):
-            self.object_patches[name] = obj
-
-    base = type("KModel", (), {})()
-    base.diffusion_model = unet
-    p = Patcher(base)
-    clone, info = a1111.forge_accelerate(p, a1111.A1111Options(cuda_graph=False, channels_last=False))
-    assert p.object_patches == {}
-    assert "diffusion_model.input_blocks.1.0.in_layers.0" not in clone.object_patches
-    assert not any(getattr(m, "sdaccel_act", None) for m in clone.object_patches.values())
-    assert not any(isinstance(m, fused_modules.SiLUFolded) for m in clone.object_patches.values())
-    assert info["patched"] == {"group_norm": 14, "layer_norm": 12, "geglu": 4}
-    assert not any(fused_modules.is_fused(m) for m in unet.modules())   # the model itself untouched
-
-
 def test_remove_carries_replaced_parameters_and_lora_state(stock_kernels):
     """A Parameter the host swapped for a new object while patched (not an in-place update), and
     A1111 Lora's per-module bookkeeping, reach the original module when it is put back."""
@@ -164,7 +136,7 @@ def test_graph_path_timestep_embedding_is_bitwise_ldms_and_restored(stock_kernel
     kept on the device: same values bit for bit, and ldm's own function is back after the call."""
     import ldm.modules.diffusionmodules.openaimodel as om
     original = om.timestep_embedding
-    ours = a1111._graphable_timestep_embedding(original)
+    ours = webui.graphable_timestep_embedding(original)
     t = torch.tensor([999.0, 500.5, 1.0, 0.0])
     for dim in (320, 321):
         assert torch.equal(ours(t, dim), original(t, dim))

@@ -42,10 +42,19 @@ KNOWN_FRONTEND_BUGS = [
 ]
 
 
+def chromium_missing():
+    """Why the browser cannot start here, in one line a user can act on; None when it can."""
+    if os.access(CHROMIUM, os.X_OK):
+        return None
+    return ("no Chromium at %s: dev/setup_chromium.sh installs it with apt-get as root (its [setup] line "
+            "says why it could not); or install Chromium yourself, or set SDACCEL_CHROMIUM" % CHROMIUM)
+
+
 def launch(playwright, user_data_dir=None):
     """A persistent Chromium context with a fresh profile (Debian's Chromium; no `playwright install`)."""
-    if not os.path.exists(CHROMIUM):
-        raise RuntimeError("no Chromium at %s: run dev/setup_env.sh (apt-get install chromium)" % CHROMIUM)
+    missing = chromium_missing()
+    if missing:
+        raise RuntimeError(missing)
     return playwright.chromium.launch_persistent_context(
         user_data_dir or tempfile.mkdtemp(prefix="sdaccel_chromium_"), executable_path=CHROMIUM,
         headless=True, args=CHROMIUM_ARGS, viewport=VIEWPORT)

@@ -7,7 +7,7 @@ Starts the test harness's ComfyUI ($SDACCEL_COMFYUI, else the 2024 copy of dev/s
 workflow in headless Chromium, frames its SD Accel nodes (the whole graph when it has none; a whole graph
 is illegible at card size) and saves a small square JPEG: the template browser looks for <name>.jpg next
 to <name>.json. The shipped ones were made with the current ComfyUI (its frontend is the one that shows
-them). Needs what the browser tests need: dev/setup_env.sh.
+them). Needs what the browser tests need: dev/setup_env.sh and dev/setup_chromium.sh.
 """
 import argparse
 import os

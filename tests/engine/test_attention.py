@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pytest
 import torch
 
-from sd_accel.engine import attention, kernel_report
+from sd_accel.engine.patches import attention
+from sd_accel.engine.reports import kernel_report
 
 
 def _reference(q, k, v, heads):
@@ -62,7 +63,7 @@ def test_comfy_host_installs_patches_that_keep_the_output():
     import comfy_inproc
     unet = comfy_inproc.tiny_unet(seed=3, std=0.05)
     import comfy.model_patcher
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
 
     class Base(torch.nn.Module):   # the smallest stand-in of BaseModel the patcher needs
         def __init__(self):

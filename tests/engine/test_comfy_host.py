@@ -1,4 +1,4 @@
-"""hosts/comfyui.py on a real ComfyUI ModelPatcher, in-process (CPU): what it patches, how it wraps
+"""hosts/comfyui/accelerate.py on a real ComfyUI ModelPatcher, in-process (CPU): what it patches, how it wraps
 the step, that the input model is untouched and that re-running a node hands back the same clone."""
 import os
 import sys
@@ -16,7 +16,7 @@ def model(tmp_path_factory):
 
 
 def test_accelerate_patches_a_clone_and_leaves_the_input_alone(model):
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     before = dict(model.object_patches)
     clone, info = host.accelerate(model, host.AccelOptions())
     assert clone is not model and model.object_patches == before
@@ -26,7 +26,7 @@ def test_accelerate_patches_a_clone_and_leaves_the_input_alone(model):
 
 
 def test_same_input_and_options_give_the_same_clone(model):
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     a, _ = host.accelerate(model, host.AccelOptions())
     b, _ = host.accelerate(model, host.AccelOptions())
     c, _ = host.accelerate(model, host.AccelOptions(cuda_graph=False))
@@ -39,7 +39,7 @@ def test_same_input_and_options_give_the_same_clone(model):
 
 
 def test_reapplying_on_an_accelerated_model_keeps_one_wrapper(model):
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     a, _ = host.accelerate(model, host.AccelOptions())
     b, _ = host.accelerate(a, host.AccelOptions())
     if hasattr(b, "wrappers"):
@@ -52,7 +52,7 @@ def test_reapplying_on_an_accelerated_model_keeps_one_wrapper(model):
 
 
 def test_wrapper_chains_a_wrapper_another_pack_set(model):
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     if hasattr(model, "add_wrapper_with_key"):
         pytest.skip("keyed wrappers on this host: nothing to chain")   # covered on ComfyUI 2024
     calls = []
@@ -77,7 +77,7 @@ def test_the_clone_cache_lets_an_unused_input_model_be_freed(model):
     the cache of clones, nor keep its clone alive."""
     import gc
     import weakref
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     other = model.clone()
     acc, _ = host.accelerate(other, host.AccelOptions())
     assert host.accelerate(other, host.AccelOptions())[0] is acc
@@ -91,7 +91,7 @@ def test_graph_state_does_not_keep_an_unloaded_checkpoint_alive(tmp_path):
     """Switching checkpoints must free the old UNet: the per-model graph state refers back to the model."""
     import gc
     import weakref
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     m = comfy_inproc.tiny_model_patcher(tmp_path)
     acc, info = host.accelerate(m, host.AccelOptions())
     assert info.get("graph_state") is not None
@@ -107,9 +107,9 @@ def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, m
     the original tree is never modified, not even while the clone is loaded; a plan made while another
     clone's patches are applied starts from the originals too, and nothing fused is left after unloading."""
     import comfy.model_management as mm
-    from sd_accel.engine import fused_modules as fm
-    from sd_accel.engine.layout_modules import ChannelsLastSpatialTransformer
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.engine.patches import fused_modules as fm
+    from sd_accel.engine.patches.layout_modules import ChannelsLastSpatialTransformer
+    from sd_accel.hosts.comfyui import accelerate as host
     monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
     dm = model.model.diffusion_model
     path, st = next((n, m) for n, m in dm.named_modules() if type(m).__name__ == "SpatialTransformer")
@@ -155,17 +155,17 @@ def test_a_run_that_compiled_kernels_ahead_says_so_and_a_warm_one_does_not(model
     """The report of a run on a cold Triton cache names the kernels compiled in parallel and their seconds
     (the first run's extra time); the compile counters are stood in for (on a GPU, run_compiling_ahead
     moves them; tests/gpu/test_compile_ahead_gpu.py)."""
-    from sd_accel.engine import run_report
-    from sd_accel.kernels import _triton
-    monkeypatch.setitem(_triton.first_launches, "ahead", 7)
-    monkeypatch.setitem(_triton.first_launches, "ahead_seconds", 1.0)
+    from sd_accel.engine.reports import run_report
+    from sd_accel.kernels import _launch
+    monkeypatch.setitem(_launch.first_launches, "ahead", 7)
+    monkeypatch.setitem(_launch.first_launches, "ahead_seconds", 1.0)
     import importlib
     comfy_nodes = importlib.import_module("nodes")
     real = comfy_nodes.common_ksampler
 
     def cold(*a, **k):   # the run compiles 12 kernels in 3.5 s
-        _triton.first_launches["ahead"] += 12
-        _triton.first_launches["ahead_seconds"] += 3.5
+        _launch.first_launches["ahead"] += 12
+        _launch.first_launches["ahead_seconds"] += 3.5
         return real(*a, **k)
     monkeypatch.setattr(comfy_nodes, "common_ksampler", cold)
     notes = _node_sample(model)["ui"]["sdaccel_report"][0]["notes"]
@@ -182,8 +182,8 @@ def test_another_packs_patch_under_a_block_keeps_that_block_unfolded_and_in_effe
     first, so a copy of input_blocks made now would hide it. That block is patched module by module, as before;
     the other blocks are folded, and the other pack's module runs in our patched UNet."""
     import comfy.model_management as mm
-    from sd_accel.engine import fused_modules as fm
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.engine.patches import fused_modules as fm
+    from sd_accel.hosts.comfyui import accelerate as host
     dm = model.model.diffusion_model
     path, attn = next((n, m) for n, m in dm.named_modules() if n.startswith("input_blocks") and n.endswith("attn1"))
     theirs = model.clone()
@@ -208,8 +208,8 @@ def test_a_patch_set_inside_a_folded_block_later_is_undone_without_leaving_ours_
     has no such callback: there nothing is folded, and the same run leaves the original tree clean too."""
     import importlib
     import comfy.model_management as mm
-    from sd_accel.engine import fused_modules as fm
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.engine.patches import fused_modules as fm
+    from sd_accel.hosts.comfyui import accelerate as host
     dm = model.model.diffusion_model
     folds = hasattr(model, "add_callback_with_key")
     # where the hazard is: a module of ours inside the copy (current ComfyUI). Unfolded (2024), a later patch
@@ -235,20 +235,24 @@ def test_a_patch_set_inside_a_folded_block_later_is_undone_without_leaving_ours_
     assert not [n for n, m in dm.named_modules() if fm.is_fused(m)]
 
 
-def test_two_clones_of_one_model_hand_comfyui_the_same_wrapper_and_callback_objects(model):
+def test_two_clones_of_one_model_give_their_wrappers_the_same_graph_key(model):
     """ComfyUI passes a clone's wrappers and callbacks to the model in transformer_options, which is part of the
-    CUDA-graph key ("O", id(obj)): a LoRA variant (a new clone of the same model) must find the same objects, or
-    each one would start with an eager warm-up step instead of capturing at once (tests/gpu/test_graphs_gpu.py)."""
-    from sd_accel.hosts import comfyui as host
+    CUDA-graph key: a LoRA variant (a new clone of the same model) must key them alike, or each one would start
+    with an eager warm-up step instead of capturing at once (tests/gpu/test_graphs_gpu.py); other options must
+    not (they compute other graphs)."""
+    from sd_accel.engine.graphs import keys
+    from sd_accel.hosts.comfyui import accelerate as host
     a_in, b_in = model.clone(), model.clone()
     b_in.add_patches({"diffusion_model.out.2.weight": (torch.zeros(1),)}, 1.0)
     a, _ = host.accelerate(a_in, host.AccelOptions())
     b, _ = host.accelerate(b_in, host.AccelOptions())
+    c, _ = host.accelerate(b_in, host.AccelOptions(fused_kernels=False))
     assert a is not b
     for attr in ("wrappers", "callbacks"):
-        got_a, got_b = getattr(a, attr, None), getattr(b, attr, None)
-        if got_a is None:
+        got = [getattr(m, attr, None) for m in (a, b, c)]
+        if got[0] is None:
             continue   # ComfyUI 2024: neither reaches transformer_options
-        ours_a = {(k, kk): [id(f) for f in fs] for k, d in got_a.items() for kk, fs in d.items() if "sd_accel" in kk}
-        ours_b = {(k, kk): [id(f) for f in fs] for k, d in got_b.items() for kk, fs in d.items() if "sd_accel" in kk}
-        assert ours_a and ours_a == ours_b, attr
+        ours = [{k: {kk: fs for kk, fs in d.items() if "sd_accel" in kk} for k, d in g.items()} for g in got]
+        ka, kb, kc = (keys.flatten(o).key for o in ours)
+        assert ours[0] and ka == kb, attr
+        assert any(ours[0][k] for k in ours[0]) and ka != kc, attr

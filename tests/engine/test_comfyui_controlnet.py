@@ -10,8 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sd_accel.engine import fused_modules as fm  # noqa: E402
-from sd_accel.engine import hint_cache, kernel_report  # noqa: E402
+from sd_accel.engine.patches import fused_modules as fm  # noqa: E402
+from sd_accel.engine.patches import hint_cache  # noqa: E402
+from sd_accel.engine.reports import kernel_report  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
@@ -39,7 +40,7 @@ def comfy_cn(tmp_path_factory):
     import fixtures
     fixtures._import_comfy(COMFY)
     import comfy.controlnet
-    from sd_accel.hosts import comfyui_controlnet as host_cn
+    from sd_accel.hosts.comfyui import controlnet as host_cn
     path = str(tmp_path_factory.mktemp("cn") / "cn15_tiny.safetensors")
     fixtures.build_controlnet(COMFY, "tiny", path, seed=3)
 
@@ -185,7 +186,7 @@ def test_options_off_and_foreign_links(comfy_cn):
     load, host_cn = comfy_cn
     import comfy.controlnet
     cn = load().copy()
-    same, info = host_cn.accelerate_controlnet(cn, host_cn.ControlNetOptions(False, False))
+    same, info = host_cn.accelerate_controlnet(cn, host_cn.ControlNetOptions(fused_kernels=False, hint_cache=False))
     assert same is cn and info["controlnets"] == 0
 
     class OtherPack(comfy.controlnet.ControlNet):     # another pack's subclass: left stock
@@ -203,7 +204,7 @@ def test_graphed_forward_matches_stock_survives_prompts_and_unpatches(comfy_cn):
     where no graph can be captured), the output is stock's, the hint block is not cached (a replay cannot
     take that Python-side decision), the stand-in is the same object on the next prompt (its graphs
     survive) and loading the stock ControlNet puts the class's own forward back."""
-    from sd_accel.engine.graphed_forward import GraphedForward
+    from sd_accel.engine.graphs.graphed_forward import GraphedForward
     load, host_cn = comfy_cn
     stock = load().copy().set_cond_hint(_hint(2), 0.7)
     cm = stock.control_model
@@ -331,7 +332,7 @@ def test_cond_only_runs_the_cond_rows_and_leaves_the_uncond_rows_without_control
 
 def test_cond_only_with_the_graphed_forward(comfy_cn):
     """cond_only over the CUDA-graph stand-in (eager on CPU): the half batch goes through the stand-in."""
-    from sd_accel.engine.graphed_forward import GraphedForward
+    from sd_accel.engine.graphs.graphed_forward import GraphedForward
     load, host_cn = comfy_cn
     stock = _chain(load)
     x, t, ctx = _inputs()

@@ -1,4 +1,5 @@
-"""Condition-map disk cache: keys, exact round trip, LRU eviction, bad files, concurrency."""
+"""Condition-map disk cache: keys (engine/preprocess/cache_keys.py), exact round trip, batches
+(engine/preprocess/batch.py), LRU eviction, bad files, concurrency (engine/preprocess/condition_cache.py)."""
 import io
 import logging
 import os
@@ -8,8 +9,10 @@ import threading
 import pytest
 import torch
 
-from sd_accel.engine import condition_cache as cc
-from sd_accel.engine.condition_cache import ConditionCache, frame_key, map_batch, maps_to_image
+from sd_accel.engine.preprocess import cache_keys, condition_cache as cc
+from sd_accel.engine.preprocess.batch import map_batch
+from sd_accel.engine.preprocess.cache_keys import file_identity, frame_key
+from sd_accel.engine.preprocess.condition_cache import ConditionCache, maps_to_image
 
 SPEC = {"preprocessor": "test", "implementation": "unit", "params": {"a": 1, "b": 0.5}}
 
@@ -43,15 +46,15 @@ def test_key_depends_on_pixels_shape_dtype_and_every_spec_field(tmp_path):
         assert frame_key(img, {**SPEC, **change}) != k
     w = tmp_path / "weights.onnx"
     w.write_bytes(b"abc")
-    k1 = frame_key(img, {**SPEC, "weights": cc.file_identity(str(w))})
+    k1 = frame_key(img, {**SPEC, "weights": file_identity(str(w))})
     os.utime(w, ns=(1, 1))
-    assert frame_key(img, {**SPEC, "weights": cc.file_identity(str(w))}) != k1
+    assert frame_key(img, {**SPEC, "weights": file_identity(str(w))}) != k1
 
 
 def test_key_includes_format_version(monkeypatch):
     img = _image()[0]
     k = frame_key(img, SPEC)
-    monkeypatch.setattr(cc, "CACHE_FORMAT_VERSION", cc.CACHE_FORMAT_VERSION + 1)
+    monkeypatch.setattr(cache_keys, "CACHE_FORMAT_VERSION", cache_keys.CACHE_FORMAT_VERSION + 1)
     assert frame_key(img, SPEC) != k
 
 
@@ -64,9 +67,9 @@ def test_non_contiguous_frame_hashes_like_its_contiguous_copy():
 def test_folder_identity_covers_every_file(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"1234")
-    a = cc.file_identity(str(tmp_path))
+    a = file_identity(str(tmp_path))
     (tmp_path / "preprocessor_config.json").write_text("{}")
-    assert cc.file_identity(str(tmp_path)) != a
+    assert file_identity(str(tmp_path)) != a
 
 
 # ------------------------------------------------------------------------------------ round trip

@@ -1,4 +1,4 @@
-"""ControlNets deferred into the UNet's step (hosts/comfyui_control_graph.py), in-process on the CPU with
+"""ControlNets deferred into the UNet's step (hosts/comfyui/control_graph.py), in-process on the CPU with
 ComfyUI's real sampler (`comfy.sample.sample`), a tiny random SD1.5 checkpoint and tiny random ControlNets
 chained the way ControlNetApplyAdvanced chains them. On the CPU no graph is captured, but the step runs
 exactly what a capture records: the chain evaluated from the graph inputs, then the UNet. So the latent
@@ -61,8 +61,8 @@ def _sample(patcher, pos, neg, seed=3):
 
 
 def _accelerated(model, pos, neg):
-    from sd_accel.hosts import comfyui as host
-    from sd_accel.hosts import comfyui_controlnet as host_cn
+    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import controlnet as host_cn
     acc, info = host.accelerate(model, host.AccelOptions(fused_kernels=False, cuda_graph=True, channels_last=False))
     pos, neg, cn_info = host_cn.accelerate_conds(pos, neg, host_cn.ControlNetOptions(
         fused_kernels=False, hint_cache=False, cuda_graph=True, channels_last=False, one_graph=True))
@@ -71,7 +71,7 @@ def _accelerated(model, pos, neg):
 
 def _spy_inputs(monkeypatch):
     """Records what every deferred step hands the graph (its inputs) and that the step evaluated it."""
-    from sd_accel.hosts import comfyui_control_graph as cg
+    from sd_accel.hosts.comfyui import control_graph as cg
     seen = []
     evaluate = cg.DeferredControl.evaluate
 
@@ -102,18 +102,17 @@ def test_deferred_chain_gives_stocks_latent(env, links, monkeypatch):
         assert ["off"] in [d[:1] for d in described] and all(d[1] == "ControlNet" for d in described)
         assert any(d[0] == "ControlNet" for d in described) and any(d[0] == "off" for d in described)
     assert "in the UNet's graph: %d calls" % STEPS in __import__(
-        "sd_accel.hosts.comfyui_controlnet", fromlist=["summary"]).summary(info)
+        "sd_accel.hosts.comfyui.controlnet", fromlist=["summary"]).summary(info)
 
 
 def _step_key(cns, links, monkeypatch, model):
     """The graph key and the hint inputs of the first deferred step of one prompt."""
-    from sd_accel.engine import cuda_graph
+    from sd_accel.engine.graphs import keys
     seen = _spy_inputs(monkeypatch)
     acc, pos, neg, _ = _accelerated(model, *_conds(cns, links))
     _sample(acc, pos, neg)
-    tensors, key = [], []
-    cuda_graph._flatten(seen[0], tensors, key)
-    return tuple(key), seen[0]["hints"]
+    key = keys.flatten(seen[0]).key
+    return key, seen[0]["hints"]
 
 
 def test_graph_key_follows_what_a_replay_bakes_in(env, monkeypatch):
@@ -146,7 +145,7 @@ def test_a_link_that_is_not_ours_runs_the_chain_stock(env, monkeypatch):
     """A chain with a link the converter leaves stock (another pack's class, here below ours) is not
     deferred: ComfyUI's own get_control runs, the result is stock's, and the report says why."""
     import comfy.controlnet
-    from sd_accel.hosts import comfyui_controlnet as host_cn
+    from sd_accel.hosts.comfyui import controlnet as host_cn
     model, cns = env
 
     class Theirs(comfy.controlnet.ControlNet):
@@ -169,7 +168,7 @@ def test_deferred_only_where_our_step_sees_the_control_first(env, monkeypatch):
     """Accelerated KSampler defers the chain only where our step is the first to see apply_model's control:
     graphs on, a GPU, and no other pack's wrapper outside ours (it would get the deferred chain instead of
     residuals). Keyed wrappers on current ComfyUI, the single-slot model_function_wrapper on 2024's."""
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     model, _ = env
     opts = host.AccelOptions(fused_kernels=False, channels_last=False)
     acc, info = host.accelerate(model, opts)
@@ -197,7 +196,7 @@ def test_full_range_is_decided_without_reading_the_timestep(env):
     (999999999.9, 0.0), which no sigma can leave, so the step must not read t. Any other range is tested
     exactly as ComfyUI tests it."""
     import types
-    from sd_accel.hosts import comfyui_control_graph as cg
+    from sd_accel.hosts.comfyui import control_graph as cg
     import comfy.model_sampling as ms_mod
     model, _ = env
     ms = model.model.model_sampling

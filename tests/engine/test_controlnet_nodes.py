@@ -9,7 +9,7 @@ import pytest
 import skimage.data
 import torch
 
-from sd_accel.engine import condition_cache as cc
+from sd_accel.engine.preprocess import condition_cache as cc
 from sd_accel.engine import preprocess as pp
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -141,8 +141,9 @@ def test_with_folder_paths_registers_model_kinds_and_uses_the_user_dir(cn, tmp_p
     pose_inputs = cn.SDAccelPoseMap.INPUT_TYPES()["required"]
     assert pose_inputs["pose_model"][0] == ["dw-ll_ucoco_384.onnx"]  # found in the aux ckpts layout
     assert fp.get_folder_paths("pose") == [str(tmp_path / "models" / "pose")]
-    assert cc.default_cache_dir(fp.get_user_directory()) == cn.cache_directory()
-    assert cn.cache_directory() == str(tmp_path / "user" / "sd_accel" / "condition_cache")
+    from sd_accel.hosts.comfyui import condition_maps
+    assert cc.default_cache_dir(fp.get_user_directory()) == condition_maps.cache_directory()
+    assert condition_maps.cache_directory() == str(tmp_path / "user" / "sd_accel" / "condition_cache")
 
     _check_result(cn.SDAccelDepthMap().execute(PHOTO, model="tiny"), (1, 256, 256, 3))
     img, ui = _check_result(cn.SDAccelPoseMap().execute(PHOTO), (1, 256, 256, 3))
@@ -186,5 +187,5 @@ def test_cache_node_reports_and_clears(cn, tmp_path):
     res = node.execute(clear=True, max_size_mb=512)
     (text,) = res["ui"]["text"]
     assert "0 entries" in text and "cleared 2 entries" in text and "cap set to 512 MiB" in text
-    assert cn.get_cache().max_bytes == 512 * 1024 ** 2
+    assert __import__("sd_accel.hosts.comfyui.condition_maps", fromlist=["get_cache"]).get_cache().max_bytes == 512 * 1024 ** 2
     assert not list((tmp_path / "cache").glob("*.pt"))

@@ -1,19 +1,18 @@
-"""`cuda_graph.eager_call`: a step's first eager call compiles its Triton kernels in parallel; when any were
+"""`graphs.eager.eager_call`: a step's first eager call compiles its Triton kernels in parallel; when any were
 compiled, that pass (references in their place) is discarded with what it added to the kernel report, and
-the step runs again. Triton's async compile mode is stood in for (kernels/_triton's own tests cover the
+the step runs again. Triton's async compile mode is stood in for (tests/kernels/test_launch.py covers the
 launch side; tests/gpu/test_compile_ahead_gpu.py the real compilation)."""
 import logging
 
 import pytest
 import torch
 
-from sd_accel.engine import cuda_graph, kernel_report
-from sd_accel.kernels import _triton
+from sd_accel.engine.reports import kernel_report
+from sd_accel.engine.graphs import eager
+from sd_accel.kernels import _compile_ahead, _triton
+from sd_accel.kernels._dispatch import Outcome
 
-
-class _Op:
-    """An op as kernel_report sees it: which path its last call took."""
-    last_path, last_reason = "triton", ""
+FUSED = Outcome("triton")
 
 
 @pytest.fixture
@@ -25,10 +24,8 @@ def available(monkeypatch):
 def _step(calls, compiling_pass):
     def fn(x, scale=1):
         calls.append(x)
-        op = _Op()
-        if compiling_pass():
-            op.last_path, op.last_reason = "reference", _triton.CompilingAhead.reason
-        kernel_report.record("test_op", op)
+        ran = Outcome("reference", _compile_ahead.CompilingAhead.reason) if compiling_pass() else FUSED
+        kernel_report.record("test_op", ran)
         return x * scale
     return fn
 
@@ -40,16 +37,16 @@ def test_a_pass_that_compiled_kernels_is_discarded_and_the_step_runs_again(avail
         passes.append("ahead")
         if len(passes) > 1:
             return f(), 0
-        monkeypatch.setattr(_triton, "compiling_ahead", lambda: True)
+        monkeypatch.setattr(_compile_ahead, "compiling_ahead", lambda: True)
         try:
             return f(), 3
         finally:
-            monkeypatch.setattr(_triton, "compiling_ahead", lambda: False)
+            monkeypatch.setattr(_compile_ahead, "compiling_ahead", lambda: False)
     monkeypatch.setattr(_triton, "run_compiling_ahead", fake_ahead)
     calls = []
     before = kernel_report.snapshot()
     with caplog.at_level(logging.INFO, logger="sd_accel"):
-        out = cuda_graph.eager_call(_step(calls, _triton.compiling_ahead), (2,), {"scale": 5})
+        out = eager.eager_call(_step(calls, lambda: _compile_ahead.compiling_ahead()), (2,), {"scale": 5})
     assert out == 10 and calls == [2, 2] and passes == ["ahead", "ahead"]
     summary = kernel_report.summarize(before, kernel_report.snapshot())
     assert summary["test_op"] == {"fused": 1, "fallback": 0, "reasons": []}   # only the kept pass counts
@@ -60,27 +57,25 @@ def test_a_pass_that_compiled_nothing_is_the_result(available, monkeypatch):
     monkeypatch.setattr(_triton, "run_compiling_ahead", lambda f: (f(), 0))
     calls = []
     before = kernel_report.snapshot()
-    assert cuda_graph.eager_call(_step(calls, lambda: False), (3,), {}) == 3 and calls == [3]
+    assert eager.eager_call(_step(calls, lambda: False), (3,), {}) == 3 and calls == [3]
     assert kernel_report.summarize(before, kernel_report.snapshot())["test_op"]["fused"] == 1
 
 
 def test_without_the_parallel_path_under_a_budget_or_inside_a_capture_it_is_the_plain_call(monkeypatch):
     monkeypatch.setattr(_triton, "run_compiling_ahead", lambda f: pytest.fail("not a plain call"))
     monkeypatch.setattr(_triton, "compile_ahead_available", lambda: False)
-    assert cuda_graph.eager_call(lambda x: x + 1, (1,), {}) == 2
+    assert eager.eager_call(lambda x: x + 1, (1,), {}) == 2
     monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    with cuda_graph.under_vram_budget():      # a VRAM Pool's budgeted run: the references' temporaries
-        assert cuda_graph.eager_call(lambda x: x + 1, (1,), {}) == 2
+    with eager.under_vram_budget():      # a VRAM Pool's budgeted run: the references' temporaries
+        assert eager.eager_call(lambda x: x + 1, (1,), {}) == 2
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert cuda_graph.eager_call(lambda x: x + 1, (1,), {}) == 2
+    assert eager.eager_call(lambda x: x + 1, (1,), {}) == 2
 
 
 def test_rollback_restores_counts_and_reasons():
     before = kernel_report.snapshot()
-    op = _Op()
-    op.last_path, op.last_reason = "reference", "odd shape"
-    kernel_report.record("rolled_op", op)
+    kernel_report.record("rolled_op", Outcome("reference", "odd shape"))
     assert "rolled_op" in kernel_report.summarize(before, kernel_report.snapshot())
     kernel_report.rollback(before)
     after = kernel_report.snapshot()
@@ -98,10 +93,34 @@ def test_passes_go_on_while_they_compile_then_the_plain_call(available, monkeypa
         return passes[-1], next(compiled_per_pass)
     monkeypatch.setattr(_triton, "run_compiling_ahead", fake_ahead)
     calls = []
-    assert cuda_graph.eager_call(_step(calls, lambda: False), (1,), {}) == 1
-    assert len(passes) == cuda_graph.AHEAD_PASSES == 3 and len(calls) == 4   # 3 passes, then the plain call
+    assert eager.eager_call(_step(calls, lambda: False), (1,), {}) == 1
+    assert len(passes) == eager.AHEAD_PASSES == 3 and len(calls) == 4   # 3 passes, then the plain call
     compiled_per_pass = iter([4, 0])
     passes.clear()
     calls.clear()
-    cuda_graph.eager_call(_step(calls, lambda: False), (1,), {})
+    eager.eager_call(_step(calls, lambda: False), (1,), {})
     assert len(passes) == 2 and len(calls) == 2                              # the second pass is the result
+
+
+def test_cudnn_autotune_scope_sets_and_restores_the_flag():
+    before = torch.backends.cudnn.benchmark
+    seen = []
+    with eager.cudnn_autotuned():
+        seen.append(torch.backends.cudnn.benchmark)
+    with eager.cudnn_autotuned(False):
+        seen.append(torch.backends.cudnn.benchmark)
+    with pytest.raises(KeyError):
+        with eager.cudnn_autotuned():
+            raise KeyError("x")
+    assert seen == [True, before] and torch.backends.cudnn.benchmark is before
+
+
+def test_autotuning_is_off_by_default_and_held_off_inside_a_budget_scope(monkeypatch):
+    assert not eager.CUDNN_AUTOTUNE or "SDACCEL_CUDNN_AUTOTUNE" in __import__("os").environ
+    monkeypatch.setattr(eager, "CUDNN_AUTOTUNE", True)     # SDACCEL_CUDNN_AUTOTUNE=1
+    assert eager.autotune_now()
+    with eager.under_vram_budget():
+        with eager.under_vram_budget():
+            assert not eager.autotune_now()
+        assert not eager.autotune_now()
+    assert eager.autotune_now()

@@ -12,7 +12,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
-from sd_accel.engine import fused_resblock, kernel_report, patching  # noqa: E402
+from sd_accel.engine.patches import fused_resblock, patching  # noqa: E402
+from sd_accel.engine.reports import kernel_report  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_training_mode_dropout_runs_the_host_steps(unet):
 
 
 def fm_clone(rb):
-    from sd_accel.engine import fused_modules as fm
+    from sd_accel.engine.patches import fused_modules as fm
     return fm.clone_as(fused_resblock.FusedResBlock, rb)
 
 
@@ -141,7 +142,7 @@ def test_whole_unet_with_comfy_ops_matches_stock(unet, channels_last):
         again = unet(x.contiguous(), t, context=ctx)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(again, ref)
-    # the fused ResBlocks' timestep-embedding projections ran as one GEMM (engine/emb_projections.py): no
+    # the fused ResBlocks' timestep-embedding projections ran as one GEMM (engine/patches/emb_projections.py): no
     # block called its own emb_layers Linear
     assert not emb_linear_calls
     assert ran["resblock_bias_residual"] == {"fused": plan.counts["resblock_add_norm"], "fallback": 0,
@@ -166,8 +167,8 @@ def test_scale_shift_and_up_down_blocks_are_not_planned(unet):
 def test_emb_projections_of_all_blocks_equal_each_blocks_own_and_step_aside_while_streamed(unet):
     """The shared projection gives each ResBlock what its emb_layers + conv bias give, computed once per emb
     tensor; while a block streamer's token is on the model (weights arrive block by block), none is made."""
-    from sd_accel.engine import emb_projections
-    from sd_accel.engine.cuda_graph import WEIGHTS_TOKEN
+    from sd_accel.engine.patches import emb_projections
+    from sd_accel.engine.memory import residency
     standins = list(fused_resblock.plan_resblocks(unet).values())
     shared = standins[0].sdaccel_emb_projections
     assert all(s.sdaccel_emb_projections is shared for s in standins) and len(shared.blocks) == len(standins)
@@ -180,9 +181,9 @@ def test_emb_projections_of_all_blocks_equal_each_blocks_own_and_step_aside_whil
         first = shared.projection(standins[0], emb)
         assert first.data_ptr() == shared.projection(standins[0], emb).data_ptr()     # once per emb
         assert shared.projection(standins[0], emb.clone()).data_ptr() != first.data_ptr()
-        setattr(unet, WEIGHTS_TOKEN, object())
+        residency.mark(unet)
         try:
             assert shared.projection(standins[0], emb.clone()) is None
         finally:
-            delattr(unet, WEIGHTS_TOKEN)
+            residency.clear(unet)
     assert not emb_projections.batchable(torch.nn.Linear(2, 2))

@@ -10,9 +10,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
-from sd_accel.engine import fused_modules as fm  # noqa: E402
-from sd_accel.engine import fused_transformer_block as ftb  # noqa: E402
-from sd_accel.engine import kernel_report, patching  # noqa: E402
+from sd_accel.engine.patches import fused_modules as fm  # noqa: E402
+from sd_accel.engine.patches import fused_transformer_block as ftb  # noqa: E402
+from sd_accel.engine.reports import kernel_report  # noqa: E402
+from sd_accel.engine.patches import patching  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_blocks_of_other_shapes_are_not_planned(unet):
 def test_sd_accels_own_attention_backend_keeps_the_fused_path(unet):
     """attention=sdpa (or xformers, sage) sets SD Accel's replace patch on every block: the stand-in runs the
     host's replace-patch steps itself and keeps the add+norm fusion; same output as the host with that patch."""
-    from sd_accel.engine import attention
+    from sd_accel.engine.patches import attention
     name, blk = _blocks(unet)[0]
     attend = attention.attention_fn("sdpa")
 

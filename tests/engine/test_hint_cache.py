@@ -3,9 +3,9 @@ import pytest
 import torch
 from torch import nn
 
-from sd_accel.engine import fused_modules as fm
-from sd_accel.engine import hint_cache as hc
-from sd_accel.engine import patching
+from sd_accel.engine.patches import fused_modules as fm
+from sd_accel.engine.patches import hint_cache as hc
+from sd_accel.engine.patches import patching
 
 
 class TimestepSeq(nn.Sequential):

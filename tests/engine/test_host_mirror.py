@@ -1,4 +1,4 @@
-"""engine/host_mirror.py on the CPU. Weights "on the GPU" are stood in by host tensors filled with NaN that
+"""engine/memory/host_mirror.py on the CPU. Weights "on the GPU" are stood in by host tensors filled with NaN that
 the mirror is told are off the host (`on_host`): a move back that reuses the mirror's copy must not read
 them (every value must come out as the copy's, bit for bit), a move that has no valid copy must copy them.
 Through ComfyUI's real unloads on a GPU: tests/gpu/test_host_mirror_gpu.py."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from sd_accel.engine import host_mirror
+from sd_accel.engine.memory import host_mirror
 
 
 def _model():
@@ -155,9 +155,9 @@ def test_a_streamers_buffer_takes_over_the_mirrors_copies_and_their_slabs_are_fr
     per numbered block, are freed; a later move off the "GPU" reuses the views. (pin=True packs into slabs;
     on this machine they are pageable.)"""
     import comfy_inproc
-    from sd_accel.engine import pinned_memory
-    from sd_accel.engine.offload import BlockStreamer
-    from sd_accel.engine.vram_plan import stream_units
+    from sd_accel.engine.memory import pinned_memory
+    from sd_accel.engine.memory.offload import BlockStreamer
+    from sd_accel.engine.memory.stream_units import stream_units
     monkeypatch.setattr(pinned_memory, "_warned", ["(this test)"])          # no warning about pinning
     unet, dev = comfy_inproc.tiny_unet(seed=8), Device()
     values = {n: p.detach().clone() for n, p in unet.named_parameters()}

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
-from sd_accel.engine import layout_modules  # noqa: E402
+from sd_accel.engine.patches import layout_modules  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_gemm_reads_weights_through_the_host_casting(unet):
     """Low-VRAM LoRA: ComfyUI patches weights on the fly through `weight_function`; the GEMMs must see
     the patched weights, as the host's conv forward does."""
     import comfy.ops
-    from sd_accel.engine import fused_modules as fm
+    from sd_accel.engine.patches import fused_modules as fm
     name, st = _transformers(unet)[0]
     new = layout_modules.make_channels_last_spatial_transformer(st)
     x, ctx = _inputs(st, seed=2)
@@ -139,7 +139,7 @@ def test_other_projections_run_the_module():
 def test_whole_unet_with_layout_stand_ins_and_comfy_ops_matches_stock(unet):
     """channels_last weights and input, the host's order: layout stand-ins first, then the fused modules
     (set through them). (NCHW: test_fused_resblock's whole-UNet test.)"""
-    from sd_accel.engine import patching
+    from sd_accel.engine.patches import patching
     x, t, ctx = comfy_inproc.unet_inputs(unet)
     with torch.no_grad():
         ref = unet(x, t, context=ctx)

@@ -1,4 +1,5 @@
-"""nodes/memory_nodes.py (VRAM Pool) and hosts/comfyui_memory.py called in-process on a real ComfyUI
+"""nodes/memory_nodes.py (VRAM Pool) and hosts/comfyui/ (memory.py, memory_scopes.py, lowvram.py, clip_stage.py),
+with the planner's run placement (engine/memory/vram_plan.py), called in-process on a real ComfyUI
 ModelPatcher (CPU): a budget too small stops with the minimum needed, a valid budget gives the plan, ComfyUI's globals come back unchanged,
 and on a ComfyUI with keyed sampler wrappers a real sampling run goes through the pool."""
 import os
@@ -37,8 +38,8 @@ def _node():
 
 
 def _sizes(model):
-    from sd_accel.engine.vram_plan import unet_block_sizes
-    from sd_accel.hosts.comfyui_memory import diffusion_model
+    from sd_accel.engine.memory.stream_units import unet_block_sizes
+    from sd_accel.hosts.comfyui.memory_scopes import diffusion_model
     return unet_block_sizes(diffusion_model(model))
 
 
@@ -66,8 +67,8 @@ def test_module_imports_without_comfyui():
 
 
 def test_budget_too_small_is_a_clear_error_before_sampling(model, mm):
-    from sd_accel.hosts.comfyui_memory import activation_estimate
-    from sd_accel.engine.vram_plan import min_budget
+    from sd_accel.hosts.comfyui.memory_scopes import activation_estimate
+    from sd_accel.engine.memory.vram_plan import min_budget
     need = min_budget(_sizes(model), activation_estimate(mm, model), 0)   # without prefetch: the true floor
     with pytest.raises(ValueError) as ei:
         _node().apply(model, budget_gib=0.25)
@@ -79,8 +80,8 @@ def test_budget_too_small_is_a_clear_error_before_sampling(model, mm):
 def test_a_budget_that_fits_one_streamed_block_runs_without_prefetch(model, mm):
     """Between the floor without prefetch and the floor with it, the node plans depth 0 and says so,
     rather than refusing a budget the model can run in (SDXL at 2 GiB on the H200 was refused)."""
-    from sd_accel.hosts.comfyui_memory import activation_estimate, plan_for_budget
-    from sd_accel.engine.vram_plan import min_budget
+    from sd_accel.hosts.comfyui.memory_scopes import activation_estimate
+    from sd_accel.engine.memory.vram_plan import min_budget, plan_for_budget
     act = activation_estimate(mm, model)
     lo, hi = min_budget(_sizes(model), act, 0), min_budget(_sizes(model), act, 1)
     assert lo < hi
@@ -111,7 +112,7 @@ def test_valid_budget_gives_the_plan_on_a_clone(model, mm):
     assert "%d blocks resident" % n_blocks in line and "offload medvram" in line
     if hasattr(model, "add_wrapper_with_key"):
         import comfy.patcher_extension as pe
-        from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
+        from sd_accel.hosts.comfyui.memory import WRAPPER_KEY
         assert ui["enforced"] is True
         assert len(clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)) == 1
         assert not model.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
@@ -120,8 +121,8 @@ def test_valid_budget_gives_the_plan_on_a_clone(model, mm):
 
 
 def test_budget_between_minimum_and_full_streams_some_blocks(model, mm):
-    from sd_accel.hosts.comfyui_memory import activation_estimate
-    from sd_accel.engine.vram_plan import min_budget, plan_residency
+    from sd_accel.hosts.comfyui.memory_scopes import activation_estimate
+    from sd_accel.engine.memory.vram_plan import min_budget, plan_residency
     sizes, act = _sizes(model), activation_estimate(mm, model)
     budget = (min_budget(sizes, act, 1) + act + sum(s for _, s in sizes)) // 2
     out = _node().apply(model, budget_gib=budget / GIB)
@@ -133,7 +134,7 @@ def test_budget_between_minimum_and_full_streams_some_blocks(model, mm):
 
 
 def test_budget_scope_sets_and_restores_extra_reserved_vram():
-    from sd_accel.hosts.comfyui_memory import budget_scope
+    from sd_accel.hosts.comfyui.memory_scopes import budget_scope
     fake = types.SimpleNamespace(EXTRA_RESERVED_VRAM=400 * 2 ** 20)
     with pytest.raises(RuntimeError):
         with budget_scope(fake, 6 * GIB, 24 * GIB) as reserved:
@@ -147,20 +148,20 @@ def test_budget_scope_sets_and_restores_extra_reserved_vram():
 def test_run_in_pool_restores_globals_on_error_and_records_the_stage(model, mm):
     if not hasattr(mm, "EXTRA_RESERVED_VRAM"):
         pytest.skip("this ComfyUI has no EXTRA_RESERVED_VRAM: the budget is reported as not enforced")
-    from sd_accel.hosts.comfyui_memory import PoolSettings, run_in_pool
+    from sd_accel.hosts.comfyui.memory import PoolSettings, run_in_pool
     old = mm.EXTRA_RESERVED_VRAM
     s = PoolSettings(4 * GIB, "none", "after_run", False, None)
     seen = []
 
-    from sd_accel.engine import cuda_graph
+    from sd_accel.engine.graphs import eager
 
     def run():
-        seen.append((mm.EXTRA_RESERVED_VRAM, mm.minimum_inference_memory(), cuda_graph._under_budget[0]))
+        seen.append((mm.EXTRA_RESERVED_VRAM, mm.minimum_inference_memory(), eager._under_budget[0]))
         raise RuntimeError("CUDA out of memory (simulated)")
     with pytest.raises(RuntimeError, match="simulated"):
         run_in_pool(s, model, run, mm=mm, total_bytes=16 * GIB)
     assert seen[0][0] == 12 * GIB and seen[0][1] >= 12 * GIB   # the loader's reserve saw the budget
-    assert seen[0][2] >= 1 and cuda_graph._under_budget[0] == 0   # no autotuning or compiling ahead under it
+    assert seen[0][2] >= 1 and eager._under_budget[0] == 0   # no autotuning or compiling ahead under it
     assert mm.EXTRA_RESERVED_VRAM == old
     (stage,) = s.last_report["stages"]
     assert stage["stage"] == "sampling" and stage["error"] == "RuntimeError"
@@ -171,7 +172,7 @@ def test_real_sampling_run_goes_through_the_pool(model, mm):
     if not hasattr(model, "add_wrapper_with_key"):
         pytest.skip("no keyed sampler wrappers on this ComfyUI")
     import comfy.sample
-    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
+    from sd_accel.hosts.comfyui.memory import WRAPPER_KEY
     import comfy.patcher_extension as pe
     clone = _node().apply(model, budget_gib=8.0, release_cache="after_run")["result"][0]
     settings = clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
@@ -187,7 +188,7 @@ def test_real_sampling_run_goes_through_the_pool(model, mm):
 
 def test_medvram_unloads_others_before_and_the_model_after():
     """Against a stand-in model_management, on a (nominal) CUDA device: the order of the calls."""
-    from sd_accel.hosts.comfyui_memory import PoolSettings, run_in_pool
+    from sd_accel.hosts.comfyui.memory import PoolSettings, run_in_pool
     calls = []
     patcher = types.SimpleNamespace(load_device=torch.device("cuda", 0))
     ours, other = types.SimpleNamespace(model=patcher), types.SimpleNamespace(model=object())
@@ -205,7 +206,7 @@ def test_medvram_unloads_others_before_and_the_model_after():
 
 def _pool(clone):
     import comfy.patcher_extension as pe
-    from sd_accel.hosts.comfyui_memory import WRAPPER_KEY
+    from sd_accel.hosts.comfyui.memory import WRAPPER_KEY
     return clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
 
 
@@ -223,7 +224,7 @@ def _sample(patcher, seed=3):
 def _unet_state(model):
     """Parameter objects and hooks (not data pointers: a streamed tensor's host data moves into the streamer's
     buffer for good), and every parameter's values."""
-    from sd_accel.hosts.comfyui_memory import diffusion_model
+    from sd_accel.hosts.comfyui.memory_scopes import diffusion_model
     unet = diffusion_model(model)
     return ([(n, id(p), p.device, p.dtype, tuple(p.shape)) for n, p in unet.named_parameters()],
             sum(len(m._forward_pre_hooks) for m in unet.modules()),
@@ -270,7 +271,7 @@ def test_lowvram_streams_every_block_inside_a_real_sampling_run(model, mm):
     streamer = settings.last_streamer
     # the host data of the streamed weights now lives in the pool's buffers, not beside them
     spans = [(f.data_ptr(), f.data_ptr() + f.numel()) for f in settings.pinned_cache.values()]
-    from sd_accel.hosts.comfyui_memory import diffusion_model
+    from sd_accel.hosts.comfyui.memory_scopes import diffusion_model
     assert spans and all(any(lo <= p.data_ptr() < hi for lo, hi in spans)
                          for p in diffusion_model(clone).parameters())
     n = len(streamer.blocks)
@@ -330,8 +331,8 @@ def test_out_of_memory_twice_is_a_clear_error(model, mm):
 
 def test_retry_goes_to_lowvram_at_half_the_budget_where_streaming_runs():
     """Against a stand-in model_management on a (nominal) CUDA device: what the retry asks for."""
-    from sd_accel.hosts.comfyui_memory import PoolSettings, run_in_pool
-    from sd_accel.engine.vram_plan import plan_residency
+    from sd_accel.hosts.comfyui.memory import PoolSettings, run_in_pool
+    from sd_accel.engine.memory.vram_plan import plan_residency
     seen = []
     patcher = types.SimpleNamespace(load_device=torch.device("cuda", 0), add_wrapper_with_key=lambda *a: None)
     fake = types.SimpleNamespace(
@@ -345,63 +346,32 @@ def test_retry_goes_to_lowvram_at_half_the_budget_where_streaming_runs():
     retries = []
 
     def run():
-        seen.append(("run", dict(s.active, notes=None, mm=None), fake.EXTRA_RESERVED_VRAM))
+        seen.append(("run", s.active.offload, s.active.placement.budget_bytes, fake.EXTRA_RESERVED_VRAM))
         if len(seen) == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return "latent"
     assert run_in_pool(s, patcher, run, mm=fake, before_retry=lambda: retries.append(1)) == "latent"
     assert retries == [1]
-    assert seen[0] == ("run", {"offload": "none", "budget": 4 * GIB, "notes": None, "mm": None}, 20 * GIB)
+    assert seen[0] == ("run", "none", 4 * GIB, 20 * GIB)
     assert seen[1:3] == [("free", 1e30), ("empty",)]
     at3 = plan_residency(sizes, 2 * GIB, GIB // 2)
     window = at3.peak_bytes - at3.activation_bytes - at3.resident_bytes
     assert plan.streamed == [] and at3.streamed and window > 0
-    assert seen[3] == ("run", {"offload": "lowvram", "budget": 2 * GIB, "notes": None, "mm": None},
+    assert seen[3] == ("run", "lowvram", 2 * GIB,
                        24 * GIB - (2 * GIB - window))     # the loader gets the budget less the streaming window
     assert fake.EXTRA_RESERVED_VRAM == 0 and s.active is None
 
 
 def test_activation_estimate_is_comfyuis_capped_at_its_reserve(model, mm):
-    from sd_accel.hosts.comfyui_memory import activation_bytes, activation_estimate
+    from sd_accel.hosts.comfyui.memory_scopes import activation_bytes, activation_estimate
     est = activation_estimate(mm, model)
     assert 0 < est <= activation_bytes(mm)
     assert est == min(activation_bytes(mm), int(model.model.memory_required([2, 4, 64, 64])))
 
 
-def test_loader_budget_leaves_room_for_the_streamed_blocks():
-    from sd_accel.hosts.comfyui_memory import loader_budget
-    from sd_accel.engine.vram_plan import plan_residency
-    sizes = [("a", GIB // 4), ("b", GIB // 2), ("c", GIB // 4), ("d", GIB)]
-    plan = plan_residency(sizes, 0, GIB // 4)
-    at2 = plan_residency(sizes, 2 * GIB, GIB // 4)
-    window = at2.peak_bytes - at2.activation_bytes - at2.resident_bytes
-    # ComfyUI's loader subtracts its own 0.8 GiB reserve: shown that much more, it loads the planned residency
-    reserve = int(0.8 * GIB)
-    assert loader_budget(plan, 2 * GIB, reserve) == 2 * GIB - window - GIB // 4 + reserve
-    assert loader_budget(plan, 0, reserve) == 0
-    # never above the budget, even where ComfyUI's reserve is larger than what the step needs besides weights
-    assert loader_budget(plan, 8 * GIB, reserve) == 8 * GIB
-    assert loader_budget(plan, 8 * GIB, 0) == 8 * GIB - GIB // 4
-
-
-def test_promote_blocks_fills_the_room_largest_first():
-    from sd_accel.engine.vram_plan import ring_bytes
-    from sd_accel.hosts.comfyui_memory import promote_blocks
-    MB = 2 ** 20
-    sizes = [("a", 10 * MB), ("b", 40 * MB), ("c", 20 * MB), ("d", 30 * MB), ("e", 5 * MB)]
-    assert promote_blocks(sizes, 0, 1) == [] and promote_blocks(sizes, -5, 1) == [] and promote_blocks([], 9, 1) == []
-    assert promote_blocks(sizes, 50 * MB, 1) == []          # the ring of all (60) does not fit: nothing moves
-    for room in (60, 90, 100, 105, 200):
-        chosen = promote_blocks(sizes, room * MB, 1)
-        rest = [b for n, b in sizes if n not in chosen]
-        assert sum(b for n, b in sizes if n in chosen) + ring_bytes(rest, 1) <= room * MB, room
-    assert promote_blocks(sizes, 90 * MB, 1) == ["b"]       # b + ring(a, c, d, e) = 40 + 50
-    assert promote_blocks(sizes, 105 * MB, 1) == ["a", "b", "c", "d", "e"]
-
-
 def test_a_promoted_block_put_back_keeps_the_runs_channels_last_layout():
     """(resident_blocks moves tensors between devices, which needs a GPU; its put-back step is tested here.)"""
-    from sd_accel.engine.offload import put_back as _put_back
+    from sd_accel.engine.memory.promoted_blocks import put_back as _put_back
     w = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
     host = w.data
     w.data = host.clone().contiguous(memory_format=torch.channels_last)    # the run's converted GPU copy
@@ -420,7 +390,7 @@ def test_lowvram_streaming_under_the_accelerated_patches_gives_the_stock_image(m
     is stock's. On CPU the kernels fall back and no graph runs; tests/gpu covers graphs + ring on a GPU."""
     if not hasattr(model, "add_wrapper_with_key"):
         pytest.skip("no keyed sampler wrappers on this ComfyUI")
-    from sd_accel.hosts import comfyui as host
+    from sd_accel.hosts.comfyui import accelerate as host
     opts = host.AccelOptions(True, True, True, "auto")
     ref = _sample(model)
     plain = _sample(host.accelerate(model, opts)[0])     # the same patches without the pool
@@ -442,10 +412,10 @@ def test_lowvram_streaming_under_the_accelerated_patches_gives_the_stock_image(m
 
 def test_host_copies_arm_the_pooled_model_and_the_models_loaded_on_its_device():
     """mirror_models against a stand-in model_management: the pooled model and the models ComfyUI has loaded
-    on the same device are mirrored (their .to(cpu) goes through engine/host_mirror.py), once each; a model
+    on the same device are mirrored (their .to(cpu) goes through engine/memory/host_mirror.py), once each; a model
     on another device and non-modules are left alone; on the CPU nothing is."""
-    from sd_accel.engine import host_mirror
-    from sd_accel.hosts.comfyui_memory import mirror_models
+    from sd_accel.engine.memory import host_mirror
+    from sd_accel.hosts.comfyui.memory_scopes import mirror_models
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     unet, te, vae, elsewhere = (torch.nn.Linear(2, 2) for _ in range(4))
     patcher = types.SimpleNamespace(model=unet, load_device=cuda0)
@@ -490,7 +460,8 @@ def test_pool_clip_encodes_under_the_budget_and_keeps_the_text_stage():
     """Against a stand-in model_management on a (nominal) CUDA device: during the encode ComfyUI's loader sees
     only the budget (24 GiB card, 4 GiB budget: 20 GiB reserved), restored after; the CLIP given is untouched;
     the stage is kept for the next sampling run's report."""
-    from sd_accel.hosts.comfyui_memory import PoolSettings, pool_clip
+    from sd_accel.hosts.comfyui.clip_stage import pool_clip
+    from sd_accel.hosts.comfyui.memory import PoolSettings
     seen = []
     fake = types.SimpleNamespace(EXTRA_RESERVED_VRAM=0, extra_reserved_memory=lambda: 0,
                                  get_total_memory=lambda dev: 24 * GIB)

@@ -1,6 +1,6 @@
-"""engine/offload.py (BlockStreamer) on ComfyUI's real openaimodel UNetModel, on CPU: the same output as
+"""engine/memory/offload.py (BlockStreamer) on ComfyUI's real openaimodel UNetModel, on CPU: the same output as
 without streaming, install/remove leaves the module exactly as it was (Parameter objects, names, data,
-hooks), the prefetch order and the ring are vram_plan's, and places shared by several blocks never hand a
+hooks), the prefetch order and the ring are the planner's (vram_plan, ring), and places shared by several blocks never hand a
 block another's weights."""
 import os
 import sys
@@ -11,10 +11,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
-from sd_accel.engine.cuda_graph import WEIGHTS_TOKEN  # noqa: E402
-from sd_accel.engine.offload import BlockStreamer, off_device_bytes, owned_tensors  # noqa: E402
-from sd_accel.engine.vram_plan import (min_budget, plan_residency, ring_layout, stream_units,  # noqa: E402
-                                      unet_block_sizes)
+from sd_accel.engine.memory import residency  # noqa: E402
+from sd_accel.engine.memory.offload import BlockStreamer  # noqa: E402
+from sd_accel.engine.memory.ring import ring_layout  # noqa: E402
+from sd_accel.engine.memory.stream_units import (off_device_bytes, owned_tensors, stream_units,  # noqa: E402
+                                                 unet_block_sizes)
+from sd_accel.engine.memory.vram_plan import min_budget, plan_residency  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +81,17 @@ def test_streaming_every_block_gives_the_same_output(unet, depth):
 def test_install_remove_round_trip_keeps_parameters_and_state_dict(unet):
     before = _snapshot(unet)
     s = BlockStreamer(unet, _names(unet)[::2], prefetch_depth=1, device="cpu").install()
-    token = getattr(unet, WEIGHTS_TOKEN)
+    token = residency.token_of(unet)
+    assert token is not None and residency.streamer_of(unet) is s
     s.install()                       # idempotent
-    assert getattr(unet, WEIGHTS_TOKEN) is token
+    assert residency.token_of(unet) is token
     _run(unet)
     s.remove()
     s.remove()                        # idempotent
     _assert_same(before, _snapshot(unet))
-    assert not hasattr(unet, WEIGHTS_TOKEN) and s.ring_bytes == 0 and not s.installed
+    assert residency.token_of(unet) is None and s.ring_bytes == 0 and not s.installed
     s.install()                       # a new install: a new token (graphs of the old ring never replay)
-    assert getattr(unet, WEIGHTS_TOKEN) is not token
+    assert residency.token_of(unet) not in (None, token)
     s.remove()
 
 
@@ -290,7 +293,7 @@ def test_channels_last_conversion_of_streamed_conv_weights_goes_through_the_ring
     may come after the streamer installed: a plain `.data =` there would give the weight a copy of whatever
     its ring place held then (device run 18: a wrong image). Through the streamer the host copy and the
     ring view change layout together and the output stays the same."""
-    from sd_accel.engine import patching
+    from sd_accel.engine.patches import patching
     unet = comfy_inproc.tiny_unet(seed=6)
     ref = _run(unet)
     values = {n: p.detach().clone() for n, p in unet.named_parameters()}

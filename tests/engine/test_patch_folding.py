@@ -1,4 +1,4 @@
-"""engine/patch_folding.py on ComfyUI's real UNetModel (tiny preset, CPU): a folded plan puts the same modules
+"""engine/patches/patch_folding.py on ComfyUI's real UNetModel (tiny preset, CPU): a folded plan puts the same modules
 at the same paths as the plan applied patch by patch, the same forward, shares every tensor, and never
 modifies the original tree."""
 import os
@@ -11,7 +11,7 @@ import comfy_inproc  # noqa: E402
 
 
 def _plan(unet):
-    from sd_accel.engine import patching
+    from sd_accel.engine.patches import patching
     return patching.plan_patches(unet, patching.COMFY_OPS, prefix="m.").patches
 
 
@@ -29,7 +29,7 @@ def _tree(root):
 
 
 def test_folded_plan_equals_the_plan_applied_patch_by_patch():
-    from sd_accel.engine import patch_folding, patching
+    from sd_accel.engine.patches import patch_folding, patching
     unet = comfy_inproc.tiny_unet()
     holder = _Holder(unet)
     pristine = _tree(unet)
@@ -60,7 +60,7 @@ def test_folded_plan_equals_the_plan_applied_patch_by_patch():
 
 
 def test_a_group_is_left_unfolded_where_asked_or_where_a_path_does_not_run_through_children():
-    from sd_accel.engine import patch_folding
+    from sd_accel.engine.patches import patch_folding
     unet = comfy_inproc.tiny_unet()
     plan = _plan(unet)
     bases = {"m." + n: m for n, m in unet._modules.items()}
@@ -75,7 +75,7 @@ def test_a_group_is_left_unfolded_where_asked_or_where_a_path_does_not_run_throu
 
 
 def test_a_single_patch_or_a_path_outside_the_prefix_is_kept_as_it_is():
-    from sd_accel.engine import patch_folding
+    from sd_accel.engine.patches import patch_folding
     unet = comfy_inproc.tiny_unet()
     bases = {"m." + n: m for n, m in unet._modules.items()}
     one = {"m.out.0": torch.nn.Identity(), "other.x": torch.nn.Identity(), "m.time_embed": torch.nn.Identity()}

@@ -6,8 +6,9 @@ import sys
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sd_accel.engine import fused_modules as fm  # noqa: E402
-from sd_accel.engine import kernel_report, patching  # noqa: E402
+from sd_accel.engine.patches import fused_modules as fm  # noqa: E402
+from sd_accel.engine.reports import kernel_report  # noqa: E402
+from sd_accel.engine.patches import patching  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402

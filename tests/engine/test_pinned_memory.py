@@ -1,4 +1,4 @@
-"""engine/pinned_memory.py on the CPU machine: how buffers are packed into slabs (the same packing runs with
+"""engine/memory/pinned_memory.py on the CPU machine: how buffers are packed into slabs (the same packing runs with
 pageable slabs where pinning is unavailable, as here, after one warning); that the slabs are pinned and copies
 from them are captured in CUDA graphs is tested on the GPU machine (tests/gpu/test_pinned_memory_gpu.py)."""
 import logging
@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch
 
-from sd_accel.engine import pinned_memory
-from sd_accel.engine.pinned_memory import SLAB_MIN, host_buffers
+from sd_accel.engine.memory import pinned_memory
+from sd_accel.engine.memory.pinned_memory import SLAB_MIN, host_buffers
 
 MIB = 1 << 20
 

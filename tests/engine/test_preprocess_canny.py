@@ -5,7 +5,7 @@ import skimage.data
 import torch
 
 from sd_accel.engine import preprocess as pp
-from sd_accel.engine.condition_cache import ConditionCache
+from sd_accel.engine.preprocess.condition_cache import ConditionCache
 from sd_accel.engine.preprocess import canny
 
 cv2 = pytest.importorskip("cv2")

@@ -8,7 +8,7 @@ import skimage.data
 import torch
 
 from sd_accel.engine import preprocess as pp
-from sd_accel.engine.condition_cache import ConditionCache
+from sd_accel.engine.preprocess.condition_cache import ConditionCache
 from sd_accel.engine.preprocess import depth
 
 pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ import skimage.data
 import torch
 
 from sd_accel.engine import preprocess as pp
-from sd_accel.engine.condition_cache import ConditionCache
+from sd_accel.engine.preprocess.condition_cache import ConditionCache
 from sd_accel.engine.preprocess import pose, pose_render
 from sd_accel.engine.preprocess.pose_render import (BODY_COLORS, BODY_LIMBS, HAND_BONES, Person,
                                                     hand_bone_color, limb_color, render)

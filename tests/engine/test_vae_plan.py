@@ -1,7 +1,7 @@
-"""engine/vae_plan.py: when a VAE decode fits whole, which tiles otherwise, and the error below the floor."""
+"""engine/memory/vae_plan.py: when a VAE decode fits whole, which tiles otherwise, and the error below the floor."""
 import pytest
 
-from sd_accel.engine import vae_plan
+from sd_accel.engine.memory import vae_plan
 
 MIB = 2 ** 20
 PER_PX = 2178 * 64 * 2          # ComfyUI's SD VAE estimate per latent pixel, fp16 (~0.27 MiB)

@@ -1,5 +1,6 @@
-"""engine/vram_plan.py: which blocks stay resident for a budget, the prefetch order, the minimum budget and
-its error message, the ring layout, and unet_block_sizes on ComfyUI's real UNetModel."""
+"""engine/memory/vram_plan.py: which blocks stay resident for a budget, the prefetch order, the minimum budget and
+its error message, one run's placement (the loader's budget, promoted blocks); engine/memory/ring.py: the ring
+layout; engine/memory/stream_units.py: unet_block_sizes and stream_units on ComfyUI's real UNetModel."""
 import os
 import sys
 
@@ -9,10 +10,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 import torch  # noqa: E402
 
-from sd_accel.engine.vram_plan import (BudgetTooSmall, min_budget, plan_residency, ring_layout,  # noqa: E402
-                                      stream_units, unet_block_sizes)
+from sd_accel.engine.memory.ring import ring_bytes, ring_layout  # noqa: E402
+from sd_accel.engine.memory.stream_units import stream_units, unet_block_sizes  # noqa: E402
+from sd_accel.engine.memory.vram_plan import (BudgetTooSmall, loader_budget, min_budget, place_run,  # noqa: E402
+                                              plan_residency, promote_blocks)
 
 MB = 2 ** 20
+GIB = 2 ** 30
 # execution order; sizes in MiB
 BLOCKS = [("a", 10), ("b", 40), ("c", 20), ("d", 30), ("e", 5)]
 SIZES = [(n, s * MB) for n, s in BLOCKS]
@@ -166,6 +170,68 @@ def test_stream_units_partition_the_unet_and_each_runs_once_in_order():
         for h in hooks:
             h.remove()
     assert entered == [n for n, _ in units]
+
+
+def test_loader_budget_leaves_room_for_the_streamed_blocks():
+    sizes = [("a", GIB // 4), ("b", GIB // 2), ("c", GIB // 4), ("d", GIB)]
+    plan = plan_residency(sizes, 0, GIB // 4)
+    at2 = plan_residency(sizes, 2 * GIB, GIB // 4)
+    window = at2.peak_bytes - at2.activation_bytes - at2.resident_bytes
+    # ComfyUI's loader subtracts its own 0.8 GiB reserve: shown that much more, it loads the planned residency
+    reserve = int(0.8 * GIB)
+    assert loader_budget(plan, 2 * GIB, reserve) == 2 * GIB - window - GIB // 4 + reserve
+    assert loader_budget(plan, 0, reserve) == 0
+    # never above the budget, even where ComfyUI's reserve is larger than what the step needs besides weights
+    assert loader_budget(plan, 8 * GIB, reserve) == 8 * GIB
+    assert loader_budget(plan, 8 * GIB, 0) == 8 * GIB - GIB // 4
+
+
+def test_promote_blocks_fills_the_room_largest_first():
+    sizes = [("a", 10 * MB), ("b", 40 * MB), ("c", 20 * MB), ("d", 30 * MB), ("e", 5 * MB)]
+    assert promote_blocks(sizes, 0, 1) == [] and promote_blocks(sizes, -5, 1) == [] and promote_blocks([], 9, 1) == []
+    assert promote_blocks(sizes, 50 * MB, 1) == []          # the ring of all (60) does not fit: nothing moves
+    for room in (60, 90, 100, 105, 200):
+        chosen = promote_blocks(sizes, room * MB, 1)
+        rest = [b for n, b in sizes if n not in chosen]
+        assert sum(b for n, b in sizes if n in chosen) + ring_bytes(rest, 1) <= room * MB, room
+    assert promote_blocks(sizes, 90 * MB, 1) == ["b"]       # b + ring(a, c, d, e) = 40 + 50
+    assert promote_blocks(sizes, 105 * MB, 1) == ["a", "b", "c", "d", "e"]
+
+
+def test_a_runs_placement_is_the_nodes_plan_at_its_budget_and_replans_only_for_a_retry(monkeypatch):
+    from sd_accel.engine.memory import vram_plan
+    sizes = [("a", GIB // 4), ("b", GIB // 2), ("c", GIB // 4), ("d", GIB)]
+    plan = plan_residency(sizes, 2 * GIB, GIB // 4)
+    reserve = int(0.8 * GIB)
+    expected = {b: loader_budget(plan, b, reserve) for b in (2 * GIB, 3 * GIB)}
+    planned = []
+    monkeypatch.setattr(vram_plan, "plan_residency", lambda *a: planned.append(a) or plan_residency(*a))
+    run = place_run(plan, 2 * GIB, True, reserve)
+    assert planned == []                                    # the node's plan is the run's: no planning again
+    assert (run.budget_bytes, run.loader_bytes) == (2 * GIB, expected[2 * GIB])
+    assert (run.prefetch_depth, run.activation_bytes) == (plan.prefetch_depth, plan.activation_bytes)
+    assert place_run(plan, 3 * GIB, True, reserve).loader_bytes == expected[3 * GIB] and len(planned) == 1
+    assert place_run(plan, 2 * GIB, False, reserve).loader_bytes == 2 * GIB   # no streaming: the budget itself
+    bare = place_run(None, 2 * GIB, True)
+    assert (bare.loader_bytes, bare.prefetch_depth, bare.activation_bytes) == (2 * GIB, vram_plan.PREFETCH_DEPTH, 0)
+
+
+def test_after_the_load_the_room_left_takes_the_largest_streamed_blocks():
+    from sd_accel.engine.memory import vram_plan
+    run = vram_plan.RunPlacement(budget_bytes=400 * MB, loader_bytes=300 * MB, prefetch_depth=1,
+                                 activation_bytes=20 * MB)
+    assert run.run_activation_bytes() == 30 * MB and run.run_activation_bytes(40 * MB) == 60 * MB
+    off = {"a": 10 * MB, "b": 40 * MB, "r": 0, "c": 20 * MB, "d": 30 * MB, "e": 5 * MB}   # r: loaded whole
+    act, allocated = 30 * MB, 250 * MB
+    ring = ring_bytes([b for b in off.values() if b], 1)
+    assert run.overflow(act, allocated, off) == act + allocated + ring - 400 * MB < 0           # it fits
+    assert run.overflow(act, 350 * MB, off) == act + 350 * MB + ring - 400 * MB > 0    # ComfyUI is to unload that
+    assert vram_plan.RunPlacement(0, 0, 1, 0).overflow(act, allocated, off) == 0       # no cap: nothing to unload
+    streamed, promoted, peak = run.after_load(act, allocated, off)
+    room = int(400 * MB * (1 - vram_plan.PROMOTE_MARGIN)) - act - allocated
+    assert promoted == promote_blocks([(n, b) for n, b in off.items() if b], room, 1) and promoted
+    assert streamed == [n for n in ("a", "b", "c", "d", "e") if n not in promoted]
+    assert peak == act + allocated + sum(off[n] for n in promoted) + ring_bytes([off[n] for n in streamed], 1)
 
 
 def test_plans_are_memoized_but_each_call_gets_its_own_copy():

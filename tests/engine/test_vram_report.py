@@ -1,10 +1,10 @@
-"""engine/vram_report.py on CPU: stages recorded with None values and a reason, JSON-able, one line."""
+"""engine/reports/vram_report.py on CPU: stages recorded with None values and a reason, JSON-able, one line."""
 import json
 
 import pytest
 import torch
 
-from sd_accel.engine.vram_report import MemoryReport
+from sd_accel.engine.reports.vram_report import MemoryReport
 
 
 def test_cpu_stage_has_none_values_and_a_reason():

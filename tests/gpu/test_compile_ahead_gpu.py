@@ -1,5 +1,5 @@
 """GPU only: on a cold Triton cache, a step's fused kernels are compiled in parallel ahead of their first
-launch (`_triton.run_compiling_ahead`, what every eager step goes through: engine/cuda_graph.eager_call),
+launch (`_compile_ahead.run_compiling_ahead`, what every eager step goes through: engine/graphs/eager.eager_call),
 the pass that compiled them ran the references, and the next pass runs every kernel, equal to them.
 A subprocess with its own empty TRITON_CACHE_DIR, so nothing is compiled when it starts."""
 import os
@@ -12,12 +12,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = textwrap.dedent("""
     import sys, types, torch
     pkg = types.ModuleType("sd_accel"); pkg.__path__ = [sys.argv[1]]; sys.modules["sd_accel"] = pkg
-    from sd_accel.kernels import _triton
+    from sd_accel.kernels import _compile_ahead, _launch
     from sd_accel.kernels.group_norm_silu import group_norm_silu, group_norm_silu_reference
     from sd_accel.kernels.geglu import geglu, geglu_reference
     from sd_accel.kernels.layer_norm import layer_norm, layer_norm_reference
     from sd_accel.kernels.bias_residual_add import bias_residual_add, bias_residual_add_reference
-    assert _triton.compile_ahead_available()
+    assert _compile_ahead.compile_ahead_available()
     dev, f16 = "cuda", torch.float16
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(2, 320, 32, 32, device=dev, dtype=f16, generator=g).contiguous(memory_format=torch.channels_last)
@@ -33,15 +33,15 @@ SCRIPT = textwrap.dedent("""
     refs = (group_norm_silu_reference(x, 32, w, b), group_norm_silu_reference(x2, 32, w, b), geglu_reference(h),
             layer_norm_reference(t, (320,), w, b), bias_residual_add_reference(x2, x2, b))
 
-    out, compiled = _triton.run_compiling_ahead(step)
+    out, compiled = _compile_ahead.run_compiling_ahead(step)
     assert compiled >= 5, compiled        # GroupNorm's two paths (one program per group; statistics + apply) and three more
-    assert [f.last_path for f in ops] == ["reference"] * 4, [f.last_reason for f in ops]
-    assert _triton._executor is not None
-    out2, again = _triton.run_compiling_ahead(step)   # everything compiled: the plain call
-    assert again == 0 and [f.last_path for f in ops] == ["triton"] * 4, [f.last_reason for f in ops]
+    assert [f.last_call.path for f in ops] == ["reference"] * 4, [f.last_call.reason for f in ops]
+    assert _compile_ahead._executor is not None
+    out2, again = _compile_ahead.run_compiling_ahead(step)   # everything compiled: the plain call
+    assert again == 0 and [f.last_call.path for f in ops] == ["triton"] * 4, [f.last_call.reason for f in ops]
     for o, r in zip(out2, refs):
         torch.testing.assert_close(o.float(), r.float(), atol=2e-2, rtol=2e-2)
-    print("OK", compiled, round(_triton.first_launches["ahead_seconds"], 2))
+    print("OK", compiled, round(_launch.first_launches["ahead_seconds"], 2))
 """)
 
 

@@ -1,4 +1,4 @@
-"""GPU only: the VRAM Pool's host copies (engine/host_mirror.py) through ComfyUI's own loads and unloads. After a
+"""GPU only: the VRAM Pool's host copies (engine/memory/host_mirror.py) through ComfyUI's own loads and unloads. After a
 pooled run, ComfyUI's unload of the UNet and the text encoder points their weights at pinned host copies; the
 next unload copies nothing it has a copy of; a LoRA patched in between is not carried back (the plain model
 holds its original weights bit for bit and samples stock's latent again), and the text encoder keeps its
@@ -22,7 +22,7 @@ def _params_on_host_and_pinned(module):
 
 def test_unloads_use_pinned_copies_and_patches_are_not_carried_back(comfy_env):  # noqa: F811
     import comfy.model_management as mm
-    from sd_accel.engine import host_mirror
+    from sd_accel.engine.memory import host_mirror
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
     env = comfy_env
     ref, _ = _sample(env, env.model, ours=False)

@@ -1,5 +1,5 @@
 """GPU only: the fused kernels run INSIDE a CUDA-graph capture under cudaMallocAsync (ComfyUI's default
-allocator), through `_triton.launch`'s compiled-kernel path, and the replayed graph computes the same as
+allocator), through `_launch.launch`'s compiled-kernel path, and the replayed graph computes the same as
 the references on fresh inputs. A subprocess, because the allocator backend is fixed at CUDA start-up."""
 import os
 import subprocess
@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = textwrap.dedent("""
     import sys, types, torch
     pkg = types.ModuleType("sd_accel"); pkg.__path__ = [sys.argv[1]]; sys.modules["sd_accel"] = pkg
-    from sd_accel.kernels import _triton
+    from sd_accel.kernels import _launch
     from sd_accel.kernels.group_norm_silu import group_norm_silu, group_norm_silu_reference
     from sd_accel.kernels.geglu import geglu, geglu_reference
     from sd_accel.kernels.layer_norm import layer_norm, layer_norm_reference
@@ -38,8 +38,8 @@ SCRIPT = textwrap.dedent("""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = step(x, h, t, x2)
-    paths = [f.last_path for f in ops]
-    assert paths == ["triton"] * 4, (paths, [f.last_reason for f in ops])
+    paths = [f.last_call.path for f in ops]
+    assert paths == ["triton"] * 4, (paths, [f.last_call.reason for f in ops])
     for _ in range(2):
         x.copy_(torch.randn_like(x)); h.copy_(torch.randn_like(h)); t.copy_(torch.randn_like(t))
         x2.copy_(torch.randn_like(x2))
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
                 group_norm_silu_reference(x2, 32, w, b), bias_residual_add_reference(x2, x2, b))
         for o, r in zip(out, refs):
             torch.testing.assert_close(o.float(), r.float(), atol=2e-2, rtol=2e-2)
-    print("OK", len(_triton._compiled))
+    print("OK", len(_launch._compiled))
 """)
 
 

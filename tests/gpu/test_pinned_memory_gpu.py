@@ -1,4 +1,4 @@
-"""GPU only: pinned host buffers packed into slabs (engine/pinned_memory.py) and the lowvram streamer built on
+"""GPU only: pinned host buffers packed into slabs (engine/memory/pinned_memory.py) and the lowvram streamer built on
 them. A buffer is pinned (full-speed copies that a CUDA graph can capture), and the streamer's buffers replace
 the model's host copies of the streamed weights instead of sitting beside them."""
 import gc
@@ -6,9 +6,9 @@ import weakref
 
 import torch
 
-from sd_accel.engine import pinned_memory
-from sd_accel.engine.offload import BlockStreamer
-from sd_accel.engine.vram_plan import stream_units
+from sd_accel.engine.memory import pinned_memory
+from sd_accel.engine.memory.offload import BlockStreamer
+from sd_accel.engine.memory.stream_units import stream_units
 
 
 def test_buffers_are_pinned_views_of_slabs_and_graphs_capture_copies_from_them():

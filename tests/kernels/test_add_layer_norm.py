@@ -23,7 +23,7 @@ def _inputs(shape, dtype, device, seed=0):
 def test_sum_is_torchs_and_norm_matches(shape, dtype, atol, rtol, device, poison_empty):
     a, r, w, b = _inputs(shape, dtype, device)
     s, y = add_layer_norm(a, r, (shape[-1],), w, b, 1e-5)
-    assert add_layer_norm.last_path == "triton", add_layer_norm.last_reason
+    assert add_layer_norm.last_call.path == "triton", add_layer_norm.last_call.reason
     if dtype == torch.bfloat16 and _triton.interpret_mode():
         # Triton's CPU interpreter truncates fp32 -> bf16 (a GPU rounds to nearest even, as torch does):
         # within one bf16 step there
@@ -39,7 +39,7 @@ def test_sum_is_torchs_and_norm_matches(shape, dtype, atol, rtol, device, poison
 def test_no_affine_and_fp32_weights_with_half_inputs(device, poison_empty):
     a, r, _, _ = _inputs((2, 8, 320), torch.float16, device, seed=1)
     s, y = add_layer_norm(a, r, 320)
-    assert add_layer_norm.last_path == "triton"
+    assert add_layer_norm.last_call.path == "triton"
     torch.testing.assert_close(y.float(), layer_norm_reference(s.float(), (320,)), atol=2e-3, rtol=2e-3)
     w = torch.randn(320, device=device)
     s, y = add_layer_norm(a, r, (320,), w, None)
@@ -64,6 +64,6 @@ def test_ineligible_inputs_fall_back_to_the_reference_with_a_reason(case, device
     if case == "residual-shape":
         return    # a + r broadcasts: the reference is still defined, but nothing in a UNet calls it so
     s, y = add_layer_norm(a, r, shape, w, b)
-    assert add_layer_norm.last_path == "reference" and add_layer_norm.last_reason == why
+    assert add_layer_norm.last_call.path == "reference" and add_layer_norm.last_call.reason == why
     ref_s, ref_y = add_layer_norm_reference(a, r, shape, w, b)
     assert torch.equal(s, ref_s) and torch.equal(y, ref_y)

@@ -46,7 +46,7 @@ def _fp32_reference(x, r, b=None, rb=None):
 
 
 def _check(y, x, ref, atol, rtol):
-    assert bias_residual_add.last_path == "triton", bias_residual_add.last_reason
+    assert bias_residual_add.last_call.path == "triton", bias_residual_add.last_call.reason
     assert y.dtype == x.dtype and y.shape == x.shape and y.stride() == x.stride()
     assert not torch.isnan(y).any()
     torch.testing.assert_close(y.float(), ref, atol=atol, rtol=rtol)
@@ -118,7 +118,7 @@ def _assert_fallback(x, r, b=None, rb=None, reason=None, out=None):
     assert not ok and why and (reason is None or reason in why), why
     ref = bias_residual_add_reference(x, r, b, rb)
     y = bias_residual_add(x, r, b, rb, out=out)
-    assert bias_residual_add.last_path == "reference" and bias_residual_add.last_reason == why
+    assert bias_residual_add.last_call.path == "reference" and bias_residual_add.last_call.reason == why
     torch.testing.assert_close(y, ref.to(y.dtype))
     return y
 

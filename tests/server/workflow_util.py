@@ -13,7 +13,7 @@ SMALL = {"width": 64, "height": 64, "batch_size": 1}
 
 def load_api(path):
     with open(path) as f:
-        return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+        return json.load(f)
 
 
 def txt2img(ckpt, sampler="SDAccelKSampler", seed=7, steps=2, prefix="t", lora=None, **accel):

@@ -4,9 +4,11 @@ As in A1111: `opts.data_labels` is the `options_templates` dict itself until the
 it; `opts.data` holds saved values and only gains a new key through `add_option` (which keeps a value
 loaded from config.json); `opts.set(key, value, is_api=True)` runs `onchange` and rolls back if it
 raises; an unknown key raises KeyError. The API's options model is a snapshot of `data_labels` keys
-taken when `modules.api.models` is imported (`api_options_model`), and `GET /sdapi/v1/options`
-returns the keys of `opts.data` that the snapshot knows (`api_get_options`): options registered only
-later, in `on_ui_settings`, are missing from the GET (measured on A1111 with --nowebui).
+built when `modules.api.models` is first imported (fake_a1111/modules/api/models.py), and
+`GET /sdapi/v1/options` returns `opts.data` filtered to that model's fields (`api_get_options`): options
+registered only later, in `on_ui_settings`, are missing from the GET (measured on A1111 with --nowebui),
+and so are options registered after another extension imported the API first (Forge's built-in
+ControlNet imports `modules.api.api` before user extensions load).
 """
 options_templates = {}
 loaded_hypernetworks = []
@@ -72,8 +74,12 @@ opts = Options(options_templates)
 
 
 def api_options_model():
-    return frozenset(opts.data_labels)
+    """The response model A1111's `Api()` registers for `GET /sdapi/v1/options` (at app start, after the
+    extensions' scripts were imported)."""
+    from .api import models
+    return models.OptionsModel
 
 
-def api_get_options(model_keys):
-    return {k: v for k, v in opts.data.items() if k in model_keys}
+def api_get_options(model):
+    """`GET /sdapi/v1/options` through `model`: the saved values, filtered to the model's fields."""
+    return model(**opts.data).model_dump()

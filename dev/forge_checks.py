@@ -1,0 +1,172 @@
+"""The checks dev/forge_check.py runs against a Forge it started: HTTP only (stdlib), through Forge's API
+and the extension's `GET /sd_accel/status`."""
+import base64
+import json
+import os
+import time
+import urllib.error
+
+from a1111_check import PSNR_MIN, call, psnr
+
+KEYS = ["sd_accel_enabled", "sd_accel_fused_kernels", "sd_accel_cuda_graph", "sd_accel_channels_last"]
+OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
+
+
+class Checker:
+    def __init__(self, url, args, ckpt, ckpt2, lora):
+        self.url, self.args, self.ckpt, self.ckpt2, self.lora = url, args, ckpt, ckpt2, lora
+        self.failures, self.n_checks = [], 0
+
+    def check(self, ok, what):
+        self.n_checks += 1
+        print("[check] %s %s" % ("PASS" if ok else "FAIL", what), flush=True)
+        if not ok:
+            self.failures.append(what)
+
+    def status(self):
+        return call(self.url, "/sd_accel/status")
+
+    def wait_status(self, timeout=60):
+        """The status route, once the WebUI's app-started callbacks (which add it) have run."""
+        t0 = time.time()
+        while True:
+            try:
+                return self.status()
+            except urllib.error.HTTPError:
+                if time.time() - t0 > timeout:
+                    raise
+                time.sleep(1.0)
+
+    def set(self, **opts):
+        call(self.url, "/sdapi/v1/options", opts)
+
+    def txt2img(self, tag, lora=False, hires=False):
+        body = {"prompt": "a photo of a cat" + (" <lora:%s:1>" % self.lora if lora else ""), "negative_prompt": "",
+                "seed": 1234, "steps": self.args.steps, "width": 64, "height": 64, "cfg_scale": 7,
+                "sampler_name": "Euler", "batch_size": 1, "send_images": True, "save_images": False}
+        if hires:
+            # Forge's API needs hr_additional_modules (its default None fails the request, with or without SD Accel)
+            body.update(enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=2,
+                        denoising_strength=0.5, hr_additional_modules=["Use same choices"])
+        k0, t0 = self.status()["kernels"], time.time()
+        r = call(self.url, "/sdapi/v1/txt2img", body)
+        png = base64.b64decode(r["images"][0].split(",", 1)[-1])
+        ran = {op: {"calls": e["fused"] + e["fallback"] - k0.get(op, {}).get("fused", 0)
+                    - k0.get(op, {}).get("fallback", 0), "fused": e["fused"] - k0.get(op, {}).get("fused", 0)}
+               for op, e in self.status()["kernels"].items()}
+        print("[txt2img] %s: %.1f s, %d-byte PNG, kernel calls %s" % (tag, time.time() - t0, len(png), json.dumps(
+            {op: e["calls"] for op, e in ran.items() if e["calls"]})), flush=True)
+        return png, ran
+
+    def same(self, a, b, what):
+        p = psnr(a, b)
+        self.check(p >= PSNR_MIN, "%s: PSNR %s dB (>= %.0f)" % (what, "inf (identical)" if p == float("inf")
+                                                                 else "%.2f" % p, PSNR_MIN))
+
+    def differ(self, a, b, what):
+        p = psnr(a, b)
+        self.check(p < PSNR_MIN, "%s: PSNR %.2f dB (< %.0f)" % (what, p, PSNR_MIN))
+
+    def checkpoint_title(self, filename):
+        for m in call(self.url, "/sdapi/v1/sd-models"):
+            if os.path.basename(m["filename"]) == filename:
+                return m["title"]
+        raise SystemExit("checkpoint %s not listed by /sdapi/v1/sd-models" % filename)
+
+    def run(self):
+        self.check_options()
+        img_on = self.check_kernels()
+        self.set(sd_accel_enabled=False)
+        s = self.status()
+        self.check(s["patched"] == 0, "toggle off: nothing patched at the next generation (%d)" % s["patched"])
+        img_off, ran = self.txt2img("SD Accel off")
+        self.check(not any(e["calls"] for e in ran.values()), "off: no SD Accel module called")
+        self.same(img_on, img_off, "on vs off")
+        self.set(sd_accel_enabled=True)
+        self.check_lora(img_on)
+        self.check_switch(img_on)
+        self.check_hires()
+
+    def check_options(self):
+        opts = call(self.url, "/sdapi/v1/options")
+        self.check(all(k in opts for k in KEYS), "GET /sdapi/v1/options (%d keys) lists %s" % (
+            len(opts), {k: opts.get(k, "MISSING") for k in KEYS}))
+        if not opts.get("sd_accel_enabled", True):
+            self.set(sd_accel_enabled=True)
+        s = self.wait_status()
+        self.check(s["forge"] is True, "status before the first generation: forge %s, model %s" % (s["forge"], s["model"]))
+        self.check(s["settings"] == {"section": "SD Accel", "category": "Stable Diffusion"},
+                   "settings filed under %s" % s["settings"])
+
+    def check_kernels(self):
+        img, ran = self.txt2img("SD Accel on (default settings)")
+        s = self.status()
+        print("[status] %s" % json.dumps({k: s.get(k) for k in ("model", "patched", "counts", "skipped", "fold_silu",
+                                                               "wrapper", "runs", "graphs")}), flush=True)
+        counts = s["counts"]
+        self.check(s["patched"] > 0 and sum(counts.values()) == s["patched"] and counts.get("geglu", 0) > 0,
+                   "default settings: %d modules patched, per-op counts %s add up, GEGLU on Forge's Linear included"
+                   % (s["patched"], counts))
+        want = {op: self.args.steps * counts.get(op, 0) for op in OPS}
+        got = {op: ran.get(op, {}).get("calls", 0) for op in OPS}
+        self.check(got == want and all(want.values()), "every fused module called on every step: calls %s = "
+                   "%d steps x modules" % (got, self.args.steps))
+        g = s["graphs"]
+        self.check(s["wrapper"] == "model_function_wrapper" and g.get("eager", 0) + g.get("replays", 0) >= self.args.steps,
+                   "the step ran through SD Accel's model_function_wrapper (graphs %s)" % g)
+        if self.args.expect_fused:
+            self.check(all(ran.get(op, {}).get("fused", 0) > 0 for op in OPS),
+                       "the Triton kernels ran: %s" % {op: ran.get(op, {}).get("fused", 0) for op in OPS})
+        img2, ran2 = self.txt2img("SD Accel on, again")
+        self.check({op: ran2.get(op, {}).get("calls", 0) for op in OPS} == want,
+                   "the counts rise by as much at the next generation")
+        self.same(img, img2, "the same generation twice")
+        return img
+
+    def check_lora(self, plain):
+        on, _ = self.txt2img("LoRA on SD Accel's modules, SD Accel on", lora=True)
+        self.differ(on, plain, "the LoRA changes the image")
+        self.set(sd_accel_enabled=False)
+        off, _ = self.txt2img("LoRA, SD Accel off", lora=True)
+        self.same(on, off, "LoRA: SD Accel on vs off (Forge keeps the merged LoRA across the toggle)")
+        self.set(sd_accel_enabled=True)
+        again, _ = self.txt2img("LoRA, SD Accel on again", lora=True)
+        self.same(on, again, "LoRA: SD Accel on again")
+        back, _ = self.txt2img("LoRA removed, SD Accel on")
+        self.same(back, plain, "LoRA removed: the plain image again")
+
+    def check_switch(self, plain):
+        t1, t2 = self.checkpoint_title(self.ckpt), self.checkpoint_title(self.ckpt2)
+        self.set(sd_model_checkpoint=t2)
+        img_c, ran = self.txt2img("second checkpoint, SD Accel on")
+        s = self.status()
+        self.check(s["patched"] > 0 and any(e["calls"] for e in ran.values()) and s["state_dict_keys_unchanged"],
+                   "checkpoint switch to %s: %d patched, called, keys unchanged %s" % (t2, s["patched"],
+                                                                                   s["state_dict_keys_unchanged"]))
+        self.differ(img_c, plain, "the second checkpoint's weights change the image")
+        self.set(sd_accel_enabled=False)
+        img_d, _ = self.txt2img("second checkpoint, SD Accel off")
+        self.same(img_c, img_d, "second checkpoint: on vs off")
+        self.set(sd_accel_enabled=True, sd_model_checkpoint=t1)
+        img_e, _ = self.txt2img("first checkpoint again, SD Accel on")
+        self.same(img_e, plain, "back to the first checkpoint")
+
+    def check_hires(self):
+        on, ran = self.txt2img("hires fix, SD Accel on", hires=True)
+        first = self.args.steps * self.status()["counts"].get("layer_norm", 0)
+        self.check(ran.get("layer_norm", {}).get("calls", 0) > first,
+                   "hires fix: SD Accel modules called in the second pass too (%d LayerNorm calls, %d in the first "
+                   "pass)" % (ran.get("layer_norm", {}).get("calls", 0), first))
+        self.set(sd_accel_enabled=False)
+        off, _ = self.txt2img("hires fix, SD Accel off", hires=True)
+        self.set(sd_accel_enabled=True)
+        self.same(on, off, "hires fix: on vs off")
+
+    def check_log(self, path):
+        with open(path, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f if "SD Accel" in ln or "cast_bias_weight" in ln]
+        print("[forge log] %d SD Accel lines:" % len(lines))
+        for ln in lines:
+            print("  " + ln[-300:])
+        self.check(not any("None" in ln or "cast_bias_weight" in ln for ln in lines),
+                   "console lines without None and without comfy.ops noise")

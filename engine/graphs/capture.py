@@ -1,0 +1,122 @@
+"""Capturing a step into a CUDA graph so that a failure leaves nothing broken.
+
+Inside `capturing(graph, pool, inputs, host_values)`:
+  * the garbage collector is paused: a collection frees the CUDA tensors the garbage held (a dropped LoRA
+    variant's clone, say), and a free issued during a capture of memory allocated outside it aborts the process
+    under cudaMallocAsync;
+  * the capture runs on a side stream in thread-local mode (another thread's CUDA calls neither break it nor
+    are refused), without emptying the allocator's cache first (torch.cuda.graph() does; under a VRAM Pool a
+    capture follows every prompt's reshuffle, and the blocks given back would be allocated anew);
+  * torch's sync debug mode is "error", and explicit waits (waits.py) raise: an operation that would wait for
+    the GPU (which a capture forbids and which invalidates it) raises before it reaches CUDA, so the capture can
+    still be ended cleanly;
+  * reads of graph inputs on the host are answered from host copies (host_reads.py).
+If the capture is invalidated anyway (a wait issued from C code, out of reach of both), `recover` ends what
+torch left open: the allocator's capture pool and the CUDA generator's capture mode; what the capture allocated
+is kept alive (`keep_until_exit`: freeing it aborts under cudaMallocAsync). Under cudaMallocAsync that is not a
+full repair (the driver hands the invalidated capture's addresses out again while torch still books them), which
+is why the probe and the guards above exist: the common cases never reach an invalidated capture.
+"""
+import contextlib
+import ctypes
+import gc
+import logging
+
+import torch
+
+from .host_reads import HostReads
+from .waits import Waits
+
+log = logging.getLogger("sd_accel")
+_STREAMS = {}
+_KEPT = []
+
+
+class CaptureInvalidated(RuntimeError):
+    """CUDA invalidated the capture (an operation it could not record); torch's capture state was repaired."""
+
+
+@contextlib.contextmanager
+def gc_paused():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def sync_errors():
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(2)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
+def _side_stream():
+    device = torch.cuda.current_device()
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream()
+    return stream
+
+
+@contextlib.contextmanager
+def _on_side_stream(graph, pool):
+    stream = _side_stream()
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        except RuntimeError as e:     # an allocator refused to begin: undo what it began
+            recover(pool)
+            raise CaptureInvalidated(str(e)) from e
+        try:
+            yield
+        finally:
+            try:
+                graph.capture_end()
+            except RuntimeError as e:
+                recover(pool)
+                raise CaptureInvalidated(str(e)) from e
+    current.wait_stream(stream)
+
+
+@contextlib.contextmanager
+def capturing(graph, pool, inputs=(), host_values=None):
+    with gc_paused(), HostReads(inputs, host_values or {}), Waits(raise_=True), sync_errors(), \
+            _on_side_stream(graph, pool):
+        yield
+
+
+def recover(pool):
+    """After an invalidated capture: close the allocator's capture pool, take the CUDA generator out of
+    capture mode (an empty capture runs its prologue and epilogue), and wait for the device."""
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except (RuntimeError, AttributeError) as e:
+        log.debug("[SD Accel] allocator pool after a failed capture: %s", e)
+    try:
+        empty = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(_side_stream()):
+            empty.capture_begin(capture_error_mode="thread_local")
+            empty.capture_end()
+        keep_until_exit(empty)
+    except RuntimeError as e:
+        log.warning("[SD Accel] could not reset the CUDA generator after a failed capture: %s", e)
+    torch.cuda.synchronize()
+
+
+def keep_until_exit(item):
+    """Keeps `item` alive for good, interpreter teardown included (freeing at exit aborts just the same). The
+    list gets one reference no one drops, so Python's finalization never frees it; the OS and the driver
+    reclaim the memory when the process ends."""
+    if not _KEPT:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))
+    _KEPT.append(item)

@@ -1,0 +1,101 @@
+"""A cheap identity of a module's weights and module tree, read on every step: a graph never replays stale.
+
+(identity, storage address, version counter, dtype) of every parameter and buffer, read through the owning
+modules' dicts, so a replaced Parameter (ComfyUI patches a LoRA in by replacing it, or in place, which bumps
+`_version`) is seen; plus the identity of every module in the tree, so an object patch (a swapped
+`model_sampling`, another pack's module) is seen too. Identities are weak references, never `id()`s: an id
+is reused once its object dies, so a new tensor at the old address could otherwise look like the old one.
+
+Cost: walking the module tree and reading every slot is ~1 ms for SD1.5. So within one sampling run (the
+caller's `epoch`) the tree is walked at the run's first step only (hosts swap modules when they load a model,
+before that step), and a later step re-reads the slots only when a tensor object or a version counter changed:
+a Parameter replaced mid-run or an in-place write to a tensor with a version counter (A1111's LoRA) is still
+seen at once; a `.data` swap of the same Parameter mid-run, which no host does, is seen at the next run's first
+step. Without an epoch (None) every read is full.
+
+Weights a block streamer keeps in fixed GPU places (engine/memory/offload.py) change where the fingerprint cannot see
+them: the module's residency token (engine/memory/residency.py) is part of the fingerprint.
+"""
+import weakref
+
+from ..memory import residency
+
+_NO_EPOCH = object()
+
+
+class WeightsFingerprint:
+    def __init__(self, module, token_module=None):
+        self.module = module
+        self.token_module = module if token_module is None else token_module
+        self.slots = []
+        self.tree = ()
+        self.epoch = _NO_EPOCH
+        self._last = None     # this epoch's last full read: (weak refs, [(slot, version)], result)
+
+    def refresh(self):
+        modules = list(self.module.modules())
+        self.slots = [(d, name) for m in modules for d in (m._parameters, m._buffers) for name in d]
+        self.tree = tuple(weakref.ref(m) for m in modules)
+
+    def read(self, epoch=None):
+        """(fingerprint, all weights on the GPU). Equal fingerprints: the same weights in the same places."""
+        if epoch is None or epoch is not self.epoch:
+            self.refresh()
+            self.epoch = epoch
+            self._last = None
+        tensors = [d.get(name) for d, name in self.slots]
+        last = self._last
+        token = residency.token_of(self.token_module)
+        if (last is not None and _same_objects(last[0], tensors) and all(tensors[i]._version == v for i, v in last[1])
+                and last[2][0][2] is token):
+            return last[2]
+        refs, out, versioned, all_cuda = [], [], [], True
+        for i, t in enumerate(tensors):
+            if t is None:
+                refs.append(None)
+                out.append(None)
+                continue
+            all_cuda = all_cuda and t.is_cuda
+            # inference tensors (ComfyUI loads weights under inference_mode) have no version counter; for them
+            # an in-place update is caught by the host's own patch state (StepGraphs' `host_state`)
+            version = 0
+            if not t.is_inference():
+                version = t._version
+                versioned.append((i, version))
+            refs.append(weakref.ref(t))
+            out.append((t.data_ptr(), version, t.dtype))
+        result = (_Identity(self.tree + tuple(refs)), tuple(out), residency.token_of(self.token_module)), all_cuda
+        if epoch is not None:
+            self._last = (refs, versioned, result)
+        return result
+
+
+def _same_objects(refs, tensors):
+    if len(refs) != len(tensors):
+        return False
+    return all((r is None and t is None) or (r is not None and t is not None and r() is t)
+               for r, t in zip(refs, tensors))
+
+
+class _Identity:
+    """The objects of one read, by weak reference: equal to another read of the same live objects only."""
+    __slots__ = ("refs",)
+
+    def __init__(self, refs):
+        self.refs = refs
+
+    def __eq__(self, other):
+        if not isinstance(other, _Identity) or len(self.refs) != len(other.refs):
+            return False
+        for a, b in zip(self.refs, other.refs):
+            if a is None or b is None:
+                if a is not b:
+                    return False
+                continue
+            obj = a()
+            if obj is None or obj is not b():
+                return False
+        return True
+
+    def __hash__(self):
+        return len(self.refs)

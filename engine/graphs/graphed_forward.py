@@ -1,0 +1,72 @@
+"""A module's whole forward replayed from CUDA graphs, as a stand-in for its `forward` attribute.
+
+For models the host calls once per step outside the UNet's own wrapper: a ControlNet (ComfyUI calls
+`control_model(x=, hint=, timesteps=, context=, ...)` before the UNet). Issuing one SD1.5 ControlNet
+eagerly costs ~15 ms of CPU per step for ~5 ms of GPU work; a replay costs the GPU time. Where the host
+runs the ControlNets inside the UNet's own graph (hosts/comfyui/control_graph.py), this stand-in is
+called inside that graph's warm-up or capture and runs eagerly there (StepGraphs: no graphs of its own).
+
+`GraphedForward(module)` is set as the instance attribute `forward` (nn.Module.__call__ looks it up
+there first) through the host's reversible mechanism (a ComfyUI object patch on path "forward"); it
+calls the class's own forward, so removing the attribute restores the module exactly. One per module
+and options, kept on the module itself (`for_module`), so its graphs survive from one prompt to the
+next; `StepGraphs` does the keying, static buffers and stale-weight checks (see step_graphs.py).
+
+channels_last: the module's conv weights are converted in place before its first capture (values unchanged),
+as the UNet's are, so its convolutions need no layout transforms inside the graphs either.
+"""
+import logging
+
+from ..patches import patching
+from .step_graphs import StepGraphs
+
+log = logging.getLogger("sd_accel")
+_ATTR = "_sd_accel_forwards"
+
+
+class GraphedForward:
+    def __init__(self, module, name, cuda_graph=True, channels_last=True):
+        self.module = module
+        self.forward = type(module).forward
+        self.cuda_graph, self.channels_last = cuda_graph, channels_last
+        self.graphs = _graphs_of(module, name)
+        self.epoch = None
+        self.channels_last_done = False
+
+    @classmethod
+    def for_module(cls, module, name, cuda_graph=True, channels_last=True):
+        """The one stand-in of `module` for these options (created on first use)."""
+        forwards = module.__dict__.setdefault(_ATTR, {})
+        key = (bool(cuda_graph), bool(channels_last))
+        gf = forwards.get(key)
+        if gf is None:
+            gf = forwards[key] = cls(module, name, *key)
+        return gf
+
+    def new_run(self):
+        """A sampling run starts: the weights are walked again once (see WeightsFingerprint)."""
+        self.epoch = object()
+
+    def __call__(self, *args, **kwargs):
+        if self.cuda_graph:
+            return self.graphs.run(self._eager, args, kwargs, epoch=self.epoch, before_capture=self._to_channels_last)
+        return self._eager(*args, **kwargs)
+
+    def _to_channels_last(self):
+        """Before the first capture (see hosts/comfyui/accelerate.py): conv weights to channels_last, values unchanged."""
+        if not self.channels_last or self.channels_last_done:
+            return False
+        n = patching.convert_conv_weights(self.module)
+        self.channels_last_done = True
+        log.info("[SD Accel] channels_last: %d conv weights of %s converted", n, self.graphs.name)
+        return n > 0
+
+    def _eager(self, *args, **kwargs):
+        return self.forward(self.module, *args, **kwargs)
+
+def _graphs_of(module, name):
+    # one StepGraphs per module, shared by its stand-ins: graph memory is bounded per module
+    g = module.__dict__.get("_sd_accel_graphs")
+    if g is None:
+        g = module.__dict__["_sd_accel_graphs"] = StepGraphs(module, name=name)
+    return g

@@ -1,0 +1,186 @@
+"""How objects in a step's arguments enter a graph key: by identity that cannot be confused, and by content.
+
+A captured graph bakes in everything Python decided while it was captured: which patch functions ran, the
+numbers their closures held, the tensors they read by address. So a key must change whenever any of that
+could: two different objects must never look alike (an `id()` is reused once an object dies, so a new
+patch could replay the graph of a dead one), and one object whose content changed must look different.
+
+* `Token(obj)`: the identity of a live object. Equal only to a token of the same object while it lives
+  (held weakly where the object allows it, so keys never keep models alive; a dead object's key never
+  matches again).
+* `signature(obj, soft)`: what a key holds for a non-container leaf. A callable found in the call
+  (a patch function, a wrapper, an instance with `__call__`) is its identity plus the content of what it
+  closes over: closure cells, defaults, partial arguments, the instance's attributes, walked a few levels
+  deep; a function found inside that content is its code (patches create helper closures per call, ToMe's
+  unmerge for one, which must not make every call a new key). A GPU tensor found there is its shape, dtype
+  and strides and is appended to `soft`: a graph reads it by address, so a call whose tensor is another
+  object than the capture read is captured again (StepGraphs); a tensor the step itself stores (SAG keeps
+  its attention scores in a closure) is the capture's own from then on, which each replay rewrites.
+  Modules and model patchers are identity only (their weights are the fingerprint's business). Other plain
+  objects are their type: holders of per-run state (EasyCache's, LazyCache's) are new objects every run and
+  are read by wrappers outside the graph; one that a step changes is found by the probe (`state_of`).
+* `state_of(obj)`: a deeper snapshot of the same walk that also reads plain objects' attributes and random
+  generators' states; compared before and after a probe call to see whether a step changes Python state.
+
+SD Accel's own objects (wrappers, callbacks, attention patches) carry `sd_accel_inert`, a hashable
+description of the options that built them (True when there are none): beyond those options they do not
+change what a step computes, so they enter a key by name and that description, whichever object it is.
+"""
+import enum
+import functools
+import random
+import types
+import uuid
+import weakref
+
+import torch
+
+INERT = "sd_accel_inert"
+DEPTH = 4            # levels below a callable that are walked
+BUDGET = 4000        # items one signature may visit; beyond that the rest is identity only
+_PRIMITIVE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
+              uuid.UUID, enum.Enum, range, slice)
+
+
+class Token:
+    """The identity of one live object (see the module doc)."""
+    __slots__ = ("_ref", "_strong", "_hash", "name")
+
+    def __init__(self, obj):
+        self._hash = id(obj)
+        self.name = getattr(obj, "__qualname__", None) or type(obj).__name__
+        try:
+            self._ref, self._strong = weakref.ref(obj), None
+        except TypeError:       # not weak-referenceable (builtins, some C types): held strongly
+            self._ref, self._strong = None, obj
+
+    def get(self):
+        return self._strong if self._ref is None else self._ref()
+
+    def alive(self):
+        return self.get() is not None
+
+    def __eq__(self, other):
+        if not isinstance(other, Token):
+            return NotImplemented
+        mine = self.get()
+        return mine is not None and mine is other.get()
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return "<%s%s>" % (self.name, "" if self.alive() else " (dead)")
+
+
+def is_opaque(obj):
+    """Modules and model patchers: identity only (never walked into: weights, huge trees)."""
+    return isinstance(obj, torch.nn.Module) or (hasattr(obj, "model_options") and hasattr(obj, "clone"))
+
+
+class _Walk:
+    def __init__(self, deep, soft=None):
+        self.deep = deep          # state_of: plain objects' attributes and RNG states too
+        self.soft = soft          # where GPU tensors found inside objects are collected (signature)
+        self.left = BUDGET
+        self.seen = {}
+
+    def leaf(self, obj, depth, top=False):
+        self.left -= 1
+        if isinstance(obj, (Token, *_PRIMITIVE)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        mark = getattr(obj, INERT, None)
+        if mark is not None and mark is not False:
+            return ("ours", getattr(obj, "__qualname__", type(obj).__name__), mark)
+        if self.left <= 0 or depth <= 0:
+            return ("id", Token(obj))
+        hit = self.seen.get(id(obj))
+        if hit is not None:
+            return ("again", hit)
+        self.seen[id(obj)] = len(self.seen)
+        return self.compound(obj, depth, top)
+
+    def compound(self, obj, depth, top=False):
+        if isinstance(obj, dict):
+            return ("D",) + tuple((_dict_key(k), self.leaf(v, depth - 1)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+            return (type(obj).__name__,) + tuple(self.leaf(v, depth - 1) for v in items)
+        if is_opaque(obj):
+            return ("id", Token(obj))
+        if isinstance(obj, random.Random):
+            return ("rng", Token(obj), hash(obj.getstate()))
+        if isinstance(obj, torch.Generator):
+            return ("gen", Token(obj), obj.device.type, _generator_state(obj) if self.deep else None)
+        if isinstance(obj, types.MethodType):   # the method's object is what its closure would be
+            owner = obj.__self__
+            attrs = getattr(owner, "__dict__", None)
+            return ("bound", Token(owner), Token(obj.__func__),
+                    self.leaf(attrs, depth - 1) if isinstance(attrs, dict) and not is_opaque(owner) else None)
+        if isinstance(obj, types.FunctionType):
+            return self.function(obj, depth) if top else ("code", Token(obj.__code__))
+        if isinstance(obj, functools.partial):
+            return ("partial", self.leaf(obj.func, depth - 1), self.leaf(obj.args, depth - 1),
+                    self.leaf(obj.keywords, depth - 1))
+        attrs = getattr(obj, "__dict__", None)
+        walk = isinstance(attrs, dict) and (self.deep or callable(obj)) and not isinstance(obj, type)
+        attrs = self.leaf(attrs, depth - 1) if walk else None
+        if callable(obj) and not isinstance(obj, type):
+            return ("obj", Token(obj), attrs)
+        return ("plain", type(obj).__qualname__, attrs)
+
+    def function(self, fn, depth):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(self.leaf(cell.cell_contents, depth - 1))
+            except ValueError:                   # an empty cell (a name assigned later)
+                cells.append(("empty",))
+        return ("fn", Token(fn), tuple(cells), self.leaf(fn.__defaults__, depth - 1),
+                self.leaf(fn.__kwdefaults__, depth - 1))
+
+
+    def tensor(self, t):
+        if t.device.type == "cpu" and t.numel() <= 256:
+            return ("C", tuple(t.shape), t.dtype, tuple(t.reshape(-1).tolist()))
+        if t.device.type == "cpu":
+            return ("X", Token(t), tuple(t.shape), t.dtype)      # host data baked in: identity
+        if self.soft is not None:
+            self.soft.append(t)
+        return ("T", tuple(t.shape), t.dtype, t.stride(), t.device)
+
+
+def _dict_key(k):
+    return k if isinstance(k, (str, int)) else repr(k)
+
+
+def _generator_state(g):
+    try:
+        return bytes(g.get_state().numpy()) if g.device.type == "cpu" else g.get_offset()
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def signature(obj, soft=None):
+    """What a graph key holds for `obj` (see the module doc); GPU tensors inside it appended to `soft`."""
+    return _Walk(deep=False, soft=soft).leaf(obj, DEPTH, top=True)
+
+
+def state_of(obj):
+    """A snapshot of the Python state reachable from `obj`, to compare before and after a call."""
+    return _Walk(deep=True).leaf(obj, DEPTH + 1, top=True)
+
+
+def dead_tokens(key):
+    """True when `key` (a flat tuple) holds a token of an object that no longer lives: it can never match."""
+    stack = [key]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Token):
+            if not item.alive():
+                return True
+        elif isinstance(item, tuple):
+            stack.extend(item)
+    return False

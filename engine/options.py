@@ -1,0 +1,13 @@
+"""The acceleration options every host offers, as one type; a host derives its own from it where it has more."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AccelOptions:
+    fused_kernels: bool = True     # fused Triton kernels where a module is eligible
+    cuda_graph: bool = True        # each step replayed from a CUDA graph where it can be
+    channels_last: bool = True     # conv weights in channels_last before the first capture
+    attention: str = "auto"        # "auto" keeps the host's own attention
+
+    def any(self):
+        return self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"

@@ -1,0 +1,27 @@
+"""A switch that makes SD Accel's stand-in modules compute exactly what the modules they replace compute.
+
+Fused kernels pay inside CUDA graphs, where a step costs only its GPU time. Eagerly, each launch also costs
+host time, and where the host is the bound (SD1.5 at batch 1) the stock modules are the faster path. A step
+that runs eagerly (graphs refused for it, or off) can run inside `stock_modules()`: every stand-in then
+calls its host class's own forward (a fused GroupNorm+SiLU runs the GroupNorm and the SiLU the host would have
+run), so the result is stock's, bit for bit, at stock's speed. Per thread: a scope on one thread never changes
+what another computes.
+"""
+import contextlib
+import threading
+
+_tls = threading.local()
+
+
+def active():
+    """True inside a `stock_modules()` scope on this thread."""
+    return getattr(_tls, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def stock_modules():
+    _tls.depth = getattr(_tls, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.depth -= 1

@@ -1,0 +1,99 @@
+"""The per-run report that Accelerated KSampler and Apply SD Accel show: speed, memory, what ran."""
+import time
+
+import torch
+
+from ...kernels import _launch
+
+
+class RunTimer:
+    """Times a sampling call on the host clock, synchronising the GPU so queued work is counted."""
+
+    def __init__(self, device=None):
+        self.cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.t0
+        self.peak_bytes = torch.cuda.max_memory_allocated() if self.cuda else None
+
+
+def compile_snapshot():
+    """Kernels compiled ahead so far and the seconds it took (kernels/_compile_ahead.run_compiling_ahead)."""
+    return _launch.first_launches["ahead"], _launch.first_launches["ahead_seconds"]
+
+
+def compile_note(before, after):
+    """The note for a run that compiled Triton kernels (a cold cache: the run's extra seconds), else None."""
+    n, secs = after[0] - before[0], after[1] - before[1]
+    if n <= 0:
+        return None
+    return ("first run of this shape: %d Triton kernels compiled in parallel (%.1f s; kept in Triton's cache "
+            "for later runs and starts)" % (n, secs))
+
+
+def build(steps, timer, kernels, graphs, options, notes=()):
+    """A JSON-able dict: it_s, seconds, peak_vram_gib, ran, fell_back ({what: why}), graphs, notes."""
+    ran, fell_back = [], {}
+    for op, e in sorted(kernels.items()):
+        if e["fused"]:
+            ran.append("%s x%d" % (op, e["fused"]))
+        if e["fallback"]:
+            fell_back[op] = "; ".join(e["reasons"]) or "not eligible"
+    stock_calls = (graphs or {}).get("stock_path", 0)
+    if options.get("fused_kernels") and stock_calls:
+        fell_back["fused kernels (some calls)" if kernels else "fused kernels"] = (
+            "%d step call%s ran the stock modules: faster than the fused ones where no graph runs (%s)"
+            % (stock_calls, "" if stock_calls == 1 else "s", (graphs or {}).get("eager_reason") or "eager"))
+    elif options.get("fused_kernels") and not kernels:
+        fell_back["fused kernels"] = "no fused module was called (no eligible module found)"
+    if graphs:
+        refused = graphs.get("refused") or {}
+        if graphs.get("replays"):
+            ran.append("cuda_graph (%d replays, %d captures)" % (graphs["replays"], graphs["captures"]))
+            if refused:
+                fell_back["cuda_graph (some calls)"] = _refusals(refused)
+        elif options.get("cuda_graph"):
+            fell_back["cuda_graph"] = _refusals(refused) if refused else (graphs.get("eager_reason") or "no replay")
+    backend = options.get("attention", "auto")
+    if backend != "auto" and "attention_" + backend not in kernels:   # "auto" is the host's own attention
+        fell_back["attention_" + backend] = "no attention call went through it"
+    if options.get("channels_last"):
+        # conv weights go to channels_last before a model's first capture, on a GPU only: eager steps keep
+        # the layout stock's modules are fastest on
+        if not timer.cuda:
+            fell_back["channels_last"] = "CPU run: conv weights are converted on a GPU only"
+        elif (graphs or {}).get("replays"):
+            ran.append("channels_last")
+        else:
+            fell_back["channels_last"] = "used inside CUDA graphs only, and none ran"
+    for k in ("fused_kernels", "cuda_graph", "channels_last"):
+        if not options.get(k):
+            fell_back.setdefault(k, "off")
+    return {"it_s": round(steps / timer.seconds, 3) if timer.seconds > 0 else None,
+            "seconds": round(timer.seconds, 4),
+            "steps": steps,
+            "peak_vram_gib": round(timer.peak_bytes / 2 ** 30, 3) if timer.peak_bytes is not None else None,
+            "ran": ran, "fell_back": fell_back, "graphs": graphs, "notes": list(notes)}
+
+
+def _refusals(refused):
+    """One line: why calls ran without graphs, most frequent first."""
+    parts = sorted(refused.items(), key=lambda kv: -kv[1])
+    return "; ".join("%s (%d call%s, eager)" % (why, n, "" if n == 1 else "s") for why, n in parts)
+
+
+def one_line(r):
+    vram = "%.2f GiB" % r["peak_vram_gib"] if r["peak_vram_gib"] is not None else "n/a (CPU)"
+    ran = ", ".join(r["ran"]) or "stock path only"
+    fb = "; ".join("%s: %s" % kv for kv in r["fell_back"].items()) or "nothing"
+    return "%.2f it/s, %.2f s, peak VRAM %s | ran: %s | fell back: %s" % (
+        r["it_s"] or 0.0, r["seconds"], vram, ran, fb)

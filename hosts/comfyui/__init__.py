@@ -1,0 +1,13 @@
+"""ComfyUI host: everything that knows ComfyUI's ModelPatcher, samplers and model management.
+
+  accelerate      SD Accel on a cloned ModelPatcher: object patches, the step wrapper, graph routes
+  run             one Accelerated KSampler run (AcceleratedRun): prepare, sample with a stock fallback, report
+  object_patches  the engine's module swaps as ComfyUI object patches, folded per top-level block
+  controlnet      copies of the ControlNets in the conds, patched; cond-only mode
+  control_graph   a step's ControlNet chain inside the UNet's CUDA graph
+  memory          the VRAM Pool's run wiring: its wrappers, one placement per attempt, the out-of-memory retry
+  memory_scopes   what the pool reads from and sets on ComfyUI's model_management around a run
+  lowvram         streaming what ComfyUI's loader left off the GPU, and the promoted blocks
+  clip_stage      the pool's clip output: the text encode under its budget
+Imported by nodes/ only. Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected.
+"""

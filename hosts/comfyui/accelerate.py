@@ -1,0 +1,322 @@
+"""ComfyUI host: applies the engine's patches to a cloned ModelPatcher, ComfyUI's own reversible way.
+
+* fused kernels: `add_object_patch(path, module)`, undone by ComfyUI on unpatch, folded into one patch per
+  top-level block (hosts/comfyui/object_patches.py); replacements honour `comfy.ops.cast_bias_weight` for
+  low-VRAM and manual-cast modules;
+* channels_last: conv weights converted in place before the first capture (values unchanged);
+* CUDA graphs: an APPLY_MODEL wrapper under our key where the host has keyed wrappers (current
+  ComfyUI), else the single-slot `model_function_wrapper` (ComfyUI 2024), chaining any wrapper another
+  pack set there. One `StepGraphs` per loaded model object, so graphs survive across prompts and are
+  dropped when the weights change or (current ComfyUI) when the model is unloaded.
+Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
+"""
+import logging
+from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
+from ...engine.patches import attention, fused_modules, patching
+from ...engine.graphs import step_graphs
+from ...engine.graphs.step_graphs import StepGraphs
+from . import control_graph
+from . import object_patches
+
+log = logging.getLogger("sd_accel")
+WRAPPER_KEY = "sd_accel"
+ATTENTION_BACKENDS = attention.BACKENDS   # the nodes' `attention` choices
+
+
+def _register_weight_caster():
+    try:
+        import comfy.ops
+        fused_modules.set_host_weight_caster(comfy.ops.cast_bias_weight)
+    except Exception as e:  # noqa: BLE001 - an old host without cast_bias_weight: plain weights only
+        log.info("[SD Accel] comfy.ops.cast_bias_weight unavailable (%s); low-VRAM casting off", e)
+
+
+class _ModelState:
+    """Per loaded BaseModel: its graphs and whether its conv weights are channels_last. The graphs fingerprint
+    the whole BaseModel (its diffusion model and its model_sampling: an object patch of either is seen)."""
+
+    def __init__(self, base_model):
+        self.graphs = StepGraphs(base_model, name=type(base_model).__name__,
+                                 token_module=base_model.diffusion_model)
+        self.channels_last_done = False
+        self.epoch = None      # set per sampling run by Accelerated KSampler
+
+
+# Kept in an attribute of the model (a reference cycle the garbage collector frees with it), not in a
+# WeakKeyDictionary: the state refers back to the model (graphs), and a value that refers to its weak key
+# keeps it alive for ever.
+_STATE_ATTR = "_sd_accel_state"
+
+
+def _state(base_model):
+    st = base_model.__dict__.get(_STATE_ATTR)
+    if st is None:
+        st = base_model.__dict__[_STATE_ATTR] = _ModelState(base_model)
+        log.log(step_graphs.DIAG_LEVEL, "[SD Accel] new graph state for model %x", id(base_model))
+    return st
+
+
+def _inert(fn, options, role):
+    """Marks one of our callables for graph keys: it computes what its options say, whichever object it is."""
+    fn.sd_accel_inert = (role, options.fused_kernels, options.cuda_graph, options.channels_last, options.attention)
+    return fn
+
+
+def _make_step(st, options, base_model):
+    """The function that runs one apply_model (or diffusion model) call the accelerated way."""
+    def to_channels_last():
+        """Before the model's first capture: conv weights to channels_last (values unchanged). Only for graphs:
+        an eager step (graphs refused for it) runs stock's modules, which are fastest on stock's layout."""
+        if not options.channels_last or st.channels_last_done:
+            return False
+        n = patching.convert_conv_weights(base_model.diffusion_model)
+        st.channels_last_done = True
+        log.info("[SD Accel] channels_last: %d conv weights converted", n)
+        return n > 0
+
+    def step(call, args, kwargs, transformer_options=None):
+        x = args[0]
+        fn, args, kwargs = _with_deferred_control(call, args, kwargs)
+        if options.cuda_graph:
+            # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
+            epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
+            return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
+                                 host_state=getattr(base_model, "current_weight_patches_uuid", None))
+        # graphs off: the faster of the fused and the stock modules, measured per shape
+        return st.graphs.eager_paths.run(("no graphs", tuple(x.shape), x.dtype), fn, args, kwargs, x.device)
+    return step
+
+
+def _with_deferred_control(apply_model, args, kwargs):
+    """(fn, args, kwargs) for the graph: a ControlNet chain deferred into this step
+    (hosts/comfyui/control_graph.py) becomes graph inputs, and `fn` runs the chain on them before the UNet,
+    so both are captured in one graph. Anything else is passed through unchanged."""
+    at = 4 if len(args) > 4 else "control"   # keyed wrapper: positional; ComfyUI 2024: a keyword of the cond
+    control = args[at] if at == 4 else kwargs.get(at)
+    if not isinstance(control, control_graph.DeferredControl):
+        return apply_model, args, kwargs
+    inputs = control.graph_inputs()
+    if at == 4:
+        args = args[:4] + (inputs,) + args[5:]
+    else:
+        kwargs = dict(kwargs, control=inputs)
+
+    def fn(*a, **kw):
+        if at == 4:
+            a = a[:4] + (control.evaluate(a[4], a[5] if len(a) > 5 else kw.get("transformer_options")),) + a[5:]
+        else:
+            kw = dict(kw, control=control.evaluate(kw["control"], kw.get("transformer_options")))
+        return apply_model(*a, **kw)
+    return fn, args, kwargs
+
+
+def foreign_diffusion_wrappers(transformer_options):
+    """Other packs' DIFFUSION_MODEL wrappers (EasyCache's, say): Python that runs between apply_model and the
+    UNet on every call, often deciding things on GPU values (which a graph cannot), so with them the graph
+    covers the UNet call alone, inside those wrappers."""
+    wrappers = ((transformer_options or {}).get("wrappers") or {}).get("diffusion_model") or {}
+    return [k for k, ws in wrappers.items() if ws and k != WRAPPER_KEY]
+
+
+def _with_inner_wrapper(transformer_options, inner):
+    """A copy of transformer_options whose DIFFUSION_MODEL wrappers end with `inner` (innermost)."""
+    to = dict(transformer_options)
+    wrappers = dict(to.get("wrappers") or {})
+    dm = {k: v for k, v in (wrappers.get("diffusion_model") or {}).items() if k != WRAPPER_KEY}
+    dm[WRAPPER_KEY] = [inner]
+    wrappers["diffusion_model"] = dm
+    to["wrappers"] = wrappers
+    return to
+
+
+def _evaluated(control, transformer_options):
+    """A deferred ControlNet chain run here, eagerly (ComfyUI's own code): its residuals."""
+    if isinstance(control, control_graph.DeferredControl):
+        return control.evaluate(control.graph_inputs(), transformer_options)
+    return control
+
+
+def runs_controlnets_in_graph(patched, info):
+    """True when the ControlNet chain can be deferred into this accelerated clone's CUDA graph: graphs on,
+    a GPU, and its step the first to see apply_model's control (our keyed wrapper outermost, or our
+    model_function_wrapper not chained to another pack's, which would get the deferred chain instead of
+    residuals)."""
+    if not (info.get("options") or {}).get("cuda_graph") or not _loads_on_cuda(patched):
+        return False
+    if hasattr(patched, "add_wrapper_with_key"):
+        if "model_function_wrapper" in patched.model_options:
+            return False   # called before apply_model (and its wrappers) with the control in its arguments
+        import comfy.patcher_extension as pe
+        first = [w for ws in patched.wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).values() for w in ws][:1]
+        return bool(first) and getattr(first[0], control_graph.TAKES_DEFERRED, False)
+    return info.get("wrapper") == "model_function_wrapper"
+
+
+def _transformer_blocks(diffusion_model):
+    """(block_name, index) of every UNet block holding a transformer, as ComfyUI keys attention patches."""
+    def has_transformer(m):
+        return any(type(s).__name__ == "SpatialTransformer" for s in m.modules())
+    out = []
+    for name, blocks in (("input", getattr(diffusion_model, "input_blocks", ())),
+                         ("output", getattr(diffusion_model, "output_blocks", ()))):
+        out += [(name, i) for i, b in enumerate(blocks) if has_transformer(b)]
+    mid = getattr(diffusion_model, "middle_block", None)
+    if mid is not None and has_transformer(mid):
+        out.append(("middle", 0))
+    return out
+
+
+def _install_attention(clone, backend):
+    attend = attention.attention_fn(backend)
+
+    def patch(q, k, v, extra_options):
+        return attend(q, k, v, extra_options["n_heads"])
+    patch.sd_accel_backend = backend
+    patch.sd_accel_inert = ("attention", backend)
+    blocks = _transformer_blocks(clone.model.diffusion_model)
+    for name, i in blocks:
+        clone.set_model_attn1_replace(patch, name, i)
+        clone.set_model_attn2_replace(patch, name, i)
+    return len(blocks)
+
+
+def _install_wrapper(clone, st, options):
+    base_model = clone.model
+    step = _make_step(st, options, base_model)
+    if hasattr(clone, "add_wrapper_with_key"):
+        _install_keyed(clone, st, options, step)
+        return "apply_model wrapper (keyed)"
+    prev = clone.model_options.get("model_function_wrapper")
+    if getattr(prev, "sd_accel_step", None) is not None:
+        prev = getattr(prev, "sd_accel_prev", None)   # re-applying: replace ours, keep what we chained
+
+    def model_function_wrapper(apply_model, a):
+        c = dict(a["c"])
+        to = c.get("transformer_options")
+        if prev is None:
+            return step(apply_model, (a["input"], a["timestep"]), c, to)
+        return prev(lambda x, t, **kw: step(apply_model, (x, t), kw, kw.get("transformer_options")), a)
+    model_function_wrapper.sd_accel_step = step
+    model_function_wrapper.sd_accel_prev = prev
+    if prev is None:
+        _inert(model_function_wrapper, options, "model_function_wrapper")
+    clone.set_model_unet_function_wrapper(model_function_wrapper)
+    return "model_function_wrapper" + (" (chained)" if prev is not None else "")
+
+
+def _install_keyed(clone, st, options, step):
+    """Current ComfyUI: our APPLY_MODEL wrapper (graphs of the whole apply_model call), which moves the graph
+    inside the UNet call where other packs' DIFFUSION_MODEL wrappers run, and an ON_DETACH callback."""
+    import comfy.patcher_extension as pe
+
+    def inner(executor, *args, **kwargs):
+        to = args[5] if len(args) > 5 else kwargs.get("transformer_options")
+        return step(executor, tuple(args), kwargs, to)
+
+    def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None,
+                transformer_options={}, **kwargs):  # noqa: B006 - ComfyUI's own signature
+        if options.cuda_graph and foreign_diffusion_wrappers(transformer_options):
+            to = _with_inner_wrapper(transformer_options, inner)
+            return executor(x, t, c_concat, c_crossattn, _evaluated(control, to), to, **kwargs)
+        return step(executor, (x, t, c_concat, c_crossattn, control, transformer_options), kwargs,
+                    transformer_options)
+    setattr(wrapper, control_graph.TAKES_DEFERRED, True)
+    _inert(wrapper, options, "apply_model")
+    _inert(inner, options, "diffusion_model")
+    clone.wrappers.setdefault(pe.WrappersMP.APPLY_MODEL, {})[WRAPPER_KEY] = [wrapper]
+    if hasattr(clone, "add_callback_with_key"):
+        def on_detach(patcher, unpatch_all=True):
+            # ComfyUI also detaches a clone when another clone of the same model is loaded;
+            # the graphs are freed only once the weights have left the GPU
+            st.graphs.clear_if_offloaded()
+        _inert(on_detach, options, "on_detach")
+        clone.callbacks.setdefault(pe.CallbacksMP.ON_DETACH, {})[WRAPPER_KEY] = [on_detach]
+
+
+# The patched clone of each input model, per options. ComfyUI re-runs a sampler node on every prompt
+# with the same (cached) input ModelPatcher; handing back the same clone means ComfyUI sees the same
+# patcher loaded, instead of a new clone that makes it unload the previous one (and drop its graphs).
+# Kept in an attribute of the input model, not in a global WeakKeyDictionary: the clone refers to its
+# input (`clone.parent`), and a dict value that refers to its weak key keeps it alive for ever (every
+# model and LoRA variant ever accelerated would stay in RAM). As an attribute it is a plain reference
+# cycle that the garbage collector frees with the input model.
+_CLONES_ATTR = "_sd_accel_clones"
+
+
+def accelerate(model, options):
+    """Returns (clone of `model` with SD Accel applied, info dict). `model` itself is untouched."""
+    clones = model.__dict__.setdefault(_CLONES_ATTR, {})
+    cached = clones.get(options)
+    if cached is not None and cached[2] == getattr(model, "patches_uuid", None):
+        return cached[0], cached[1]
+    clone, info = _accelerate(model, options)
+    clones[options] = (clone, info, getattr(model, "patches_uuid", None))
+    return clone, info
+
+
+def _accelerate(model, options):
+    clone = model.clone()
+    info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None}
+    if not options.any():
+        return clone, info
+    _register_weight_caster()
+    base_model = clone.model
+    layout = options.channels_last and _loads_on_cuda(clone)
+    object_patches.drop_ours(clone)
+    if options.fused_kernels or layout:
+        # folded only where the restore order can be kept (current ComfyUI, which re-applies patches per prompt)
+        patches, counts = object_patches.plan(clone, options.fused_kernels, layout,
+                                                      fold=object_patches.can_keep_restore_order(clone))
+        for path, module in patches.items():
+            clone.add_object_patch(path, module)
+        info["patched"].update(counts)
+        info["object_patches"] = len(patches)
+        object_patches.keep_restore_order(clone, patches)
+    if options.attention != "auto":
+        info["patched"]["attention_" + options.attention] = _install_attention(clone, options.attention)
+    if options.cuda_graph and _loads_on_cuda(clone) and \
+            object_patches.model_sampling_on_device(clone, clone.load_device):
+        info["patched"]["model_sampling_on_gpu"] = 1
+    if options.fused_kernels or options.cuda_graph or options.channels_last:
+        # also with fused kernels alone: where a step runs eagerly it takes the faster of fused and stock
+        st = _state(base_model)
+        info["wrapper"] = _install_wrapper(clone, st, options)
+        info["graph_state"] = st
+    return clone, info
+
+
+def _loads_on_cuda(patcher):
+    """channels_last only pays on a GPU (and only there are conv weights converted): on the CPU the
+    host's own modules run, so CPU results stay bit-identical to stock."""
+    dev = getattr(patcher, "load_device", None)
+    return getattr(dev, "type", str(dev)) == "cuda"
+
+
+def new_sampling_run(info):
+    """Marks the start of a sampling run, so the weights are re-read once for it (see StepGraphs)."""
+    st = info.get("graph_state")
+    if st is not None:
+        st.epoch = object()
+
+
+def graph_counts(info):
+    """The UNet's graph counters so far ({} without graphs), refusals as {reason: calls}."""
+    st = info.get("graph_state")
+    if st is None:
+        return {}
+    return dict(st.graphs.stats, stock_path=st.graphs.eager_paths.stock_calls, refused=dict(st.graphs.refused),
+                eager_reason=st.graphs.last_eager_reason, eager_paths=st.graphs.eager_paths.choices())
+
+
+def graph_delta(before, after):
+    """What one run added to the counters of `graph_counts` (the last eager reason as it is after it)."""
+    if not after:
+        return {}
+    out = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int)}
+    was = before.get("refused", {})
+    out["refused"] = {r: n - was.get(r, 0) for r, n in after["refused"].items() if n > was.get(r, 0)}
+    if not out.get("replays"):
+        out["eager_reason"] = after.get("eager_reason")
+    if after.get("eager_paths"):
+        out["eager_paths"] = after["eager_paths"]
+    return out

@@ -1,0 +1,179 @@
+"""The engine's module swaps as ComfyUI object patches on a clone (a UNet's or a ControlNet's), folded into a few.
+
+Current ComfyUI restores and re-applies a loaded model's object patches at every prompt (`partially_load`):
+one patch per swapped module would cost 4.4 ms per SD1.5 prompt on the H200's host (224 patches; device
+run 52). So the plan (engine/patches/patching.py, engine/patches/layout_modules.py) is folded per top-level block
+(engine/patches/patch_folding.py): `diffusion_model.input_blocks`, `.middle_block`, `.output_blocks`, `.out` become
+patched copies that share every tensor and untouched module with the original, which is never modified
+(a ControlNet's: `input_blocks`, `middle_block`, ...).
+
+Planned on the unpatched model: another clone (SD Accel's with other options, or anyone's) may be loaded
+right now with its patches applied, so each top-level block is taken as this clone will find it: its own
+patch there, else the original that ComfyUI keeps in the clones' shared backup, else the live one; an earlier
+SD Accel copy stands for the original it was made from.
+
+Left unfolded, as before: a block under which the clone already has another pack's object patch (ComfyUI
+applies that first, to the original; a copy made now would hide it). A pack that adds one later, after
+Apply SD Accel, has it set inside our copy; ComfyUI restores patches in the order it applied them, which
+would put that copy's module back into the original, so before each run (ON_PRE_RUN, current ComfyUI) our
+blocks are moved to the end of the restore order. ComfyUI 2024 has no such callback, and it patches a loaded
+model only once (no per-prompt cycle to save): there the UNet is patched module by module (`fold=False`). A
+ControlNet's patcher is made by Accelerated KSampler right before sampling, so no other node can add to it:
+folded on both.
+"""
+import logging
+
+import torch
+
+from ...engine.patches import layout_modules, patch_folding, patching
+from ...engine.patches import fused_modules as fm
+
+log = logging.getLogger("sd_accel")
+_BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
+CALLBACK_KEY = "sd_accel_patch_order"
+
+
+_DEVICE_COPY = "sdaccel_device_copy_of"   # on our device copy of a patched model_sampling: the original
+
+
+def model_sampling_on_device(clone, device):
+    """A ModelSampling* node's object patch (v-prediction, zero-SNR, EDM...) is built on the CPU and ComfyUI
+    loads only modules with weights, so its sigma tables stay there and every step sends its timestep to the
+    CPU and back: a wait for the GPU that no graph can hold. The clone gets a copy with the tables on the
+    device (same values), as its own object patch: the node's object is untouched. Returns True when added."""
+    ms = clone.object_patches.get("model_sampling")
+    if ms is None:
+        return False
+    tables = [b for m in ms.modules() for b in m._buffers.values() if b is not None]
+    device = torch.device(device)
+    if not tables or all(b.device.type == device.type and device.index in (None, b.device.index) for b in tables):
+        return False
+    original = ms.__dict__.get(_DEVICE_COPY, ms)
+    copies = {}
+    for m in original.modules():
+        new = copies[id(m)] = m.__class__.__new__(m.__class__)
+        new.__dict__.update(m.__dict__)
+        new.__dict__["_buffers"] = {n: None if b is None else b.to(device) for n, b in m._buffers.items()}
+    for m in original.modules():
+        copies[id(m)].__dict__["_modules"] = {n: copies[id(c)] for n, c in m._modules.items()}
+    top = copies[id(original)]
+    top.__dict__[_DEVICE_COPY] = original
+    clone.add_object_patch("model_sampling", top)
+    return True
+
+
+def is_folded(module):
+    """True for a folded copy of a top-level block made here."""
+    return getattr(module, "__dict__", {}).get(_BASE) is not None
+
+
+def _is_ours(module):
+    return (fm.is_fused(module) or isinstance(module, fm.SiLUFolded) or is_folded(module)
+            or getattr(module, "__dict__", {}).get(_DEVICE_COPY) is not None)
+
+
+def _original(module):
+    return getattr(module, "__dict__", {}).get(_BASE, module)
+
+
+def _unpatched(clone, path):
+    """The module at `path` (a top-level block) as this clone's patches will start from."""
+    if path in clone.object_patches:
+        return _original(clone.object_patches[path])
+    backup = getattr(clone, "object_patches_backup", None) or {}
+    if path in backup:
+        return backup[path]
+    return _original(patching.get_attr(clone.model, path))
+
+
+def _touches(path, group):
+    return path == group or path.startswith(group + ".") or group.startswith(path + ".")
+
+
+def drop_ours(clone):
+    """Removes SD Accel's own object patches from `clone` (re-applying SD Accel replaces them); the
+    model_sampling copy goes back to the object it copied."""
+    for k in [k for k, m in clone.object_patches.items() if _is_ours(m)]:
+        original = clone.object_patches[k].__dict__.get(_DEVICE_COPY)
+        if original is not None:
+            clone.object_patches[k] = original
+        else:
+            del clone.object_patches[k]
+
+
+def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True):
+    """(ordered {path: module} to add as object patches, counts per op) for the
+    UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
+    one patch per module, as the plan has them."""
+    prefix = root + "." if root else ""
+    live = patching.get_attr(clone.model, root) if root else clone.model
+    foreign = [k for k, _ in foreign_patches(clone)]
+    if root and any(_touches(k, root) and not k.startswith(prefix) for k in foreign):
+        view, groups = live, {}      # the module itself replaced by another pack: planned on it, unfolded
+    else:
+        view = patch_folding.own_copy(live)
+        groups = {}
+        for name in list(view._modules):
+            groups[prefix + name] = view._modules[name] = _unpatched(clone, prefix + name)
+    patches, counts = {}, {}
+    if channels_last:
+        # before the fused modules: a SpatialTransformer stand-in must be in place before its children's
+        # patches are set through it (ComfyUI applies object patches in insertion order; so does the fold)
+        layout = layout_modules.plan_layout_patches(view, prefix=prefix)
+        patches.update(layout)
+        if layout:
+            counts["channels_last_transformer"] = len(layout)
+    if fused_kernels:
+        p = patching.plan_patches(view, patching.COMFY_OPS, prefix=prefix, owner=live)
+        patches.update(p.patches)
+        counts.update(p.counts)
+    exclude = {g for g in groups if not fold or any(_touches(k, g) for k in foreign)}
+    out, folded = patch_folding.fold(patches, groups, prefix, exclude)
+    for g in folded:
+        out[g].__dict__[_BASE] = groups[g]
+    if exclude and fold:
+        log.info("[SD Accel] %d block(s) patched module by module: another pack has object patches under %s",
+                 len(exclude), ", ".join(sorted(exclude)))
+    return out, counts
+
+
+def foreign_patches(clone):
+    """What of `clone`'s own object patches a plan depends on: other packs' (path, module) pairs."""
+    return tuple((k, m) for k, m in clone.object_patches.items() if not _is_ours(m))
+
+
+def _restore_ours_last(patcher):
+    """ON_PRE_RUN: when a patch was set inside one of our folded blocks, our blocks go last in the order
+    ComfyUI restores patches in. One module-level function: ComfyUI hands the callbacks to the model in
+    `transformer_options`, so a new object per clone would make every new clone a new graph key."""
+    backup = getattr(patcher, "object_patches_backup", None)
+    if not backup:
+        return
+    folded = [k for k, m in patcher.object_patches.items() if is_folded(m)]
+    if any(k not in folded and any(k.startswith(g + ".") for g in folded) for k in patcher.object_patches):
+        for g in folded:
+            if g in backup:
+                backup[g] = backup.pop(g)
+
+
+_restore_ours_last.sd_accel_inert = ("restore order",)
+
+
+def can_keep_restore_order(clone):
+    """True where ComfyUI has keyed ON_PRE_RUN callbacks (current ComfyUI; not 2024's)."""
+    if not hasattr(clone, "add_callback_with_key"):
+        return False
+    try:
+        import comfy.patcher_extension as pe
+        return getattr(pe.CallbacksMP, "ON_PRE_RUN", None) is not None
+    except ImportError:
+        return False
+
+
+def keep_restore_order(clone, patches):
+    """Installs `_restore_ours_last` on `clone` where the host can run it and `patches` (what SD Accel added)
+    hold a folded block."""
+    if not any(is_folded(m) for m in patches.values()) or not can_keep_restore_order(clone):
+        return
+    import comfy.patcher_extension as pe
+    clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [_restore_ours_last]

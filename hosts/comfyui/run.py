@@ -1,0 +1,123 @@
+"""One Accelerated KSampler run on ComfyUI, as an object the node drives: prepare, sample, report.
+
+`prepare(model, positive, negative, options, controlnet, cond_only)` patches a clone of the model
+(hosts/comfyui/accelerate.py) and copies of the ControlNets in the conds (hosts/comfyui/controlnet.py), and decides
+whether the ControlNet chain runs inside the UNet's graph. `AcceleratedRun.sample(sampler)` runs
+`sampler(model, positive, negative)` on the patched objects; if the accelerated path itself raises, the
+error is logged and the stock sampler's result is returned instead (an interrupt still interrupts;
+SDACCEL_STRICT=1, for tests and benchmarks, lets the error through). `report(steps)` gives the run's report
+dict and one line: it/s, seconds, peak VRAM, what ran, what fell back and why, graph counts and refusals.
+"""
+import logging
+import os
+from dataclasses import dataclass, field
+
+from ...engine.reports import kernel_report, run_report, vram_report
+from ...kernels.errors import first_line
+from . import accelerate as host
+from . import controlnet as host_cn
+from . import memory as host_memory
+
+log = logging.getLogger("sd_accel")
+
+
+@dataclass
+class AcceleratedRun:
+    model: object                     # the user's model, untouched
+    positive: list
+    negative: list
+    options: host.AccelOptions
+    patched: object = None            # what sampling runs on
+    info: dict = field(default_factory=dict)
+    cn_positive: list = None
+    cn_negative: list = None
+    cn_info: dict = None
+    notes: list = field(default_factory=list)
+    cn_line: str = None
+    timer: object = None
+    _before: tuple = None
+
+    def sample(self, sampler):
+        """`sampler(model, positive, negative)` -> ComfyUI's (latent,) on the accelerated objects."""
+        host.new_sampling_run(self.info)
+        self._before = (kernel_report.snapshot(), host.graph_counts(self.info),
+                        host_cn.graph_stats(self.cn_info), run_report.compile_snapshot())
+        try:
+            with run_report.RunTimer(getattr(self.patched, "load_device", None)) as self.timer:
+                return sampler(self.patched, self.cn_positive, self.cn_negative)
+        except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
+            if not self.accelerated() or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
+                raise
+            return self._stock_after(e, sampler)
+        finally:
+            self._finish_controlnets()
+
+    def accelerated(self):
+        return self.patched is not self.model or bool(self.cn_info and self.cn_info["controlnets"])
+
+    def _stock_after(self, e, sampler):
+        log.error("[SD Accel] accelerated sampling failed (%s: %s); running the stock KSampler instead",
+                  type(e).__name__, first_line(e, 300))
+        self.notes.append("accelerated run failed (%s), result from the stock path" % type(e).__name__)
+        st = self.info.get("graph_state")
+        if st is not None:
+            st.graphs.clear("error during an accelerated run")
+        host_cn.release(self.cn_info)
+        self.info, self.cn_info = {"options": {}}, None
+        with run_report.RunTimer(getattr(self.model, "load_device", None)) as self.timer:
+            return sampler(self.model, self.positive, self.negative)
+
+    def _finish_controlnets(self):
+        if self.cn_info:
+            after = host_cn.graph_stats(self.cn_info)
+            before = self._before[2] if self._before else {}
+            self.cn_info["graph_delta"] = {k: after[k] - before.get(k, 0) for k in after}
+        self.cn_line = host_cn.summary(self.cn_info)
+        host_cn.release(self.cn_info)
+        if self.cn_line:
+            self.notes.append(self.cn_line)
+
+    def report(self, steps):
+        """(report dict, one line) of the finished run."""
+        k0, g0, _, c0 = self._before
+        compiled = run_report.compile_note(c0, run_report.compile_snapshot())
+        if compiled:
+            self.notes.append(compiled)
+        graphs = host.graph_delta(g0, host.graph_counts(self.info))
+        pool = host_memory.pool_settings(self.model)
+        if pool is not None and pool.last_report is not None:
+            # the VRAM Pool's own measurement of this run (and of its text encode)
+            self.notes.append("VRAM Pool: %s%s" % (vram_report.summary_of(pool.last_report),
+                                                   " | " + "; ".join(pool.last_notes) if pool.last_notes else ""))
+        report = run_report.build(steps, self.timer, kernel_report.summarize(k0, kernel_report.snapshot()),
+                                  graphs, self.info.get("options", {}), self.notes)
+        if pool is not None and pool.last_report is not None:
+            report["memory"] = pool.last_report
+        line = run_report.one_line(report) + (" | " + self.cn_line if self.cn_line else "")
+        return report, line
+
+
+def _is_interrupt(e):
+    try:
+        import comfy.model_management as mm
+        return isinstance(e, mm.InterruptProcessingException)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def prepare(model, positive, negative, options, controlnet=True, cond_only=False):
+    """The AcceleratedRun for one Accelerated KSampler call (see the module doc)."""
+    if options.any():
+        patched, info = host.accelerate(model, options)
+    else:
+        patched, info = model, {"options": options.__dict__.copy()}
+    run = AcceleratedRun(model, positive, negative, options, patched, info, positive, negative)
+    if controlnet or cond_only:
+        one_graph = bool(controlnet) and not cond_only and host.runs_controlnets_in_graph(patched, info)
+        run.cn_positive, run.cn_negative, run.cn_info = host_cn.accelerate_conds(
+            positive, negative, host_cn.ControlNetOptions(
+                fused_kernels=bool(controlnet) and options.fused_kernels, hint_cache=bool(controlnet),
+                cuda_graph=bool(controlnet) and options.cuda_graph,
+                channels_last=bool(controlnet) and options.channels_last, cond_only=bool(cond_only),
+                one_graph=one_graph))
+    return run

@@ -1,0 +1,303 @@
+"""Stable Diffusion WebUI Forge host: the engine on Forge's own UNet, through Forge's own ModelPatcher.
+
+Forge runs a UNet of its own (backend/nn/unet.py) in a `KModel` in a `UnetPatcher`
+(`sd_model.forge_objects.unet`), a ModelPatcher of Forge's making with ComfyUI's method names. Extensions
+patch a clone per sampling run in `process_before_every_sampling` and assign it back; Forge puts a
+clone's object patches in when it loads the clone (`forge_patch_model`) and the originals back when it
+unloads it (another clone of the model loaded, the model moved off the GPU).
+
+* fused kernels: object patches on the clone, from the plan of hosts/forge_plan.py (GroupNorm+SiLU,
+  GroupNorm, LayerNorm, GEGLU on Forge's own classes; what stays with Forge and why is there).
+* channels_last (CUDA only): conv weights converted in place on a run's first GPU step (values
+  unchanged, kept until the setting is turned off); SpatialTransformers kept channels_last.
+* a `group_norm_wrapper` another extension sets after the plan (which folds SiLUs only without one) is
+  handed Forge's own norm, with the SiLU after it (`_unfolding`), through the wrapper below.
+* CUDA graphs: Forge's `model_function_wrapper` around `KModel.apply_model`, through
+  `engine.graphs.step_graphs.StepGraphs` over the KModel (the UNet's weights and the predictor's sigma buffers, which
+  Forge swaps for zero-terminal-SNR runs). That is Forge's one wrapper slot: a wrapper another extension set
+  before ours is chained (ours runs inside it); one set after ours replaces ours and the run is eager, with
+  the fused modules still in. Eager under an online LoRA (merged in Forge's forward from tensors it moves
+  per run). The graphs' memory is freed when Forge moves the model off the GPU, so its memory manager gets
+  it back for the VAE or the next model.
+Outside the clone only the conv weights' layout changes (channels_last, in place, values unchanged): the
+base patcher, the model's modules and their parameters stay as Forge made them.
+"""
+import logging
+import weakref
+
+import torch
+
+from ..engine.patches import patching
+from ..engine.graphs import eager
+from ..engine.graphs.step_graphs import StepGraphs
+from . import forge_plan, webui
+from .forge_plan import PREFIX, state_of
+
+log = logging.getLogger("sd_accel")
+
+
+def kmodel_of(sd_model):
+    """Forge's KModel of the loaded SD model, or None (no model, or not Forge's)."""
+    unet = getattr(getattr(sd_model, "forge_objects", None), "unet", None)
+    kmodel = getattr(unet, "model", None)
+    return kmodel if hasattr(kmodel, "diffusion_model") else None
+
+
+def is_sd_unet(kmodel):
+    """SD1.x/SDXL's UNet (the layout the engine's patches and kernels are made for); Forge's other models
+    (Flux, SD3, ...) are left to Forge."""
+    unet = getattr(kmodel, "diffusion_model", None)
+    return all(hasattr(unet, a) for a in ("input_blocks", "middle_block", "output_blocks"))
+
+
+def _loads_on_cuda(patcher):
+    dev = getattr(patcher, "load_device", None)
+    return getattr(dev, "type", str(dev)) == "cuda"
+
+
+def _has_group_norm_wrapper(patcher):
+    return "group_norm_wrapper" in patcher.model_options.get("transformer_options", {})
+
+
+def _has_online_lora(patcher):
+    fn = getattr(patcher, "has_online_lora", None)
+    return bool(fn()) if fn is not None else False
+
+
+def _summary(patches, skipped, fold, wrapper, graphs):
+    counts = webui.replacement_counts(patches)
+    return {"patched": sum(counts.values()), "counts": counts, "paths": sorted(patches),
+            "fold_silu": fold, "skipped": {why: len(p) for why, p in skipped.items()},
+            "wrapper": wrapper, "cuda_graph": graphs}
+
+
+def _plan_run(st, patcher, options):
+    """(patches, info) that `options` give for `patcher`'s next run (nothing applied)."""
+    kmodel = patcher.model
+    unet = kmodel.diffusion_model
+    if not options.want("fused_kernels") and not options.want("channels_last"):
+        return {}, {}, False
+    if not forge_plan.plan_for(st, unet):
+        return {}, {"the UNet already holds replacements SD Accel did not plan": ["*"]}, False
+    fold = not _has_group_norm_wrapper(patcher)
+    layout = (options.want("channels_last") and _loads_on_cuda(patcher) and not _has_online_lora(patcher))
+    patches, skipped = forge_plan.run_patches(st, patcher, unet, fold, layout)
+    if not options.want("fused_kernels"):
+        patches = {p: m for p, m in patches.items() if p in st.layout}
+    return patches, skipped, fold
+
+
+def prepare(sd_model, options):
+    """At model load: plans, and says what each generation will patch (`status`). Changes nothing."""
+    kmodel = kmodel_of(sd_model)
+    if kmodel is None:
+        return None
+    st = state_of(kmodel)
+    if not is_sd_unet(kmodel):
+        st.last = _summary({}, {"not an SD1.x/SDXL UNet": ["*"]}, False, None, False)
+        return st.last
+    patches, skipped, fold = _plan_run(st, sd_model.forge_objects.unet, options)
+    st.last = _summary(patches, skipped, fold, None, options.want("cuda_graph"))
+    return st.last
+
+
+def _strip(clone):
+    """Removes our object patches and wrapper from `clone` (one of ours cloned again: the hires pass)."""
+    for k in [k for k, v in clone.object_patches.items() if forge_plan.is_ours(v)]:
+        del clone.object_patches[k]
+    w = clone.model_options.get("model_function_wrapper")
+    if getattr(w, "sd_accel_step", None) is not None:
+        prev = w.sd_accel_prev
+        if prev is None:
+            del clone.model_options["model_function_wrapper"]
+        else:
+            clone.model_options["model_function_wrapper"] = prev
+
+
+def strip(unet_patcher):
+    """`unet_patcher` without SD Accel: itself when it has nothing of ours, else a clone without it."""
+    has = any(forge_plan.is_ours(v) for v in unet_patcher.object_patches.values()) or getattr(
+        unet_patcher.model_options.get("model_function_wrapper"), "sd_accel_step", None) is not None
+    if not has:
+        return unet_patcher
+    clone = unet_patcher.clone()
+    _strip(clone)
+    return clone
+
+
+def _signature(obj, keep):
+    """Identity of everything a patcher holds, down the dicts and lists of its model options: equal
+    signatures mean an accelerated clone made from it then would be the same now. Plain values by value;
+    other leaves by identity, and kept in `keep` so that no id is reused while the signature is held."""
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v, keep)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return tuple(_signature(v, keep) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return ("v", obj)
+    keep.append(obj)
+    return id(obj)
+
+
+def _patcher_signature(patcher):
+    keep = []
+    sig = (_signature(patcher.object_patches, keep), tuple(patcher.lora_patches), _signature(patcher.model_options, keep))
+    return sig, keep
+
+
+def accelerate(unet_patcher, options):
+    """(clone of `unet_patcher` with SD Accel applied, info) for `process_before_every_sampling` to assign
+    back to `p.sd_model.forge_objects.unet`. `unet_patcher` itself is untouched.
+
+    The clone made for a patcher is handed out again while that patcher holds the same things (Forge gives
+    the extensions the same patcher each generation until the LoRA set or the model changes), and so is one
+    of ours handed back (the hires pass): Forge then finds that patcher loaded, where a new clone would make
+    it unload the model and load it again, a walk over every weight per generation."""
+    if not is_sd_unet(unet_patcher.model):
+        return unet_patcher, _summary({}, {"not an SD1.x/SDXL UNet": ["*"]}, False, None, False)
+    st = state_of(unet_patcher.model)
+    st.epoch = object()
+    st.runs += 1
+    st.run_graphs = not _has_online_lora(unet_patcher)
+    if not options.want("channels_last") and st.channels_last:
+        n = patching.convert_conv_weights(unet_patcher.model.diffusion_model, torch.contiguous_format)
+        st.channels_last = False
+        _layout_changed(st, "channels_last off: %d conv weights converted back" % n)
+    if unet_patcher.__dict__.get("sd_accel_options") == options:
+        return unet_patcher, dict(st.last)
+    sig, keep = _patcher_signature(unet_patcher)
+    cached = st.clones.get(options)
+    if cached is not None and cached[0]() is unet_patcher and cached[1] == sig:
+        st.last = dict(cached[3])
+        return cached[2], dict(st.last)
+    clone, info = _accelerate(st, unet_patcher, options)
+    st.clones[options] = (weakref.ref(unet_patcher), sig, clone, info, keep)
+    return clone, dict(info)
+
+
+def _accelerate(st, unet_patcher, options):
+    clone = unet_patcher.clone()
+    _strip(clone)
+    patches, skipped, fold = _plan_run(st, clone, options)
+    for path, module in patches.items():
+        clone.add_object_patch(PREFIX + path, module)
+    if patches != st.patches:   # another module set: graphs captured over the previous one do not apply
+        st.patches, st.patch_token = patches, object()
+    wrapper = None
+    folded = any(getattr(m, "sdaccel_act", None) for m in patches.values())
+    if options.want("cuda_graph") or options.want("channels_last") or folded:
+        wrapper = _install_wrapper(clone, st, options)
+        _free_graphs_on_unload(clone, st)
+    clone.sd_accel_options = options
+    st.last = _summary(patches, skipped, fold, wrapper, options.want("cuda_graph") and st.run_graphs)
+    return clone, st.last
+
+
+# -- the step: channels_last, CUDA graphs ---------------------------------------------------------
+
+def _host_state(st, kmodel):
+    """What Forge changes without changing the weights' identity: the merged LoRA set (its loader's
+    hash), autocast, and the module structure (read once per run: object patches go in before a run's
+    first step)."""
+    if st.structure[0] is not st.epoch:
+        st.structure = (st.epoch, webui.structure_signature(kmodel))
+    loader = getattr(kmodel, "lora_loader", None)
+    return (getattr(loader, "loaded_hash", None), webui.autocast_state(), st.structure[1], st.patch_token)
+
+
+def _layout_changed(st, what):
+    """Conv weights change layout in their own storage (same pointers, so the weights fingerprint cannot
+    tell): graphs captured over the other layout must not replay."""
+    log.info("[SD Accel] %s", what)
+    if st.graphs is not None:
+        st.graphs.clear(what)
+
+
+def _unfolding(st, gnw):
+    """A `group_norm_wrapper` set after the plan (by an extension that ran after ours): Forge's ResBlock then
+    calls it with the norm alone and the rest of its Sequential after it, whose SiLU is folded into our
+    norm. The wrapper gets Forge's own norm instead, and the SiLU follows it, as without SD Accel. One stable
+    object per wrapper (it is part of the graph key)."""
+    if st.shim is None or st.shim[0] is not gnw:
+        def shim(norm, x, to):
+            src = st.unfused.get(norm)
+            if src is None:
+                return gnw(norm, x, to)
+            return torch.nn.functional.silu(gnw(src, x, to))
+        st.shim = (gnw, shim)
+    return st.shim[1]
+
+
+def _make_step(st, options, kmodel):
+    unet = kmodel.diffusion_model
+
+    def step(apply_model, x, t, c):
+        to = c.get("transformer_options")
+        gnw = to.get("group_norm_wrapper") if isinstance(to, dict) else None
+        if gnw is not None and st.unfused:
+            c = dict(c, transformer_options=dict(to, group_norm_wrapper=_unfolding(st, gnw)))
+        if options.want("channels_last") and x.is_cuda and st.channels_last_epoch is not st.epoch:
+            n = patching.convert_conv_weights(unet)
+            st.channels_last_epoch, st.channels_last = st.epoch, True
+            if n:
+                _layout_changed(st, "channels_last: %d conv weights converted" % n)
+        if not (options.want("cuda_graph") and st.run_graphs):
+            return eager.eager_call(apply_model, (x, t), c)
+
+        def fn(x, t, **kw):
+            with webui.capturable_timestep_embedding(unet):
+                return apply_model(x, t, **kw)
+        if st.graphs is None:
+            st.graphs = StepGraphs(kmodel, name="Forge " + type(unet).__name__)
+        return st.graphs.run(fn, (x, t), c, epoch=st.epoch, host_state=_host_state(st, kmodel))
+    return step
+
+
+def _install_wrapper(clone, st, options):
+    step = st.steps.get(options)
+    if step is None:
+        step = st.steps[options] = _make_step(st, options, clone.model)
+    prev = clone.model_options.get("model_function_wrapper")
+
+    def model_function_wrapper(apply_model, a):
+        if prev is None:
+            return step(apply_model, a["input"], a["timestep"], a["c"])
+        return prev(lambda x, t, **c: step(apply_model, x, t, c), a)
+    model_function_wrapper.sd_accel_step = step
+    model_function_wrapper.sd_accel_prev = prev
+    clone.set_model_unet_function_wrapper(model_function_wrapper)
+    return "model_function_wrapper" + (" (chained)" if prev is not None else "")
+
+
+def _free_graphs_on_unload(clone, st):
+    """When Forge unloads `clone` to its offload device, the graphs' memory goes with the weights. The
+    clone is held weakly: Forge frees a loaded patcher nobody else holds by its reference count."""
+    ref = weakref.ref(clone)
+    original = type(clone).forge_unpatch_model
+
+    def forge_unpatch_model(target_device=None):
+        patcher = ref()
+        out = original(patcher, target_device)
+        if st.graphs is not None:
+            st.graphs.clear_if_offloaded()
+        return out
+    clone.forge_unpatch_model = forge_unpatch_model
+
+
+# -- status ---------------------------------------------------------------------------------------
+
+def status(sd_model):
+    """JSON-able: what each generation patches (as last applied, or planned at model load), per op;
+    channels_last; graph counts; keys check."""
+    kmodel = kmodel_of(sd_model)
+    if kmodel is None:
+        return {"model": None, "patched": 0, "counts": {}, "paths": [], "channels_last": False,
+                "state_dict_keys_unchanged": True, "graphs": {}, "runs": 0}
+    st = state_of(kmodel)
+    last = st.last or _summary({}, {}, True, None, False)
+    out = dict(last, model=type(kmodel.diffusion_model).__name__, channels_last=st.channels_last,
+               state_dict_keys_unchanged=st.keys_ok, runs=st.runs,
+               graphs=dict(st.graphs.stats) if st.graphs is not None else {})
+    if st.graphs is not None and st.graphs.last_eager_reason:
+        out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
+    return out

@@ -1,0 +1,1 @@
+"""Stand-in for A1111's `modules.api` package (tests only)."""

@@ -1,0 +1,1 @@
+"""Stand-in for Forge's `backend` package (tests only). See ../README.md."""

@@ -1,0 +1,260 @@
+"""hosts/forge.py against the stand-in of Forge's backend (fake_forge/): Forge's Linear in GEGLU, object
+patches put in and taken out by the memory manager, Forge's LoRA loader, the model_function_wrapper slot."""
+import gc
+import weakref
+
+import torch
+
+from sd_accel.engine.patches import fused_modules
+from sd_accel.engine.reports import kernel_report
+from sd_accel.hosts import forge, webui
+
+from forge_util import denoise, make_patcher, norm_and_geglu_lora
+
+ON = webui.WebUIOptions()
+ALL = {"group_norm_silu": 11, "silu_folded": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}
+
+
+def live_fused(patcher):
+    return sum(1 for m in patcher.model.diffusion_model.modules() if fused_modules.is_fused(m))
+
+
+def test_default_options_run_every_fused_module_and_match_stock(fake_forge, stock_kernels):
+    """With the default settings every fused module is in the run's UNet (GEGLU on Forge's Linear too),
+    each is called on every step, and the result is stock Forge's."""
+    base = make_patcher()
+    ref = denoise(base)
+    clone, info = forge.accelerate(base, ON)
+    assert info["counts"] == ALL and info["patched"] == sum(ALL.values())
+    assert info["wrapper"] == "model_function_wrapper" and info["fold_silu"] is True
+    assert base.object_patches == {} and "model_function_wrapper" not in base.model_options
+    for steps in (1, 2):
+        before = kernel_report.snapshot()
+        out = denoise(clone)
+        ran = webui.kernel_summary(before)
+        assert {op: e["fused"] + e["fallback"] for op, e in ran.items()} == {
+            "group_norm_silu": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}, steps
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert live_fused(clone) == sum(ALL.values())
+    g = forge.status(type("M", (), {"forge_objects": type("F", (), {"unet": clone})})())["graphs"]
+    assert g["eager"] == 2 and g["last_eager_reason"] == "no CUDA device"
+
+
+def test_unload_puts_forge_modules_back(fake_forge, stock_kernels):
+    from backend import memory_management
+    base = make_patcher()
+    orig = dict(base.model.named_modules())
+    clone, _ = forge.accelerate(base, ON)
+    denoise(clone)
+    memory_management.unload_all()
+    now = dict(base.model.named_modules())
+    assert now.keys() == orig.keys() and all(now[k] is orig[k] for k in orig)
+    assert live_fused(base) == 0
+
+
+def test_a_lora_on_replaced_modules_survives_toggling(fake_forge, stock_kernels):
+    """Forge's LoRA loader puts a merged Parameter on whichever module stands at the path and reloads only
+    when the LoRA set changes: the LoRA must hold with SD Accel on, then off, then on again."""
+    base = make_patcher()
+    delta = norm_and_geglu_lora(base.model.diffusion_model)
+    plain = make_patcher()   # the same weights (seed), stock, for the references
+    ref_lora = plain.clone()
+    ref_lora.add_patches(filename="l.safetensors", patches=delta)
+    want = denoise(ref_lora)
+    from backend import memory_management
+    memory_management.unload_all()
+    want_plain = denoise(plain)
+    memory_management.unload_all()
+
+    with_lora = base.clone()
+    with_lora.add_patches(filename="l.safetensors", patches=delta)
+    on, _ = forge.accelerate(with_lora, ON)
+    torch.testing.assert_close(denoise(on), want, atol=2e-5, rtol=1e-4)
+    off = forge.strip(with_lora.clone())          # SD Accel off, same LoRA: no reload in Forge
+    torch.testing.assert_close(denoise(off), want, atol=2e-5, rtol=1e-4)
+    again, _ = forge.accelerate(with_lora, ON)
+    torch.testing.assert_close(denoise(again), want, atol=2e-5, rtol=1e-4)
+    no_lora, _ = forge.accelerate(base, ON)       # LoRA removed: Forge puts the backups back
+    torch.testing.assert_close(denoise(no_lora), want_plain, atol=2e-5, rtol=1e-4)
+
+
+def test_group_norm_wrapper_means_no_folded_silu(fake_forge, stock_kernels):
+    base = make_patcher()
+    base.set_group_norm_wrapper(lambda norm, x, to: norm(x))
+    _, info = forge.accelerate(base, ON)
+    assert info["fold_silu"] is False
+    assert info["counts"] == {"group_norm": 15, "layer_norm": 12, "geglu": 4}
+
+
+def test_manual_cast_modules_stay_with_forge_and_lowvram_matches(fake_forge, stock_kernels):
+    """Modules Forge casts per call are left to it; replacements have no `parameters_manual_cast`, so
+    Forge's lowvram swap keeps them whole instead of asking them to cast."""
+    base = make_patcher()
+    unet = base.model.diffusion_model
+    ln = next(n for n, m in unet.named_modules() if n.endswith("norm1"))
+    unet.get_submodule(ln).parameters_manual_cast = True
+    ref = denoise(base)
+    from backend import memory_management
+    memory_management.unload_all()
+    clone, info = forge.accelerate(base, ON)
+    assert info["skipped"] == {"Forge casts it on the fly": 1} and info["counts"]["layer_norm"] == 11
+    torch.testing.assert_close(denoise(clone, lowvram=True), ref, atol=2e-5, rtol=1e-4)
+    assert not any(hasattr(m, "parameters_manual_cast") for m in clone.object_patches.values())
+    proj = next(m for n, m in unet.named_modules() if n.endswith("ff.net.0.proj"))
+    assert proj.parameters_manual_cast is True   # Forge's own Linear, inside the fused GEGLU, does cast
+
+
+def test_online_lora_stays_with_forge_and_runs_eager(fake_forge, stock_kernels):
+    base = make_patcher()
+    delta = norm_and_geglu_lora(base.model.diffusion_model)
+    base.add_patches(filename="online.safetensors", patches=delta, online_mode=True)
+    ref = denoise(base)
+    from backend import memory_management
+    memory_management.unload_all()
+    clone, info = forge.accelerate(base, ON)
+    norms = {k[len("diffusion_model."):].rpartition(".")[0] for k in delta if not k.endswith("proj.weight")}
+    assert info["skipped"]["online LoRA"] == len(norms) and info["cuda_graph"] is False
+    assert not norms & {k[len("diffusion_model."):] for k in clone.object_patches}
+    torch.testing.assert_close(denoise(clone), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_foreign_wrapper_is_chained_and_reapplying_is_idempotent(fake_forge, stock_kernels):
+    """Another extension's model_function_wrapper set before ours runs, with ours inside; accelerating our
+    own clone again (Forge's hires pass calls process_before_every_sampling on it) changes nothing."""
+    base = make_patcher()
+    ref = denoise(base)
+    calls = []
+
+    def theirs(apply_model, a):
+        calls.append(1)
+        return apply_model(a["input"], a["timestep"], **a["c"])
+    base.set_model_unet_function_wrapper(theirs)
+    clone, info = forge.accelerate(base, ON)
+    assert info["wrapper"] == "model_function_wrapper (chained)"
+    again, info2 = forge.accelerate(clone, ON)
+    assert info2["wrapper"] == "model_function_wrapper (chained)"
+    assert again.model_options["model_function_wrapper"].sd_accel_prev is theirs
+    assert again.object_patches.keys() == clone.object_patches.keys()
+    assert all(again.object_patches[k] is v for k, v in clone.object_patches.items())
+    torch.testing.assert_close(denoise(again), ref, atol=2e-5, rtol=1e-4)
+    assert calls == [1]
+    assert forge.strip(again).model_options["model_function_wrapper"] is theirs
+
+
+def test_another_extensions_object_patch_is_left_alone(fake_forge, stock_kernels):
+    base = make_patcher()
+    block = "diffusion_model.input_blocks.1"
+    theirs = base.model.diffusion_model.input_blocks[1]
+    base.add_object_patch(block, theirs)
+    clone, info = forge.accelerate(base, ON)
+    assert clone.object_patches[block] is theirs
+    assert not any(k.startswith(block + ".") for k in clone.object_patches)
+    assert info["skipped"]["another extension's object patch"] > 0
+
+
+def test_disabled_and_fused_off(fake_forge, stock_kernels):
+    base = make_patcher()
+    assert forge.strip(base) is base
+    clone, info = forge.accelerate(base, webui.WebUIOptions(fused_kernels=False))
+    assert info["patched"] == 0 and clone.object_patches == {} and info["wrapper"] == "model_function_wrapper"
+    clone, info = forge.accelerate(base, webui.WebUIOptions(fused_kernels=True, cuda_graph=False,
+                                                            channels_last=False))
+    assert info["wrapper"] == "model_function_wrapper" and info["patched"] == sum(ALL.values())   # see below
+    assert forge.strip(clone).object_patches == {}
+
+
+def test_a_switched_out_model_is_freed(fake_forge, stock_kernels):
+    """Checkpoint switch: Forge drops the old model; nothing of SD Accel's keeps it alive."""
+    from backend import memory_management
+    base = make_patcher()
+    clone, _ = forge.accelerate(base, ON)
+    denoise(clone)
+    memory_management.unload_all()
+    ref = weakref.ref(base.model)
+    del base, clone
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_same_patcher_gets_the_same_clone(fake_forge, stock_kernels):
+    """Forge gives the extensions the same patcher every generation while nothing changed: the same clone
+    comes back, so Forge finds it loaded instead of unloading and reloading the model; a patcher changed
+    in place (a LoRA added) gets a new one."""
+    from backend import memory_management
+    base = make_patcher()
+    first, _ = forge.accelerate(base, ON)
+    denoise(first)
+    unpatched = []
+    first.forge_unpatch_model = lambda *a, **k: unpatched.append(a)
+    second, _ = forge.accelerate(base, ON)
+    assert second is first
+    denoise(second)
+    assert unpatched == [] and memory_management.loaded == [first]
+    base.add_patches(filename="l.safetensors", patches=norm_and_geglu_lora(base.model.diffusion_model))
+    third, _ = forge.accelerate(base, ON)
+    assert third is not first and third.lora_patches == base.lora_patches
+    base.model_options["transformer_options"]["scale"] = 0.5   # changed in place: a plain value
+    fourth, _ = forge.accelerate(base, ON)
+    base.model_options["transformer_options"]["scale"] = 0.7
+    fifth, _ = forge.accelerate(base, ON)
+    assert fourth is not third and fifth is not fourth
+    assert fifth.model_options["transformer_options"]["scale"] == 0.7
+
+
+def test_other_models_are_left_to_forge(fake_forge, stock_kernels):
+    """Forge also runs DiT models (Flux, SD3): SD Accel's patches and graph path are made for SD UNets."""
+    import torch.nn as nn
+    from backend.k_model import KModel
+    from backend.patcher import UnetPatcher
+    dit = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+    base = UnetPatcher(KModel(dit))
+    clone, info = forge.accelerate(base, ON)
+    assert clone is base and info["patched"] == 0 and info["skipped"] == {"not an SD1.x/SDXL UNet": 1}
+
+
+def test_timestep_embedding_of_another_signature_is_left_alone():
+    import types as t
+    mod = t.ModuleType("flux_like")
+
+    def timestep_embedding(t, dim, max_period=10000, time_factor=1000.0):
+        return t * time_factor
+    mod.timestep_embedding = timestep_embedding
+    import sys
+    sys.modules["flux_like"] = mod
+    try:
+        model = type("Flux", (torch.nn.Module,), {"__module__": "flux_like"})()
+        with webui.capturable_timestep_embedding(model):
+            assert mod.timestep_embedding is timestep_embedding
+    finally:
+        del sys.modules["flux_like"]
+
+
+def test_a_group_norm_wrapper_set_after_the_plan_gets_forges_norm(fake_forge, stock_kernels):
+    """An extension that sets a group_norm_wrapper after SD Accel planned (SiLU folded): Forge's ResBlock
+    would call it with our fused norm+SiLU and skip the folded SiLU after it. Through our wrapper it gets
+    Forge's own norm, and the SiLU follows: what stock Forge computes."""
+    base = make_patcher()
+    clone, info = forge.accelerate(base, webui.WebUIOptions(cuda_graph=False, channels_last=False))
+    assert info["fold_silu"] and info["wrapper"] == "model_function_wrapper"
+    seen = []
+
+    def theirs(norm, x, to):
+        seen.append(norm)
+        return norm(x) * 0.5 + 0.1
+    clone.set_group_norm_wrapper(theirs)
+    got = {}
+
+    def apply_model(x, t, **c):
+        got.update(c)
+        return x
+    x = torch.randn(1, 32, 4, 4)
+    clone.model_options["model_function_wrapper"](apply_model, {
+        "input": x, "timestep": torch.ones(1), "c": {"transformer_options": clone.model_options["transformer_options"]},
+        "cond_or_uncond": [0]})
+    shim = got["transformer_options"]["group_norm_wrapper"]
+    assert shim is not theirs and clone.model_options["transformer_options"]["group_norm_wrapper"] is theirs
+    path = "diffusion_model.input_blocks.1.0.in_layers.0"
+    fused, stock = clone.object_patches[path], base.model.get_submodule(path)
+    assert fused.sdaccel_act == "silu"
+    torch.testing.assert_close(shim(fused, x, {}), torch.nn.functional.silu(theirs(stock, x, {})))
+    assert seen[0] is stock

@@ -1,0 +1,81 @@
+"""The weights fingerprint (engine/graphs/fingerprint.py): what makes every graph of a model drop."""
+import torch
+
+from sd_accel.engine.graphs.fingerprint import WeightsFingerprint
+from sd_accel.engine.memory import residency
+
+
+def test_sees_replaced_inplace_and_inference_tensors():
+    lin = torch.nn.Linear(4, 4)
+    fp = WeightsFingerprint(lin)
+    epoch = object()
+    f0, _ = fp.read(epoch)
+    assert fp.read(epoch)[0] == f0
+    with torch.no_grad():
+        lin.weight.add_(1)                      # in place: version counter moves
+    f1, _ = fp.read(epoch)
+    assert f1 != f0
+    lin.weight = torch.nn.Parameter(lin.weight.detach().clone())   # replaced, as a LoRA patch does
+    assert fp.read(epoch)[0] != f1
+    with torch.inference_mode():                 # ComfyUI's weights are inference tensors
+        inf = torch.nn.Linear(4, 4)
+    fpi = WeightsFingerprint(inf)
+    a, all_cuda = fpi.read(None)
+    assert not all_cuda and a == fpi.read(None)[0]
+
+
+def test_within_a_run_objects_and_versions_are_checked_and_data_swaps_wait_for_the_next_run():
+    with torch.inference_mode():
+        lin = torch.nn.Linear(4, 4)
+    lin.register_buffer("table", torch.zeros(3))
+    fp = WeightsFingerprint(lin)
+    e = object()
+    f0, _ = fp.read(e)
+    lin.bias = torch.nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+    f1, _ = fp.read(e)
+    assert f1 != f0                                 # replaced object: seen within the run
+    lin.table.add_(1)
+    f2, _ = fp.read(e)
+    assert f2 != f1
+    lin.table = None
+    assert fp.read(e)[0] != f2
+    plain = torch.nn.Linear(4, 4)
+    fpp = WeightsFingerprint(plain)
+    g0, _ = fpp.read(e)
+    plain.weight.data = plain.weight.data.clone()  # same Parameter, new data (its version counter stays)
+    assert fpp.read(e)[0] == g0, "within the run: not read again"
+    assert fpp.read(object())[0] != g0, "the next run's first read sees it"
+
+
+def test_an_object_patch_of_a_child_module_is_seen_at_the_next_run():
+    """ModelSamplingDiscrete replaces the BaseModel's `model_sampling` (an object patch): the graphs of the
+    eps model must not replay for the v-prediction one, even if the new module's buffers hold equal values."""
+    class Sampling(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("sigmas", torch.linspace(0.1, 14.6, 10))
+
+    class Base(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.diffusion_model = torch.nn.Linear(2, 2)
+            self.model_sampling = Sampling()
+    base = Base()
+    fp = WeightsFingerprint(base, base.diffusion_model)
+    f0, _ = fp.read(object())
+    base.model_sampling = Sampling()
+    assert fp.read(object())[0] != f0
+    e = object()
+    f1, _ = fp.read(e)
+    residency.mark(base.diffusion_model)     # a block streamer's token: on the UNet
+    assert fp.read(e)[0] != f1
+
+
+def test_a_dead_modules_successor_never_matches_it():
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    fp = WeightsFingerprint(seq)
+    f0, _ = fp.read(object())
+    seq[0] = torch.nn.Linear(2, 2)
+    import gc
+    gc.collect()
+    assert fp.read(object())[0] != f0

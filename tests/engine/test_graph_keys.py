@@ -1,0 +1,204 @@
+"""What goes into a CUDA graph's key (engine/graphs/keys.py, tokens.py): everything that changes what a
+captured step computes, and nothing that changes every step without changing it. Runs on any device."""
+import gc
+import uuid
+
+import torch
+
+from sd_accel.engine.graphs import keys, tokens
+
+
+def _key(obj):
+    flat = keys.flatten(obj)
+    return flat.tensors, flat.key
+
+
+def _big(*shape):
+    return torch.randn(*shape)   # more than SMALL_HOST_TENSOR elements: a graph input
+
+
+def test_tensor_values_are_inputs_but_structure_and_shapes_are_key():
+    a = {"x": _big(2, 4, 8, 8), "opts": {"cond_or_uncond": [1, 0], "ctx": _big(2, 77, 8)}, "n": 3}
+    b = {"x": _big(2, 4, 8, 8), "opts": {"cond_or_uncond": [1, 0], "ctx": _big(2, 77, 8)}, "n": 3}
+    ta, ka = _key(a)
+    tb, kb = _key(b)
+    assert ka == kb and len(ta) == 2
+    assert _key({**b, "n": 4})[1] != ka                          # a non-tensor value changes the graph
+    assert _key({**b, "x": _big(3, 4, 8, 8)})[1] != ka           # so does a shape
+    assert _key({**b, "x": _big(2, 4, 8, 8).half()})[1] != ka    # a dtype
+    assert _key({**b, "x": _big(2, 8, 8, 4).permute(0, 3, 1, 2)})[1] != ka   # and a layout (strides)
+
+
+def test_patch_objects_by_identity_never_by_a_reusable_id():
+    patch1, patch2 = (lambda q: q), (lambda q: q)
+    assert _key({"p": patch1})[1] != _key({"p": patch2})[1]
+    assert _key({"p": patch1})[1] == _key({"p": patch1})[1]
+    # a patch that died and a new one (Python often puts it at the dead one's address) never look alike
+    old_key = _key({"p": (lambda q: q * 2)})[1]
+    gc.collect()
+    for _ in range(50):
+        fresh = lambda q: q * 3  # noqa: E731
+        assert _key({"p": fresh})[1] != old_key
+    assert tokens.dead_tokens(old_key) and not tokens.dead_tokens(_key({"p": patch1})[1])
+
+
+def test_a_closures_numbers_are_content():
+    """FreeU's b1/b2, a scale captured in a closure: the same function object with another value inside
+    computes another graph."""
+    def make():
+        scale = [1.1]
+
+        def patch(h):
+            return h * scale[0]
+        return patch, scale
+    patch, scale = make()
+    k1 = _key({"p": patch})[1]
+    assert _key({"p": patch})[1] == k1
+    scale[0] = 1.3
+    assert _key({"p": patch})[1] != k1
+
+
+def test_a_callable_objects_attributes_are_content():
+    """IPAdapter-style patch objects keep their weights in attributes (and lists of dicts)."""
+    class Replace:
+        def __init__(self):
+            self.kwargs = [{"weight": 1.0, "embeds": torch.ones(4)}]
+
+        def __call__(self, q, k, v, extra):
+            return q
+    r = Replace()
+    k1 = _key({"attn2": {("input", 1): r}})[1]
+    r.kwargs[0]["weight"] = 0.5
+    k2 = _key({"attn2": {("input", 1): r}})[1]
+    r.kwargs[0]["embeds"] = torch.zeros(4)               # another tensor: read by address inside a graph
+    k3 = _key({"attn2": {("input", 1): r}})[1]
+    assert len({k1, k2, k3}) == 3
+
+
+def test_bound_methods_are_their_object_and_function():
+    class P:
+        def patch(self, h):
+            return h
+    p = P()
+    assert _key({"p": p.patch})[1] == _key({"p": p.patch})[1]   # a new bound-method object per access
+    assert _key({"p": p.patch})[1] != _key({"p": P().patch})[1]
+
+
+def test_our_own_objects_enter_by_their_options_whichever_object():
+    def ours_a(x):
+        return x
+
+    def ours_b(x):
+        return x
+    ours_a.sd_accel_inert = ours_b.sd_accel_inert = ("apply_model", True, True, True, "auto")
+    ours_b.__qualname__ = ours_a.__qualname__
+    assert _key({"w": [ours_a]})[1] == _key({"w": [ours_b]})[1]
+    ours_b.sd_accel_inert = ("apply_model", False, True, True, "auto")
+    assert _key({"w": [ours_a]})[1] != _key({"w": [ours_b]})[1]
+
+
+def test_uuids_enter_by_pattern_small_host_tensors_by_value():
+    u, v = uuid.uuid4(), uuid.uuid4()
+    t1, k1 = _key({"sample_sigmas": torch.tensor([14.6, 7.0, 0.0]), "uuids": [u, v]})
+    t2, k2 = _key({"sample_sigmas": torch.tensor([14.6, 7.0, 0.0]), "uuids": [uuid.uuid4(), uuid.uuid4()]})
+    assert not t1 and k1 == k2                               # every run's fresh uuids: the same graph
+    assert _key({"uuids": [u, u]})[1] != _key({"uuids": [u, v]})[1]   # which conds are the same one: kept
+    assert _key({"sample_sigmas": torch.tensor([14.6, 6.0, 0.0]), "uuids": [u, v]})[1] != k1
+
+
+def test_rebuild_puts_static_tensors_back_in_place():
+    obj = ({"x": torch.ones(300), "l": [torch.zeros(400), 5, None, torch.ones(2)]}, (torch.full((300,), 2.0),))
+    tensors, _ = _key(obj)
+    statics = [keys.static_copy(t) for t in tensors]
+    out = keys.rebuild(obj, iter(statics))
+    assert out[0]["x"] is statics[0] and out[0]["l"][0] is statics[1] and out[1][0] is statics[2]
+    assert out[0]["l"][1:3] == [5, None] and out[0]["l"][3] is obj[0]["l"][3]
+
+
+def test_state_of_sees_plain_objects_and_random_generators_the_key_does_not():
+    import random
+
+    class Holder:
+        def __init__(self):
+            self.rate = 0.0
+            self.rng = random.Random(3)
+    h = Holder()
+    sig, state = tokens.signature(h), tokens.state_of(h)
+    h.rate += 0.5
+    assert tokens.signature(h) == sig and tokens.state_of(h) != state
+    state = tokens.state_of(h)
+    h.rng.random()
+    assert tokens.state_of(h) != state
+
+
+def test_walks_are_bounded_on_cycles_and_huge_objects():
+    a = {}
+    a["self"] = a
+    big = list(range(100000))
+    assert tokens.signature(lambda: (a, big)) is not None
+    assert tokens.state_of({"a": a, "big": big}) is not None
+
+
+def test_gpu_tensors_inside_objects_are_soft_inputs_by_shape():
+    """A patch's tensors (IPAdapter's embeds) enter by shape and are collected, in walk order, for the replay to
+    copy into the tensors the capture read (meta tensors stand for GPU ones here)."""
+    embeds = torch.empty(2, 4, 8, device="meta")
+    other = torch.empty(2, 4, 8, device="meta")
+
+    def make(t):
+        def patch(q):
+            return q + t
+        return patch
+    p = make(embeds)
+    a, b = keys.flatten({"p": p}), keys.flatten({"p": p})
+    assert a.key == b.key and a.soft == [embeds] and a.soft[0] is embeds
+    holder = [embeds]
+
+    def patch2(q):
+        return q + holder[0]
+    k1 = keys.flatten({"p": patch2})
+    holder[0] = other                        # the step stored another tensor of the same shape: same graph
+    k2 = keys.flatten({"p": patch2})
+    assert k1.key == k2.key and k2.soft[0] is other
+    holder[0] = torch.empty(3, 4, 8, device="meta")
+    assert keys.flatten({"p": patch2}).key != k1.key          # another shape: another graph
+
+
+def test_helper_closures_made_per_call_do_not_change_the_key():
+    """ToMe's patch keeps the unmerge closure it made for this call in a cell of its own."""
+    state = {"u": None}
+
+    def merge_patch(q):
+        def unmerge(x, idx=torch.zeros(3)):
+            return x
+        state["u"] = unmerge
+        return q
+    merge_patch(1)
+    k1 = _key({"p": merge_patch})[1]
+    merge_patch(1)
+    assert _key({"p": merge_patch})[1] == k1
+
+
+def test_plain_holders_enter_by_type_and_their_state_by_attributes():
+    class Holder:
+        def __init__(self, rate):
+            self.rate = rate
+    a, b = Holder(0.1), Holder(0.5)
+    assert _key({"easycache": a})[1] == _key({"easycache": b})[1]
+    assert tokens.state_of(a) != tokens.state_of(b)
+
+
+def test_a_plain_holders_tensors_are_neither_key_nor_soft_inputs():
+    """EasyCache's holder keeps the step's last tensors; wrappers outside the graph read it, so its tensors
+    must not make every call recapture."""
+    class Holder:
+        def __init__(self):
+            self.x_prev = torch.empty(1, 4, 8, 8, device="meta")
+
+    def wrapper(executor, *args):
+        return executor(*args)
+    h = Holder()
+    a = keys.flatten({"easycache": h, "wrappers": {"diffusion_model": {"easycache": [wrapper]}}})
+    h.x_prev = torch.empty(1, 4, 8, 8, device="meta")
+    b = keys.flatten({"easycache": h, "wrappers": {"diffusion_model": {"easycache": [wrapper]}}})
+    assert a.key == b.key and a.soft == [] and b.soft == []

@@ -1,0 +1,57 @@
+"""Inside `stock_path.stock_modules()` every SD Accel stand-in computes exactly what the module it replaced
+computes (engine/patches/stock_path.py): the eager path of a step that runs without graphs, at stock's speed.
+ComfyUI's real UNet (tiny preset, CPU), every patch the ComfyUI host plans, compared bit for bit."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import comfy_inproc  # noqa: E402
+
+from sd_accel.engine.reports import kernel_report  # noqa: E402
+from sd_accel.engine.patches import layout_modules, patching, stock_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def unet(tmp_path_factory):
+    return comfy_inproc.tiny_model_patcher(tmp_path_factory.mktemp("ckpt")).model.diffusion_model.float()
+
+
+def _forward(unet, x, t, ctx):
+    with torch.no_grad():
+        return unet(x, t, context=ctx, transformer_options={})
+
+
+def test_every_stand_in_in_stock_mode_is_the_stock_module_bit_for_bit(unet):
+    x, t, ctx = comfy_inproc.unet_inputs(unet)
+    ref = _forward(unet, x, t, ctx)
+    plan = dict(layout_modules.plan_layout_patches(unet))
+    plan.update(patching.plan_patches(unet, patching.COMFY_OPS).patches)
+    kinds = {getattr(type(m), "sdaccel_kind", None) for m in plan.values()}
+    assert {"group_norm", "layer_norm", "geglu", "resblock", "transformer_block", "layout"} <= kinds
+    backup = patching.apply_patches(unet, plan)
+    try:
+        k0 = kernel_report.snapshot()
+        with stock_path.stock_modules():
+            stock = _forward(unet, x, t, ctx)
+        ran = kernel_report.summarize(k0, kernel_report.snapshot())
+        fused = _forward(unet, x, t, ctx)
+    finally:
+        patching.restore(unet, backup)
+    assert torch.equal(stock, ref)
+    assert ran == {}, "no fused kernel runs on the stock path"
+    assert not torch.equal(fused, ref) and torch.allclose(fused, ref, rtol=1e-3, atol=1e-3)   # the fused path
+    assert torch.equal(_forward(unet, x, t, ctx), ref), "restored"
+
+
+def test_the_switch_is_per_thread():
+    import threading
+    seen = []
+    with stock_path.stock_modules():
+        th = threading.Thread(target=lambda: seen.append(stock_path.active()))
+        th.start()
+        th.join()
+        seen.append(stock_path.active())
+    assert seen == [False, True] and not stock_path.active()

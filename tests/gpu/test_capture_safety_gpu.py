@@ -1,0 +1,156 @@
+"""GPU only: StepGraphs never lets a capture break the process (engine/graphs/probe.py, capture.py).
+
+Each case runs in a subprocess under cudaMallocAsync (ComfyUI's default allocator; it is fixed at CUDA
+start-up, and the worst failures show only at exit): the step's results equal the eager ones, the process
+exits cleanly, and afterwards another key still captures and replays, the CUDA generator still draws, and a
+plain torch graph (a stock user's) still captures."""
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PRELUDE = textwrap.dedent("""
+    import sys, types, torch
+    pkg = types.ModuleType("sd_accel"); pkg.__path__ = [sys.argv[1]]; sys.modules["sd_accel"] = pkg
+    from sd_accel.engine.graphs.step_graphs import StepGraphs
+    assert torch.cuda.get_allocator_backend() == "cudaMallocAsync", torch.cuda.get_allocator_backend()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(256, 256).cuda()
+    flag = {"on": False}
+    graphs = StepGraphs(net, name="test")
+
+    def until_capturable(step, x):   # calls until the probe finds the key capturable (first calls may wait once)
+        outs = []
+        for _ in range(4):
+            outs.append(graphs.run(step, (x,), {}))
+            verdict = graphs.verdicts[list(graphs.verdicts)[-1]].result
+            if verdict is not None and verdict.capturable:
+                return outs
+        raise AssertionError("never capturable: %s" % verdict.reason)
+
+    def still_healthy():
+        y = torch.randn(8, 256, device="cuda")
+        plain = lambda y: torch.relu(net(y)) + 1
+        outs = [graphs.run(plain, (y,), {}) for _ in range(4)]
+        assert all(torch.equal(o, plain(y)) for o in outs)
+        torch.randn(16, device="cuda")                       # the CUDA generator is out of capture mode
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):                            # a stock user's graph
+            z = y * 2 + torch.rand_like(y)
+        g.replay()
+        torch.cuda.synchronize()
+""")
+
+
+def _run(body, expect_in_stderr=None, allocator="backend:cudaMallocAsync"):
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=allocator)
+    env.pop("TRITON_INTERPRET", None)
+    prelude = PRELUDE if allocator else PRELUDE.replace('assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"',
+                                                        'assert torch.cuda.get_allocator_backend() == "native"')
+    script = prelude + textwrap.dedent(body) + "\nstill_healthy()\nprint('OK', graphs.stats, dict(graphs.refused))\n"
+    p = subprocess.run([sys.executable, "-c", script, REPO], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "OK" in p.stdout, (p.returncode, p.stdout[-2000:] + p.stderr[-4000:])
+    if expect_in_stderr:
+        assert expect_in_stderr in p.stderr + p.stdout, (p.stdout[-2000:], p.stderr[-3000:])
+    return p.stdout
+
+
+def test_a_host_read_of_a_computed_value_is_refused_by_the_probe_without_a_capture():
+    out = _run("""
+        def step(x):                       # EasyCache-style decision on a value computed in the step
+            h = net(x)
+            return h * 2 if (h.abs().mean() > 0.01).item() else h
+        x = torch.randn(4, 256, device="cuda")
+        outs = [graphs.run(step, (x,), {}) for _ in range(5)]
+        assert all(torch.equal(o, step(x)) for o in outs)
+        assert graphs.stats["captures"] == 0 and graphs.stats["replays"] == 0, graphs.stats
+        assert any("reads a GPU value on the host" in r for r in graphs.refused), graphs.refused
+    """)
+    assert "captures': 1" in out      # still_healthy's key
+
+
+def test_an_explicit_wait_the_probe_did_not_see_fails_its_capture_cleanly():
+    """torch.cuda.synchronize() and a stream's query() invalidate a capture in CUDA; the capture guards raise at
+    the call instead, so the capture ends cleanly and nothing else breaks."""
+    for wait in ("torch.cuda.synchronize()", "torch.cuda.current_stream().query()"):
+        _run("""
+            def step(x):
+                h = torch.relu(net(x)) * 2.0
+                if flag["on"]:
+                    %s       # only once the probes saw clean steps
+                return h
+            x = torch.randn(4, 256, device="cuda")
+            ref = torch.relu(net(x)) * 2.0
+            probed = until_capturable(step, x)
+            flag["on"] = True
+            outs = probed + [graphs.run(step, (x,), {}) for _ in range(3)]
+            flag["on"] = False
+            assert all(torch.equal(o, ref) for o in outs)
+            assert graphs.stats["captures"] == 0 and graphs.stats["invalidations"] == 0, graphs.stats
+            assert any(r.startswith("capture failed (CaptureForbidden") for r in graphs.refused), graphs.refused
+        """ % wait, expect_in_stderr="CUDA graph capture failed for test")
+
+
+def test_an_invalidated_capture_is_repaired_under_the_native_allocator():
+    """A wait issued from C code (out of reach of the guards) invalidates the capture in CUDA. Under torch's
+    native allocator (ComfyUI --disable-cuda-malloc) the allocator's capture pool and the CUDA generator are
+    taken out of capture mode, and the process goes on: other keys capture, random draws work."""
+    _run("""
+        import ctypes, glob, os
+        libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "**", "libcudart.so*"),
+                         recursive=True)
+        cudart = ctypes.CDLL(libs[0])
+        def step(x):
+            h = torch.relu(net(x)) * 2.0
+            if flag["on"]:
+                cudart.cudaStreamQuery(ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            return h
+        x = torch.randn(4, 256, device="cuda")
+        ref = torch.relu(net(x)) * 2.0
+        probed = until_capturable(step, x)
+        flag["on"] = True
+        outs = probed + [graphs.run(step, (x,), {}) for _ in range(3)]
+        flag["on"] = False
+        assert all(torch.equal(o, ref) for o in outs)
+        assert graphs.stats["invalidations"] >= 1 and graphs.stats["captures"] == 0, graphs.stats
+    """, expect_in_stderr="CUDA graph capture failed for test", allocator="")
+
+
+def test_a_step_that_reads_its_timestep_on_the_host_gets_a_graph_per_value():
+    """Kohya Deep Shrink reads transformer_options["sigmas"][0].item() and downscales in the early steps."""
+    _run("""
+        def step(x, sigmas):
+            h = net(x)
+            if sigmas[0].item() > 5.0:
+                h = torch.nn.functional.avg_pool1d(h[:, None], 2)[:, 0].repeat_interleave(2, dim=1)
+            return h
+        x = torch.randn(4, 256, device="cuda")
+        for sigma in (9.0, 7.0, 3.0, 1.0, 9.0, 7.0, 3.0, 1.0, 9.0):
+            s = torch.full((2,), sigma, device="cuda")
+            assert torch.equal(graphs.run(step, (x, s), {}), step(x, s)), sigma
+        assert graphs.stats["captures"] == 4 and graphs.stats["replays"] >= 4, graphs.stats
+        assert not graphs.refused, graphs.refused
+    """)
+
+
+def test_random_draws_on_the_gpu_replay_like_eager_and_host_draws_that_matter_are_refused():
+    _run("""
+        def gpu_noise(x):
+            return net(x) + torch.randn_like(x)
+        x = torch.randn(4, 256, device="cuda")
+        torch.cuda.manual_seed(7)
+        ours = [graphs.run(gpu_noise, (x,), {}) for _ in range(5)]
+        torch.cuda.manual_seed(7)
+        ref = [gpu_noise(x) for _ in range(5)]
+        assert graphs.stats["replays"] >= 3
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, ref))
+
+        def host_noise(x):
+            return net(x) * float(torch.rand(1))
+        y = torch.randn(2, 256, device="cuda")
+        for _ in range(4):
+            graphs.run(host_noise, (y,), {})
+        assert any("random" in r for r in graphs.refused), graphs.refused
+    """)

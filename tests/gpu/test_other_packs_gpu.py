@@ -1,0 +1,244 @@
+"""GPU only (run on the GPU machine with tests/gpu): the other packs' mechanisms (the stand-ins of tests/packs,
+docs/other_packs.md) with CUDA graphs on. In-process on the current ComfyUI, same models as test_graphs_gpu.py
+(its `comfy_env` fixture). For each pack: the accelerated output equals stock's with the same pack (within
+fp16 noise, as test_graphs_gpu.py), and on a second prompt the step either replays graphs or its report names
+why it did not (`report["graphs"]["refused"]`: {one-line reason: calls}). Never a stale replay: the cases that
+change what a step computes without changing a tensor shape (IPAdapter's per-call sigma test, a second
+IPAdapter on a model whose graphs exist, AnimateDiff's windows moved by the step, keyframe strengths) are each
+compared with stock on a prompt whose graphs already exist.
+"""
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from test_graphs_gpu import COMFY, REPO, WORK, _rel, comfy_env  # noqa: F401  (the shared module fixture)
+
+if not torch.cuda.is_available():
+    pytest.fail("tests/gpu needs a CUDA GPU; run it on the GPU machine", pytrace=False)
+
+PACKS = os.path.join(REPO, "tests", "packs")
+FP16_NOISE = 2e-2          # rel. L2 of the latent against stock, as test_graphs_gpu.py
+PACK_EFFECT = 0.1          # a pack's own change of the latent, well above that noise
+ORDERS = ("ours", "apply_first", "apply_last")
+
+
+def _load_pack(name):
+    """A stand-in pack imported as ComfyUI imports a custom-node folder (its __init__.py as a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(PACKS, name, "__init__.py")
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[os.path.dirname(path)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def packs(comfy_env):  # noqa: F811
+    return {n: _load_pack("standin_" + n) for n in ("ipadapter", "animatediff", "advanced_controlnet", "impact")}
+
+
+# -- sampling ---------------------------------------------------------------------------------------------
+def _apply_ours(model):
+    from sd_accel.nodes.sampler_nodes import SDAccelApply
+    return SDAccelApply().apply(model)["result"][0]
+
+
+def _run(env, model, order, pos=None, neg=None, latent=None, seed=5, steps=6, cfg=7.0, denoise=1.0):
+    """(latent samples as float, our report or None). `order`: "stock", "ours" (Accelerated KSampler), or
+    "apply" (KSampler on a model Apply SD Accel already patched: the caller builds that model)."""
+    pos, neg = pos or env.pos, neg or env.neg
+    with torch.inference_mode():
+        latent = latent or env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+        if order == "ours":
+            res = env.ours.sample(model, seed, steps, cfg, "euler", "normal", pos, neg, latent, denoise=denoise)
+            report = res["ui"]["sdaccel_report"][0]
+            assert not [n for n in report["notes"] if "accelerated run failed" in n], report["notes"]
+            return res["result"][0]["samples"].float(), report
+        out = env.nodes.KSampler().sample(model, seed, steps, cfg, "euler", "normal", pos, neg, latent,
+                                          denoise=denoise)[0]
+        return out["samples"].float(), None
+
+
+def _models_in_order(build, plain):
+    """{order: (model, sampler order)}: the pack's nodes on the plain model for stock and ours, with Apply SD
+    Accel before them (apply_first) or after them (apply_last)."""
+    return {"stock": (build(plain), "stock"), "ours": (build(plain), "ours"),
+            "apply_first": (build(_apply_ours(plain)), "apply"), "apply_last": (_apply_ours(build(plain)), "apply")}
+
+
+def assert_graphs_used_or_refused(report, what):
+    """Our step on a prompt whose graphs were made before: replayed, or refused with one-line reasons."""
+    graphs = report["graphs"]
+    refused = graphs.get("refused") or {}
+    assert graphs.get("replays", 0) > 0 or refused, (what, graphs)
+    for reason, calls in refused.items():
+        assert isinstance(reason, str) and reason.strip() and "\n" not in reason and calls > 0, (what, refused)
+
+
+def check_every_order(env, build, run_kwargs, what, orders=ORDERS):
+    """Each order twice (the second prompt finds the first one's graphs), then stock: all equal to stock; graphs
+    used or refused on the second Accelerated KSampler run. Stock runs last: a stock AnimateDiff clone left
+    loaded would have its temporal modules in the blocks our plans start from (tested on its own below)."""
+    by_order = _models_in_order(build, env.model)
+    outs = {(order, attempt): _run(env, by_order[order][0], by_order[order][1], **run_kwargs)
+            for order in orders for attempt in (1, 2)}
+    ref, _ = _run(env, by_order["stock"][0], "stock", **run_kwargs)
+    for (order, attempt), (out, report) in outs.items():
+        assert _rel(out, ref) < FP16_NOISE, (what, order, attempt, _rel(out, ref), report and report["graphs"])
+        if report is not None and attempt == 2:
+            assert_graphs_used_or_refused(report, (what, order))
+    return ref
+
+
+# -- IPAdapter --------------------------------------------------------------------------------------------
+def _ipadapter(packs, model, seed=3, weight=1.5, end_at=0.6):
+    return packs["ipadapter"].IPAdapterLikeApply().apply(model, weight, 0.0, end_at, seed, 4)[0]
+
+
+def test_ipadapter_with_graphs_is_stock_in_every_order(comfy_env, packs):  # noqa: F811
+    """end_at 0.6: the adapter acts on the first steps only, decided per call from a host read of sigma."""
+    check_every_order(comfy_env, lambda m: _ipadapter(packs, m), {}, "ipadapter")
+
+
+def test_a_second_ipadapter_on_a_model_whose_graphs_exist_never_replays_them(comfy_env, packs):  # noqa: F811
+    """The second IPAdapter clones the first one's model (ComfyUI deep-copies the options, patch objects
+    included) and .add()s itself to the copies: same UNet, same shapes, new patch objects with two adapters."""
+    first = _ipadapter(packs, comfy_env.model, seed=3)
+    first_out, _ = _run(comfy_env, first, "ours")
+    _run(comfy_env, first, "ours")                   # its graphs (or refusals) exist now
+    both = _ipadapter(packs, first, seed=4, weight=-1.0, end_at=1.0)
+    ref, _ = _run(comfy_env, both, "stock")
+    out, report = _run(comfy_env, both, "ours")
+    assert _rel(out, ref) < FP16_NOISE, (_rel(out, ref), report["graphs"])
+    assert _rel(first_out, ref) > PACK_EFFECT, "the second IPAdapter had no effect"
+    again, _ = _run(comfy_env, first, "ours")        # the first model is unchanged by the second node
+    first_ref, _ = _run(comfy_env, first, "stock")
+    assert _rel(again, first_ref) < FP16_NOISE, _rel(again, first_ref)
+
+
+# -- AnimateDiff ------------------------------------------------------------------------------------------
+def _frames(env):
+    with torch.inference_mode():
+        return env.nodes.EmptyLatentImage().generate(64, 64, 16)[0]
+
+
+def _animatediff(packs, model, context_length=8, version="v2", seed=5):
+    return packs["animatediff"].ADLikeApplyMotion().apply(model, seed, version, context_length, 4,
+                                                          "standard_uniform", "pyramid")[0]
+
+
+def _unload_all():
+    import comfy.model_management as mm
+    mm.unload_all_models()
+
+
+def test_animatediff_sliding_windows_with_graphs_are_stock_in_every_order(comfy_env, packs):  # noqa: F811
+    """Three windows a step, moved by the step: every window's call has its own frames (ad_params.sub_idxs)
+    and the temporal modules' Python state. Nothing else loaded before, so our blocks are planned clean."""
+    _unload_all()
+    check_every_order(comfy_env, lambda m: _animatediff(packs, m), {"latent": _frames(comfy_env), "steps": 4},
+                      "animatediff")
+
+
+def test_animatediff_after_a_stock_run_with_graphs_is_stock(comfy_env, packs):  # noqa: F811
+    """A stock AnimateDiff run first, its clone left loaded with the temporal modules in the UNet's blocks."""
+    model = _animatediff(packs, comfy_env.model, context_length=0, seed=6)
+    ref, _ = _run(comfy_env, model, "stock", latent=_frames(comfy_env), steps=4)
+    out, report = _run(comfy_env, model, "ours", latent=_frames(comfy_env), steps=4)
+    assert _rel(out, ref) < FP16_NOISE, (_rel(out, ref), report["graphs"])
+
+
+def test_animatediff_v1_groupnorm_across_frames_with_graphs_is_stock(comfy_env, packs):  # noqa: F811
+    _unload_all()
+    model = _animatediff(packs, comfy_env.model, context_length=0, version="v1", seed=9)
+    out, report = _run(comfy_env, model, "ours", latent=_frames(comfy_env), steps=4)
+    ref, _ = _run(comfy_env, model, "stock", latent=_frames(comfy_env), steps=4)
+    assert _rel(out, ref) < FP16_NOISE, (_rel(out, ref), report["graphs"])
+
+
+@pytest.fixture(scope="module")
+def plain_deep(comfy_env):  # noqa: F811
+    """The small SD1.5 with its deepest level without attention (SD1.5's layout)."""
+    import fixtures
+    path = os.path.join(WORK, "checkpoints", "gpu_small_plain_deep.safetensors")
+    fixtures.ensure(path, fixtures.build_checkpoint, COMFY, "sd15", "small_plain_deep", path, 3)
+    with torch.inference_mode():
+        return comfy_env.nodes.CheckpointLoaderSimple().load_checkpoint("gpu_small_plain_deep.safetensors")[0]
+
+
+def test_animatediff_places_its_modules_in_an_sd15_layout_with_our_stand_ins(comfy_env, packs, plain_deep):  # noqa: F811
+    """With channels_last and fused kernels on the GPU, our SpatialTransformer and ResBlock stand-ins are in the
+    blocks when AnimateDiff injects, and its placement tests exact class names (docs/other_packs.md)."""
+    _unload_all()
+    model = _animatediff(packs, plain_deep, context_length=0, seed=10)
+    out, report = _run(comfy_env, model, "ours", latent=_frames(comfy_env), steps=4)
+    ref, _ = _run(comfy_env, model, "stock", latent=_frames(comfy_env), steps=4)
+    assert _rel(out, ref) < FP16_NOISE, (_rel(out, ref), report["graphs"])
+
+
+# -- Advanced-ControlNet ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def controlnet(comfy_env):  # noqa: F811
+    import fixtures
+    import folder_paths
+    os.makedirs(os.path.join(WORK, "controlnet"), exist_ok=True)
+    folder_paths.add_model_folder_path("controlnet", os.path.join(WORK, "controlnet"), is_default=True)
+    path = os.path.join(WORK, "controlnet", "gpu_small_cn.safetensors")
+    fixtures.ensure(path, fixtures.build_controlnet, COMFY, "small", path, 6)
+    with torch.inference_mode():
+        return comfy_env.nodes.ControlNetLoader().load_controlnet("gpu_small_cn.safetensors")[0]
+
+
+def _acn_conds(env, packs, cn, keyframes=((0.0, 0.3), (0.25, 2.5), (0.6, 0.0)), stock_below=False):
+    acn = packs["advanced_controlnet"]
+    hint = torch.full((1, 256, 256, 3), 0.6)
+    pos, neg = env.pos, env.neg
+    with torch.inference_mode():
+        if stock_below:
+            pos, neg = env.nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cn, hint, 0.9, 0.0, 1.0)[:2]
+        kf = None
+        for start, strength in keyframes:
+            kf = acn.ACNLikeTimestepKeyframe().load_keyframe(start, strength, 1, kf)[0]
+        return acn.ACNLikeApply().apply_controlnet(pos, neg, cn, hint, 0.9, 0.0, 1.0, 0.825, kf)
+
+
+@pytest.mark.parametrize("stock_below", [False, True], ids=["acn", "acn_over_stock"])
+def test_advanced_controlnet_keyframes_with_graphs_are_stock(comfy_env, packs, controlnet, stock_below):  # noqa: F811
+    """Keyframe strengths 0.3, 2.5 and 0 over the run: the residuals change (and vanish) from step to step;
+    they are graph inputs, computed outside our step on every call."""
+    pos, neg = _acn_conds(comfy_env, packs, controlnet, stock_below=stock_below)
+    check_every_order(comfy_env, lambda m: m, {"pos": pos, "neg": neg}, "acn", orders=("ours", "apply_first"))
+
+
+# -- Impact Pack detailer ---------------------------------------------------------------------------------
+def _detail(env, packs, image, model, ksampler):
+    with torch.inference_mode():
+        out = packs["impact"].ImpactLikeDetailer().doit(image, model, env.vae, env.pos, env.neg, 11, 4, 7.0, "euler",
+                                                       "normal", 0.5, "64,64,192,192", 192, True, 4, ksampler)
+    if isinstance(out, dict):
+        return out["result"][0].float(), out["ui"]["sdaccel_report"][0]
+    return out[0].float(), None
+
+
+def test_detailer_with_graphs_inside_is_stock(comfy_env, packs, monkeypatch):  # noqa: F811
+    """A 128 px region at 192 px (a latent of another shape than the 256 px image's), sampled by KSampler or the
+    Accelerated KSampler inside the node, or Impact's own way on a model Apply SD Accel patched."""
+    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
+    monkeypatch.setitem(comfy_env.nodes.NODE_CLASS_MAPPINGS, "SDAccelKSampler", SDAccelKSampler)
+    base, _ = _run(comfy_env, comfy_env.model, "stock")
+    with torch.inference_mode():
+        image = comfy_env.vae.decode(base)
+    ref, _ = _detail(comfy_env, packs, image, comfy_env.model, "KSampler")
+    for attempt in (1, 2):
+        out, report = _detail(comfy_env, packs, image, comfy_env.model, "SDAccelKSampler")
+        assert _rel(out, ref) < FP16_NOISE, (attempt, _rel(out, ref), report["graphs"])
+        assert not [n for n in report["notes"] if "accelerated run failed" in n], report["notes"]
+    assert_graphs_used_or_refused(report, "detailer")
+    impact_ref, _ = _detail(comfy_env, packs, image, comfy_env.model, "impact")
+    impact_ours, _ = _detail(comfy_env, packs, image, _apply_ours(comfy_env.model), "impact")
+    assert _rel(impact_ours, impact_ref) < FP16_NOISE, _rel(impact_ours, impact_ref)

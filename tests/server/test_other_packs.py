@@ -1,0 +1,346 @@
+"""Other packs' patch mechanisms through the real server (CPU), with SD Accel in the same graph.
+
+The packs are stand-ins (tests/packs/standin_*) that register their patches on the ModelPatcher and run on
+every call what the real packs do (docs/other_packs.md says what each reproduces, and from which files).
+A graph runs as the stock reference (pack -> KSampler) and in the ways SD Accel meets it: pack -> Accelerated
+KSampler ("ours"), Apply SD Accel -> pack -> KSampler ("apply_first": our patches under theirs) and pack ->
+Apply SD Accel -> KSampler ("apply_last": theirs under ours); same seed. With fused kernels off the outputs
+must be identical to the byte (our wrapper and patch plumbing change nothing); with them on, within the float
+noise of the fused modules, which run their torch references here (comfy_packs in conftest.py). Each pack
+must also change the output, so an equality is never vacuous. No run may fall back to the stock path, and
+the server stays up (a crash fails the next prompt).
+"""
+import os
+
+import numpy as np
+import pytest
+from workflow_util import image, psnr, txt2img
+
+SAMPLER = "3"
+# The fused modules' references fold adds in another order than stock: images differ in a few pixels
+# (84 dB measured), latents by ~1e-6. A lost, doubled or misplaced patch is below 35 dB / above 1e-2.
+IMAGE_NOISE_DB = 50.0
+LATENT_NOISE = 1e-4
+PACK_EFFECT_DB, PACK_EFFECT_REL = 35.0, 1e-2
+ORDERS = ("ours", "apply_first", "apply_last")
+
+
+# -- graphs -----------------------------------------------------------------------------------------------
+def _apply(fused_kernels, attention="auto"):
+    return ("SDAccelApply", {"fused_kernels": fused_kernels, "cuda_graph": True, "channels_last": True,
+                             "attention": attention})
+
+
+def model_graph(models, model_nodes, order="stock", fused_kernels=True, seed=7, steps=2, prefix="pk", latent=None,
+                save_latent=False, attention="auto", cfg=None):
+    """txt2img at test size with `model_nodes` [(class, inputs)] chained between the checkpoint and the
+    sampler; `order` places SD Accel: "stock" (none), "ours" (Accelerated KSampler), "apply_first" / "apply_last"
+    (Apply SD Accel before / after the pack's nodes, then KSampler). `save_latent`: the sampler's latent is
+    saved instead of decoded (16 frames would cost more to decode than to sample)."""
+    sampler = "SDAccelKSampler" if order == "ours" else "KSampler"
+    accel = {"fused_kernels": fused_kernels, "attention": attention} if order == "ours" else {}
+    wf = txt2img(models["sd15"], sampler, seed=seed, steps=steps, prefix="%s_%s" % (prefix, order), **accel)
+    chain = list(model_nodes)
+    if order == "apply_first":
+        chain.insert(0, _apply(fused_kernels, attention))
+    elif order == "apply_last":
+        chain.append(_apply(fused_kernels, attention))
+    link = ["4", 0]
+    for i, (cls, inputs) in enumerate(chain):
+        wf["m%d" % i] = {"class_type": cls, "inputs": dict(inputs, model=link)}
+        link = ["m%d" % i, 0]
+    wf[SAMPLER]["inputs"]["model"] = link
+    if latent:
+        wf["5"]["inputs"].update(latent)
+    if cfg is not None:
+        wf[SAMPLER]["inputs"]["cfg"] = cfg
+    if save_latent:
+        del wf["8"]
+        wf["9"] = {"class_type": "SaveLatent", "inputs": {"samples": [SAMPLER, 0],
+                                                          "filename_prefix": "latents/%s_%s" % (prefix, order)}}
+    return wf
+
+
+# -- running and comparing --------------------------------------------------------------------------------
+def run_output(srv, wf):
+    """(what the prompt saved as one float array: its images stacked, or its latent; history entry)."""
+    entry = srv.run(wf)
+    latents = [f for out in entry["outputs"].values() for f in out.get("latents", [])]
+    if latents:
+        import safetensors.torch
+        f = latents[0]
+        path = os.path.join(srv.output_dir, f.get("subfolder", ""), f["filename"])
+        return safetensors.torch.load_file(path)["latent_tensor"].double().numpy(), entry
+    paths = srv.output_images(entry)
+    assert paths, entry.get("outputs")
+    return np.stack([image(p) for p in paths]), entry
+
+
+def report_of(entry):
+    """The Accelerated KSampler's report, if the graph has one; no report of the graph (a detailer passes on the
+    one of its inner sampler) may have fallen back to the stock path."""
+    for out in entry["outputs"].values():
+        for report in out.get("sdaccel_report", ()):
+            assert not [n for n in report["notes"] if "accelerated run failed" in n], report["notes"]
+    reports = (entry["outputs"].get(SAMPLER) or {}).get("sdaccel_report")
+    return reports[0] if reports else None
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def _is_latent(a):
+    return a.ndim == 4 and a.shape[-1] != 3
+
+
+def assert_matches(got, ref, exact, what):
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    if exact:
+        assert (got == ref).all(), (what, psnr(got, ref) if not _is_latent(got) else _rel(got, ref))
+    elif _is_latent(got):
+        assert _rel(got, ref) <= LATENT_NOISE, (what, _rel(got, ref))
+    else:
+        assert psnr(got, ref) >= IMAGE_NOISE_DB, (what, psnr(got, ref))
+
+
+def assert_changed(with_pack, without, what):
+    if _is_latent(with_pack):
+        assert _rel(with_pack, without) > PACK_EFFECT_REL, "%s did not change the latent" % what
+    else:
+        assert psnr(with_pack, without) < PACK_EFFECT_DB, "%s did not change the image" % what
+
+
+def check_orders(srv, build, fused_kernels, orders=ORDERS):
+    """Runs build("stock"), then build(order) for each order: each output equals stock's. Returns (stock's
+    output, {order: its history entry})."""
+    ref, _ = run_output(srv, build("stock"))
+    entries = {}
+    for order in orders:
+        got, entries[order] = run_output(srv, build(order))
+        report_of(entries[order])
+        assert_matches(got, ref, exact=not fused_kernels, what=order)
+    return ref, entries
+
+
+STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
+             "ImpactLikeDetailer")
+
+
+def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
+    bad = [ln for ln in comfy_packs.log_text().splitlines() if "IMPORT FAILED" in ln and "standin_" in ln]
+    assert not bad, bad
+    info = comfy_packs.object_info()
+    assert not [n for n in STAND_INS + ("SDAccelKSampler", "SDAccelApply") if n not in info]
+
+
+# -- IPAdapter: attn2 replace patches ---------------------------------------------------------------------
+def ipadapter(weight=1.5, start_at=0.0, end_at=0.6, seed=3):
+    """end_at 0.6: on for the first of 2 steps only, so its per-call Python sigma test decides both ways."""
+    return ("IPAdapterLikeApply", {"weight": weight, "start_at": start_at, "end_at": end_at, "seed": seed,
+                                   "tokens": 4})
+
+
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
+def test_ipadapter_in_every_order_is_stock(comfy_packs, models, fused_kernels):
+    nodes = [ipadapter()]
+    ref, _ = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, fused_kernels, prefix="ipa"),
+                          fused_kernels)
+    if fused_kernels:
+        plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="ipa_none"))
+        assert_changed(ref, plain, "the IPAdapter stand-in")
+
+
+def test_two_stacked_ipadapters_in_every_order_are_stock(comfy_packs, models):
+    """The second IPAdapter finds the first one's patch objects (in its clone's deep copy of the options) and
+    adds itself to them in place."""
+    nodes = [ipadapter(seed=3), ipadapter(weight=-1.0, end_at=1.0, seed=4)]
+    ref, _ = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, prefix="ipa2"), fused_kernels=True)
+    one, _ = run_output(comfy_packs, model_graph(models, nodes[:1], "stock", prefix="ipa2_one"))
+    assert_changed(ref, one, "the second IPAdapter stand-in")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_ipadapter_keeps_its_patches_beside_our_attention_backend(comfy_packs, models, order):
+    """attention=sdpa: SD Accel sets its own attn1/attn2 replace patches on every transformer block, under the
+    same keys IPAdapter uses for SD1.5. The IPAdapter must still act, in either order."""
+    nodes = [ipadapter()]
+    ref, _ = run_output(comfy_packs, model_graph(models, nodes, "stock", prefix="ipa_attn"))
+    got, entry = run_output(comfy_packs, model_graph(models, nodes, order, fused_kernels=False, attention="sdpa",
+                                                     prefix="ipa_attn"))
+    report_of(entry)
+    assert_matches(got, ref, exact=False, what=order)
+
+
+# -- AnimateDiff: injected temporal modules, sliding context windows --------------------------------------
+FRAMES = {"width": 64, "height": 64, "batch_size": 16}
+
+
+def animatediff(context_length=8, schedule="standard_uniform", version="v2", seed=5):
+    """context_length 8 over 16 frames, overlap 4: three windows a step, moved by the step (uniform)."""
+    return ("ADLikeApplyMotion", {"seed": seed, "motion_version": version, "context_length": context_length,
+                                  "context_overlap": 4, "context_schedule": schedule, "fuse_method": "pyramid"})
+
+
+def ad_graph(models, nodes, order, fused_kernels, prefix):
+    """16 frames at cfg 1 (ComfyUI then runs no negative: half the cost of this CPU's slowest graphs; the
+    cond/uncond batch is covered by the other packs' tests), the latent saved instead of decoded."""
+    return model_graph(models, nodes, order, fused_kernels, prefix=prefix, latent=FRAMES, save_latent=True, cfg=1.0)
+
+
+def test_animatediff_in_every_order_is_stock(comfy_packs, models):
+    """Fused kernels off: no object patch of ours, so this is the injection, the wrappers and the sliding
+    windows (every window's call with its own frames and ad_params) meeting our step wrapper."""
+    nodes = [animatediff(8)]
+    ref, _ = check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, False, "ad_windows"), fused_kernels=False)
+    plain, _ = run_output(comfy_packs, ad_graph(models, [], "stock", False, "ad_none"))
+    assert_changed(ref, plain, "the motion modules")
+
+
+def test_animatediff_with_fused_kernels_after_a_stock_run_is_stock(comfy_packs, models):
+    """The user's first AnimateDiff run is stock; ComfyUI keeps that model loaded, temporal modules inserted
+    into the UNet's blocks. Then the same graph with the Accelerated KSampler: our folded copies of the blocks
+    must not take those modules in (AnimateDiff inserts its own into our copies when it loads our clone)."""
+    nodes = [animatediff(0, seed=6)]
+    check_orders(comfy_packs, lambda o: ad_graph(models, nodes, o, True, "ad_fused"), fused_kernels=True,
+                 orders=("ours",))
+
+
+def test_animatediff_v1_groupnorm_across_frames_is_kept_with_fused_kernels(comfy_packs, models):
+    """AnimateDiff v1 models swap the GroupNorm classes' forward during the UNet call so that each norm spans
+    all frames; our fused norms must not bypass it. The plain model is loaded first, so that our blocks are
+    planned with no AnimateDiff model injected (the hazard of the test above) and only this one is tested."""
+    run_output(comfy_packs, model_graph(models, [], "stock", prefix="ad_v1_unload"))
+    nodes = [animatediff(0, version="v1", seed=9)]
+    got, entry = run_output(comfy_packs, ad_graph(models, nodes, "ours", True, "ad_v1"))
+    report_of(entry)
+    ref, _ = run_output(comfy_packs, ad_graph(models, nodes, "stock", True, "ad_v1"))
+    assert_matches(got, ref, exact=False, what="ours")
+
+
+def refine_after_animatediff(models, order):
+    """One prompt: AnimateDiff over 16 frames with ComfyUI's KSampler, then its first frame refined (denoise 0.6)
+    by a second sampler on the plain model: KSampler ("stock") or the Accelerated KSampler ("ours"). The second
+    sampler runs while the AnimateDiff clone of the same checkpoint is still loaded and injected (this prompt's
+    cache holds it)."""
+    wf = ad_graph(models, [animatediff(8, seed=7)], "stock", False, "refine_%s" % order)
+    wf["r_pick"] = {"class_type": "LatentFromBatch", "inputs": {"samples": [SAMPLER, 0], "batch_index": 0,
+                                                                "length": 1}}
+    second = dict(wf[SAMPLER]["inputs"], model=["4", 0], latent_image=["r_pick", 0], denoise=0.6, cfg=7.0)
+    if order == "ours":
+        # channels_last off (nothing on a CPU): options no other test uses, so that the plan is made here, not
+        # found in the cache of clones of the plain model
+        second.update(fused_kernels=True, cuda_graph=True, channels_last=False)
+    wf["r"] = {"class_type": "SDAccelKSampler" if order == "ours" else "KSampler", "inputs": second}
+    wf["9"]["inputs"]["samples"] = ["r", 0]
+    return wf
+
+
+def test_a_plain_sampler_after_an_animatediff_sampler_in_one_prompt_is_stock(comfy_packs, models):
+    """The hazard of the fused test above without AnimateDiff in the accelerated sampler's model: the plain
+    model's blocks are planned while the AnimateDiff clone is loaded, its temporal modules in the blocks."""
+    got, entry = run_output(comfy_packs, refine_after_animatediff(models, "ours"))   # first: its AnimateDiff
+    ref, _ = run_output(comfy_packs, refine_after_animatediff(models, "stock"))     # sampler runs, not cached
+    for report in entry["outputs"]["r"].get("sdaccel_report", ()):
+        assert not [n for n in report["notes"] if "accelerated run failed" in n], report["notes"]
+    assert_matches(got, ref, exact=False, what="ours")
+
+
+# -- Advanced-ControlNet: its ControlNet subclass, timestep keyframes, soft weights -----------------------
+KEYFRAMES = ((0.0, 0.3), (0.25, 2.5), (0.6, 0.0))   # (start_percent, strength): 3 steps at 0.3, 2.5, 0
+
+
+def add_controlnets(wf, models, chain, keyframes=KEYFRAMES, base_multiplier=0.825):
+    """Applies the fixture ControlNet on a flat-colour hint, once per entry of `chain` (bottom to top):
+    "acn" through the Advanced-ControlNet stand-in (with `keyframes` and soft weights), "stock" through
+    ComfyUI's Apply ControlNet (Advanced)."""
+    wf["c_load"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": models["cn15"]}}
+    wf["c_hint"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
+                                                            "color": 0xC04020}}
+    kf = None
+    for i, (start, strength) in enumerate(keyframes):
+        wf["c_kf%d" % i] = {"class_type": "ACNLikeTimestepKeyframe", "inputs": dict(
+            {"start_percent": start, "strength": strength, "guarantee_steps": 1},
+            **({"prev_timestep_kf": kf} if kf else {}))}
+        kf = ["c_kf%d" % i, 0]
+    pos, neg = ["6", 0], ["7", 0]
+    for i, kind in enumerate(chain):
+        common = {"positive": pos, "negative": neg, "control_net": ["c_load", 0], "image": ["c_hint", 0],
+                  "strength": 0.9, "start_percent": 0.0, "end_percent": 1.0}
+        if kind == "acn":
+            node = {"class_type": "ACNLikeApply", "inputs": dict(common, base_multiplier=base_multiplier,
+                                                                 **({"timestep_kf": kf} if kf else {}))}
+        else:
+            node = {"class_type": "ControlNetApplyAdvanced", "inputs": common}
+        wf["c_apply%d" % i] = node
+        pos, neg = ["c_apply%d" % i, 0], ["c_apply%d" % i, 1]
+    wf[SAMPLER]["inputs"].update(positive=pos, negative=neg)
+    return wf
+
+
+def cn_graph(models, chain, order, fused_kernels=True, prefix="acn", keyframes=KEYFRAMES):
+    order = "apply_first" if order == "apply" else order    # the pack patches no model: one Apply order
+    wf = model_graph(models, [], order, fused_kernels, steps=3, prefix=prefix)
+    return add_controlnets(wf, models, chain, keyframes)
+
+
+def test_advanced_controlnet_in_every_order_is_stock_and_its_keyframes_act(comfy_packs, models):
+    """Its subclass runs stock inside our run: ours patches only ComfyUI's own ControlNet class, and says so."""
+    ref, entries = check_orders(comfy_packs, lambda o: cn_graph(models, ["acn"], o, prefix="acn"), fused_kernels=True,
+                                orders=("ours", "apply"))
+    notes = " ".join(report_of(entries["ours"])["notes"])
+    assert "left stock: ControlNetAdvancedLike is not a full ControlNet" in notes, notes
+    without, _ = run_output(comfy_packs, cn_graph(models, ["acn"], "stock", prefix="acn_nokf", keyframes=()))
+    assert_changed(ref, without, "the keyframe schedule")
+
+
+@pytest.mark.parametrize("chain", [["acn", "stock"], ["stock", "acn"]], ids=["stock_over_acn", "acn_over_stock"])
+def test_advanced_controlnet_chained_with_a_stock_controlnet_is_stock(comfy_packs, models, chain):
+    """Chained with a ComfyUI ControlNet, which ours does accelerate (and re-links), above or below it."""
+    check_orders(comfy_packs, lambda o: cn_graph(models, chain, o, prefix="acn_" + "_".join(chain)),
+                 fused_kernels=True, orders=("ours", "apply"))
+
+
+# -- Impact Pack: a detailer sampling a crop at another size inside its node ------------------------------
+def detailer_graph(models, order, ksampler="impact", fused_kernels=True, prefix="det", detail=True):
+    """txt2img, then the detailer on a 32 px region upscaled to 48 px (a 6x6 latent after the main pass's 8x8).
+    `order`: "stock"; "ours": Accelerated KSampler for the main pass, the detailer's `ksampler` for the region;
+    "apply": Apply SD Accel on the model both samplers use."""
+    wf = model_graph(models, [], "apply_first" if order == "apply" else order, fused_kernels, prefix=prefix)
+    if not detail:
+        return wf
+    wf["d"] = {"class_type": "ImpactLikeDetailer", "inputs": {
+        "image": ["8", 0], "model": wf[SAMPLER]["inputs"]["model"], "vae": ["4", 2], "positive": ["6", 0],
+        "negative": ["7", 0], "seed": 11, "steps": 2, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
+        "denoise": 0.5, "crop": "16,16,48,48", "guide_size": 48, "noise_mask": True, "noise_mask_feather": 4,
+        "ksampler": ksampler}}
+    wf["9"]["inputs"]["images"] = ["d", 0]
+    return wf
+
+
+def test_detailer_with_a_ksampler_inside_is_stock_with_ours_inside(comfy_packs, models):
+    """The detailer calls KSampler (stock graph) or the Accelerated KSampler (ours) on the region."""
+    ref, _ = run_output(comfy_packs, detailer_graph(models, "stock", "KSampler", prefix="det_ks"))
+    got, entry = run_output(comfy_packs, detailer_graph(models, "ours", "SDAccelKSampler", prefix="det_ks"))
+    assert_matches(got, ref, exact=False, what="Accelerated KSampler inside the detailer")
+    assert entry["outputs"]["d"]["sdaccel_report"], "the detailer's inner Accelerated KSampler reported"
+    report_of(entry)
+
+
+def test_detailer_sampling_the_impact_way_on_an_accelerated_model_is_stock(comfy_packs, models):
+    ref, _ = check_orders(comfy_packs, lambda o: detailer_graph(models, o, prefix="det_impact"), fused_kernels=True,
+                          orders=("apply",))
+    plain, _ = run_output(comfy_packs, detailer_graph(models, "stock", prefix="det_impact", detail=False))
+    assert_changed(ref, plain, "the detailer")
+
+
+def test_animatediff_injects_into_an_sd15_layout_with_fused_kernels(comfy_packs, models):
+    """SD1.5's deepest level has no attention: AnimateDiff places a temporal module there after the first block
+    whose class is named "ResBlock" (an exact name test), so our ResBlock stand-ins must leave it a place."""
+    run_output(comfy_packs, model_graph(models, [], "stock", prefix="ad_deep_unload"))   # no AnimateDiff loaded
+    deep = dict(models, sd15=models["sd15_small_plain_deep"])
+    nodes = [animatediff(0, seed=10)]
+    got, entry = run_output(comfy_packs, ad_graph(deep, nodes, "ours", True, "ad_deep"))
+    report_of(entry)
+    ref, _ = run_output(comfy_packs, ad_graph(deep, nodes, "stock", True, "ad_deep"))
+    assert_matches(got, ref, exact=False, what="ours")
