@@ -70,6 +70,17 @@ class WeightsFingerprint:
         return result
 
 
+def off_gpu(module, limit=3):
+    """Names of (up to `limit`) parameters and buffers of `module` that are not on a GPU, for the diagnosis log."""
+    out = []
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t is not None and not t.is_cuda:
+            out.append("%s (%s)" % (name, t.device))
+            if len(out) >= limit:
+                break
+    return out
+
+
 def _same_objects(refs, tensors):
     if len(refs) != len(tensors):
         return False

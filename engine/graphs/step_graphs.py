@@ -30,7 +30,7 @@ import torch
 from ..reports import kernel_report
 from ...kernels.errors import first_line
 from . import capture, eager, keys, probe
-from .fingerprint import WeightsFingerprint
+from .fingerprint import WeightsFingerprint, off_gpu
 
 log = logging.getLogger("sd_accel")
 DIAG_LEVEL = logging.WARNING if os.environ.get("SDACCEL_DIAG") == "1" else logging.DEBUG
@@ -117,6 +117,8 @@ class StepGraphs:
         fp, all_cuda = self.fp.read(epoch)
         fp = (fp, host_state)
         if not all_cuda:
+            if log.isEnabledFor(DIAG_LEVEL):
+                log.log(DIAG_LEVEL, "[SD Accel] %s: weights off the GPU: %s", self.name, off_gpu(self.fp.module))
             self.clear()
             return self._eager(fn, args, kwargs, "weights not all on the GPU (offloaded or partially loaded)",
                                key=("offloaded",), device=None)

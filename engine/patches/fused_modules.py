@@ -48,7 +48,7 @@ class FusedGroupNorm:
     sdaccel_kind = "group_norm"
 
     def forward(self, x):
-        if stock_path.active():
+        if stock_path.active() or host_replaced(self):
             out = original_class(self).forward(self, x)
             return F.silu(out) if self.sdaccel_act == "silu" else out
         w, b = weights_of(self, x)
@@ -61,7 +61,7 @@ class FusedLayerNorm:
     sdaccel_kind = "layer_norm"
 
     def forward(self, x):
-        if stock_path.active():
+        if stock_path.active() or host_replaced(self):
             return original_class(self).forward(self, x)
         w, b = weights_of(self, x) if self.weight is not None else (None, None)
         out = layer_norm(x, self.normalized_shape, w, b, self.eps)
@@ -75,7 +75,7 @@ class FusedGEGLU:
     sdaccel_kind = "geglu"
 
     def forward(self, x):
-        if stock_path.active():
+        if stock_path.active() or host_replaced(self):
             return original_class(self).forward(self, x)
         h = self.proj(x)
         out = geglu(h)
@@ -89,8 +89,24 @@ _class_cache = {}
 def _fused_class(mixin, base):
     key = (mixin, base)
     if key not in _class_cache:
-        _class_cache[key] = type("SDAccel%s" % base.__name__, (mixin, base), {"__module__": __name__})
+        _class_cache[key] = type("SDAccel%s" % base.__name__, (mixin, base),
+                                 {"__module__": __name__, "_sdaccel_host_impl": _host_impl(base)})
     return _class_cache[key]
+
+
+_HOST_METHODS = ("forward", "forward_comfy_cast_weights", "_forward")
+
+
+def _host_impl(base):
+    """(class, method name, function) of every forward the host class's MRO defines, as they are now."""
+    return tuple((c, name, c.__dict__[name]) for c in base.__mro__ for name in _HOST_METHODS if name in c.__dict__)
+
+
+def host_replaced(m):
+    """True when another pack has replaced a forward of `m`'s host class since the stand-in class was made
+    (AnimateDiff v1 swaps GroupNorm's forward for one that normalises across frames, for the UNet's call):
+    the stand-in then runs the host's forward, whatever it is now, as stock would."""
+    return any(c.__dict__.get(name) is not fn for c, name, fn in type(m)._sdaccel_host_impl)
 
 
 def is_fused(m):

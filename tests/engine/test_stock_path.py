@@ -55,3 +55,21 @@ def test_the_switch_is_per_thread():
         th.join()
         seen.append(stock_path.active())
     assert seen == [False, True] and not stock_path.active()
+
+
+def test_a_host_forward_another_pack_replaced_is_what_the_stand_in_runs():
+    """AnimateDiff v1 swaps GroupNorm's forward (to normalise across frames) for the UNet's call: our fused
+    GroupNorm must compute that, not its own kernel."""
+    from sd_accel.engine.patches import fused_modules as fm
+    gn = torch.nn.GroupNorm(2, 4)
+    fused = fm.make_fused_group_norm(gn, "silu")
+    x = torch.randn(2, 4, 3, 3)
+    saved = torch.nn.GroupNorm.forward
+    torch.nn.GroupNorm.forward = lambda self, inp: inp * 0 + 7.0
+    try:
+        assert fm.host_replaced(fused)
+        assert torch.equal(fused(x), torch.nn.functional.silu(torch.full_like(x, 7.0)))
+    finally:
+        torch.nn.GroupNorm.forward = saved
+    assert not fm.host_replaced(fused)
+    assert torch.allclose(fused(x), torch.nn.functional.silu(gn(x)), atol=1e-5)
