@@ -160,6 +160,10 @@ def record(tag, family, case, res, pass_name, cache_lines):
         "; cache: %s" % " | ".join(dict.fromkeys(cache_lines)) if cache_lines else "")
     if not rec["graphs"]:
         REFUSED_SO_FAR.append(tag)
+    nonfinite = {v: int((~res[v]["img"].isfinite()).sum()) for v in res}
+    if any(nonfinite.values()):   # e.g. zero-SNR's huge latents overflow the fp16 VAE: no PSNR to give
+        rec["psnr_db"] = None
+        rec["notes"] += "; non-finite pixels in the decoded images: %s" % json.dumps(nonfinite)
     return rec
 
 
@@ -224,9 +228,10 @@ def print_table(rows):
     for r in rows:
         eager = r.get("ours_eager_its")
         refused = json.dumps(r["graphs_refused"])[:80] if r["graphs_refused"] else ""
-        print("%-54s %9.2f %9.2f %6.2f %9s %6s %6s %7.1f  %s" % (
+        print("%-54s %9.2f %9.2f %6.2f %9s %6s %6s %7s  %s" % (
             r["config"], r["stock_its"], r["ours_its"], r["speedup"], "%.2f" % eager if eager else "-",
-            "%.2f" % (eager / r["stock_its"]) if eager else "-", "yes" if r["graphs"] else "no", r["psnr_db"], refused))
+            "%.2f" % (eager / r["stock_its"]) if eager else "-", "yes" if r["graphs"] else "no",
+            "%.1f" % r["psnr_db"] if r["psnr_db"] is not None else "n/a", refused))
 
 
 def main():
