@@ -9,11 +9,13 @@ median of --reps timed runs; whether the graphs replayed and, where not, what th
 PSNR of the decoded image against stock's with the same patch and seed. ComfyUI is booted in main.py's order
 (comfy_bench.boot: its default cudaMallocAsync allocator) on random full-size checkpoints built here.
 
-Two passes in one process: `fresh`, every config in order (SD1.5 with the patches the issue saw abort or break
-later captures last, then SDXL; each record's notes list the configs before it that replayed no graph), then
-`after_refused`: a patch whose capture fails runs first (dev/patch_nodes.py's capture-breaking patch, and EasyCache
-with `--refuse-first uncapturable,easycache`; records `patch_uncapturable` / `patch_easycache_first`), then the
-SD1.5 configs again, named `<config>_after_refused`: stock's it/s and ours must not change. One JSON line per
+Two passes: `fresh`, every config in order (SDXL, then SD1.5 with the patches the issue saw abort or break later
+captures last; each record's notes list the configs before it that replayed no graph), and `after_refused`: a patch
+whose capture fails runs first (dev/patch_nodes.py's capture-breaking patch, and EasyCache with `--refuse-first
+uncapturable,easycache`; records `patch_uncapturable` / `patch_easycache_first`), then the SD1.5 configs, named
+`<config>_after_refused`: stock's it/s and ours must not change. `--passes fresh,after_refused` runs both in one
+process; gpu_battery.sh runs each in a process of its own (parts `patches` and `patches_after_refused`), so that
+each stays within its time and the second starts with the refused capture. One JSON line per
 config (fields of ../shared/BENCH.md, plus `graphs_refused`: what the report said where no graph replayed, and
 `eager_psnr_db`) to $OUT/results.jsonl, a table last.
 
@@ -41,10 +43,12 @@ VARIANTS = {"stock": ("stock", None), "ours": ("ours", None), "eager": ("ours", 
 
 
 def config_table(patch_nodes):
-    """{config: (family, case id)} in the order measured: SD1.5 (the risky ones last), then SDXL."""
-    sd15 = sorted(patch_nodes.cases(512), key=lambda c: c in RISKY)
-    table = {"patch_%s" % c.lower(): ("sd15", c) for c in sd15}
-    table.update({"patch_%s_sdxl" % c.lower(): ("sdxl", c) for c in SDXL_NODES})
+    """{config: (family, case id)} in the order measured: SDXL (EasyCache last), then SD1.5 with the risky ones
+    last but for the fp8 UNet, a second model beside the fp16 one (ComfyUI can then load the fp16 model partially,
+    and the configs after it run without graphs: it runs last and is released after)."""
+    table = {"patch_%s_sdxl" % c.lower(): ("sdxl", c) for c in SDXL_NODES}
+    sd15 = sorted(patch_nodes.cases(512), key=lambda c: (c == patch_nodes.FP8_UNET, c in RISKY))
+    table.update({"patch_%s" % c.lower(): ("sd15", c) for c in sd15})
     return table
 
 
@@ -156,6 +160,10 @@ def record(tag, family, case, res, pass_name, cache_lines):
         "; cache: %s" % " | ".join(dict.fromkeys(cache_lines)) if cache_lines else "")
     if not rec["graphs"]:
         REFUSED_SO_FAR.append(tag)
+    nonfinite = {v: int((~res[v]["img"].isfinite()).sum()) for v in res}
+    if any(nonfinite.values()):   # e.g. zero-SNR's huge latents overflow the fp16 VAE: no PSNR to give
+        rec["psnr_db"] = None
+        rec["notes"] += "; non-finite pixels in the decoded images: %s" % json.dumps(nonfinite)
     return rec
 
 
@@ -173,6 +181,10 @@ def bench_config(tag, family, case, pass_name, eager):
         root.setLevel(level)
     rec = record(tag, family, case, res, pass_name, log.lines)
     cb.append_record(OPT, rec)
+    if case == patch_nodes.FP8_UNET:   # the second UNet leaves: the next config's model loads whole again
+        del model, res
+        ENV.mm.unload_all_models()
+        ENV.mm.soft_empty_cache()
     return rec
 
 
@@ -216,17 +228,19 @@ def print_table(rows):
     for r in rows:
         eager = r.get("ours_eager_its")
         refused = json.dumps(r["graphs_refused"])[:80] if r["graphs_refused"] else ""
-        print("%-54s %9.2f %9.2f %6.2f %9s %6s %6s %7.1f  %s" % (
+        print("%-54s %9.2f %9.2f %6.2f %9s %6s %6s %7s  %s" % (
             r["config"], r["stock_its"], r["ours_its"], r["speedup"], "%.2f" % eager if eager else "-",
-            "%.2f" % (eager / r["stock_its"]) if eager else "-", "yes" if r["graphs"] else "no", r["psnr_db"], refused))
+            "%.2f" % (eager / r["stock_its"]) if eager else "-", "yes" if r["graphs"] else "no",
+            "%.1f" % r["psnr_db"] if r["psnr_db"] is not None else "n/a", refused))
 
 
 def main():
     say("ENV", json.dumps(cb.versions(ENV, OPT.comfy_dir)), "allocator:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    configs = [c for c in OPT.configs.split(",") if c] or list(CONFIGS)
-    unknown = [c for c in configs if c not in CONFIGS]
+    wanted = [c for c in OPT.configs.split(",") if c] or list(CONFIGS)
+    unknown = [c for c in wanted if c not in CONFIGS]
     if unknown:
         sys.exit("unknown configs %s; known: %s" % (unknown, ", ".join(CONFIGS)))
+    configs = [c for c in CONFIGS if c in wanted]   # the table's order (see config_table)
     rows = []
     passes = OPT.passes.split(",")
     if "fresh" in passes:

