@@ -72,7 +72,7 @@ def state_of(kmodel):
 
 
 def is_ours(m):
-    return getattr(type(m), "sdaccel_kind", None) is not None
+    return fm.is_fused(m)
 
 
 def _forge_class(m, unet):

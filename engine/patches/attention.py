@@ -18,6 +18,10 @@ from ...kernels._dispatch import REFERENCE, Outcome
 from ..reports import kernel_report
 
 BACKENDS = ("auto", "sdpa", "xformers", "sage")
+# The transformer option under which a host hands `attention_fn(backend)` to the fused transformer blocks.
+# An option, never an attention replace patch: packs that patch attention (IPAdapter) set and extend replace
+# patches per block, and one of ours there would take their place or break their own additions.
+TRANSFORMER_OPTION = "sd_accel_attention"
 SAGE_HEAD_DIMS = (64, 96, 128)
 _modules = {}
 

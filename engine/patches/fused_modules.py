@@ -1,9 +1,10 @@
 """Drop-in replacement modules that run the fused kernels.
 
-Each replacement is an instance of a subclass of the module it replaces (so `isinstance` checks by
-other packs still hold), with its own copy of the parameter/buffer/submodule dicts holding the SAME
-Parameter objects: parameter names (`weight`, `bias`, `proj.weight`) are unchanged, so LoRA and
-weight patches find them, and moving the model between devices moves the shared tensors. The
+Each replacement is an instance of the very class of the module it replaces (so other packs' `isinstance`
+and exact-class checks still hold) with SD Accel's methods set on the instance, and its own copy of the
+parameter/buffer/submodule dicts holding the SAME Parameter objects: parameter names (`weight`, `bias`,
+`proj.weight`) are unchanged, so LoRA and weight patches find them, and moving the model between devices
+moves the shared tensors. The
 original module is not kept inside the replacement; the host keeps it for undoing.
 
 Weights are read through `weights_of`, which defers to the host's own casting when the host has marked
@@ -12,6 +13,7 @@ the module for it (ComfyUI's low-VRAM and manual-cast modes set `comfy_cast_weig
 """
 import functools
 import inspect
+import types
 
 import torch.nn.functional as F
 from torch import nn
@@ -83,46 +85,59 @@ class FusedGEGLU:
         return out
 
 
-_class_cache = {}
-
-
-def _fused_class(mixin, base):
-    key = (mixin, base)
-    if key not in _class_cache:
-        _class_cache[key] = type("SDAccel%s" % base.__name__, (mixin, base),
-                                 {"__module__": __name__, "_sdaccel_host_impl": _host_impl(base)})
-    return _class_cache[key]
-
-
 _HOST_METHODS = ("forward", "forward_comfy_cast_weights", "_forward")
+_host_forwards = {}
 
 
-def _host_impl(base):
-    """(class, method name, function) of every forward the host class's MRO defines, as they are now."""
-    return tuple((c, name, c.__dict__[name]) for c in base.__mro__ for name in _HOST_METHODS if name in c.__dict__)
+def host_forwards(base):
+    """(class, method name, function) of every forward the host class's MRO defines, as they were when SD Accel
+    first planned a stand-in for (or around) one of its modules."""
+    if base not in _host_forwards:
+        _host_forwards[base] = tuple((c, name, c.__dict__[name]) for c in base.__mro__ for name in _HOST_METHODS
+                                     if name in c.__dict__)
+    return _host_forwards[base]
 
 
 def host_replaced(m):
-    """True when another pack has replaced a forward of `m`'s host class since the stand-in class was made
-    (AnimateDiff v1 swaps GroupNorm's forward for one that normalises across frames, for the UNet's call):
-    the stand-in then runs the host's forward, whatever it is now, as stock would."""
-    return any(c.__dict__.get(name) is not fn for c, name, fn in type(m)._sdaccel_host_impl)
+    """True when another pack has replaced a forward of `m`'s host class since SD Accel first stood in for one
+    of its modules (AnimateDiff v1 swaps GroupNorm's forward for one that normalises across frames, for the
+    UNet's call): the stand-in then runs the host's forward, whatever it is now, as stock would."""
+    return any(c.__dict__.get(name) is not fn for c, name, fn in m.__dict__["_sdaccel_host_impl"])
+
+
+def class_forward_replaced(cls):
+    """`host_replaced` for a module a stand-in computes itself instead of calling (a ResBlock's out norm, a
+    transformer block's norm2/norm3), by its class: call `host_forwards(cls)` when planning the stand-in, so
+    the forwards compared against are the ones of that time."""
+    return any(c.__dict__.get(name) is not fn for c, name, fn in host_forwards(cls))
+
+
+def kind_of(m):
+    """What SD Accel put there ("group_norm", "resblock", "layout", ...), or None for a module of the host."""
+    return m.__dict__.get("sdaccel_kind") or getattr(type(m), "sdaccel_kind", None)
 
 
 def is_fused(m):
-    return getattr(type(m), "sdaccel_kind", None) is not None
+    return kind_of(m) is not None
 
 
 def original_class(m):
-    """The host class a replacement stands in for (the module's own class if it is not ours)."""
-    if not is_fused(m):
-        return type(m)
-    return type(m).__mro__[2]
+    """The host class a stand-in stands in for: its own class (stand-ins are instances of it)."""
+    return type(m)
+
+
+def _mixin_members(mixin):
+    """{name: value} a mixin class defines (its bases' first), without Python's own attributes."""
+    out = {}
+    for c in reversed(mixin.__mro__[:-1]):
+        out.update((k, v) for k, v in c.__dict__.items() if not (k.startswith("__") and k.endswith("__")))
+    return out
 
 
 def _clone_into(cls, orig):
     new = cls.__new__(cls)
-    new.__dict__.update(orig.__dict__)
+    theirs = _mixin_members(orig.__dict__["sdaccel_mixin"]) if "sdaccel_mixin" in orig.__dict__ else {}
+    new.__dict__.update((k, v) for k, v in orig.__dict__.items() if k not in theirs)
     # nn.Module keeps params/buffers/children/hooks in dicts: copy them so the replacement can be
     # patched (e.g. ComfyUI's set_attr_param) without touching the original module.
     # The children dict (`_modules`) stays shared: a stand-in with children (ResBlock, SpatialTransformer,
@@ -130,7 +145,7 @@ def _clone_into(cls, orig):
     # path. With a copy, a stand-in planned while an earlier one was applied would start from the earlier
     # patched children, and the host, restoring in its order, would leave a fused child on the original.
     for k, v in orig.__dict__.items():
-        if isinstance(v, (dict, set)) and k != "_modules":
+        if isinstance(v, (dict, set)) and k != "_modules" and k not in theirs:
             new.__dict__[k] = v.copy()
     return new
 
@@ -152,23 +167,50 @@ def host_source(cls, method, params):
 
 
 def clone_as(mixin, orig):
-    """A replacement of `orig`: an instance of (mixin, orig's host class) sharing its tensors and children."""
-    return _clone_into(_fused_class(mixin, original_class(orig)), orig)
+    """A stand-in for `orig`: an instance of orig's own class sharing its tensors and children, with the
+    mixin's methods and attributes set on the instance. Its own class, not a subclass: packs place their
+    modules by exact class (AnimateDiff: `type(c) == SpatialTransformer`, `type(c).__name__ == "ResBlock"`)
+    and must find ours as they find the host's. A mixin calls the host's method as
+    `original_class(self).forward(self, ...)` (no `super()`: the mixin is not in the instance's class)."""
+    base = original_class(orig)
+    new = _clone_into(base, orig)
+    theirs = set() if "sdaccel_mixin" in orig.__dict__ else set(orig.__dict__)
+    for name, value in _mixin_members(mixin).items():
+        if isinstance(value, (property, classmethod, staticmethod)):
+            raise TypeError("%s.%s: a stand-in's members are set on the instance, where only plain methods "
+                            "and values work" % (mixin.__name__, name))
+        if name in theirs and name in _HOST_METHODS:
+            continue    # another pack set its own forward on this module: it keeps running, as on stock
+        new.__dict__[name] = value
+    new.__dict__["sdaccel_mixin"] = mixin
+    new.__dict__["_sdaccel_host_impl"] = host_forwards(base)
+    return bind_methods(new)
+
+
+def bind_methods(m):
+    """`m` with its stand-in methods bound to `m` itself: call it on a shallow copy of a stand-in, whose
+    dict still holds the methods bound to the module it was copied from."""
+    mixin = m.__dict__.get("sdaccel_mixin")
+    if mixin is not None:
+        for name, value in _mixin_members(mixin).items():
+            here = m.__dict__.get(name)
+            if isinstance(value, types.FunctionType) and (here is value or getattr(here, "__func__", None) is value):
+                m.__dict__[name] = types.MethodType(value, m)
+    return m
 
 
 def make_fused_group_norm(orig, act):
-    cls = _fused_class(FusedGroupNorm, original_class(orig))
-    new = _clone_into(cls, orig)
+    new = clone_as(FusedGroupNorm, orig)
     new.sdaccel_act = act
     return new
 
 
 def make_fused_layer_norm(orig):
-    return _clone_into(_fused_class(FusedLayerNorm, original_class(orig)), orig)
+    return clone_as(FusedLayerNorm, orig)
 
 
 def make_fused_geglu(orig):
-    return _clone_into(_fused_class(FusedGEGLU, original_class(orig)), orig)
+    return clone_as(FusedGEGLU, orig)
 
 
 class SiLUFolded(nn.Identity):

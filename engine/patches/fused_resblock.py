@@ -38,7 +38,7 @@ class FusedResBlock:
     sdaccel_kind = "resblock"
 
     def _forward(self, x, emb):
-        if stock_path.active():
+        if stock_path.active() or fm.host_replaced(self) or fm.class_forward_replaced(type(self.out_layers[0])):
             return fm.original_class(self)._forward(self, x, emb)
         layers = self.in_layers
         h = x
@@ -112,7 +112,10 @@ def plan_resblocks(root, prefix="", owner=None):
     """{prefix + path: stand-in} for every eligible ResBlock of `root`; never modifies `root`. The stand-ins
     share one EmbProjections (all their timestep-embedding projections in one GEMM) of `owner` (the live
     module `root` is a view of; default `root`)."""
-    standins = {prefix + name: fm.clone_as(FusedResBlock, mod)
-                for name, mod in root.named_modules() if name and eligible(mod)}
+    standins = {}
+    for name, mod in root.named_modules():
+        if name and eligible(mod):
+            fm.host_forwards(type(mod.out_layers[0]))    # the out norm's forwards, as _forward compares them
+            standins[prefix + name] = fm.clone_as(FusedResBlock, mod)
     emb_projections.attach(owner if owner is not None else root, list(standins.values()))
     return standins

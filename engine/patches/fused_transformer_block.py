@@ -7,9 +7,8 @@ two launches fewer per block, 32 per SD1.5 step and 140 per SDXL step, same numb
 
 Only the plain call is re-implemented, and only where the host's block source has the expected steps
 (`eligible`): no transformer patches that act inside the block (attn1/attn2 patches, output patches, the
-middle patch), no attention replace patch for this block but SD Accel's own attention backend (run with the
-host's replace-patch steps), no ff_in, a residual stream (`is_res`), a
-cross-attention. Any other call goes to the host's own forward, and the run report says so. The host keeps the body in `forward`
+middle patch), no attention replace patch for this block, no ff_in, a residual stream (`is_res`), a
+cross-attention. SD Accel's own attention backend, where a host sets one, runs in the block's attentions. Any other call goes to the host's own forward, and the run report says so. The host keeps the body in `forward`
 (current ComfyUI) or in `_forward` behind a checkpoint wrapper (ComfyUI 2024; in inference the wrapper only
 calls it). Children (norms, attentions, feed-forward) are the block's own modules, called as the host calls
 them, so their own patches (fused norms, GEGLU, attention backends) apply.
@@ -18,6 +17,7 @@ from torch import nn
 
 from ...kernels._dispatch import REFERENCE, Outcome
 from ...kernels.add_layer_norm import add_layer_norm
+from . import attention
 from . import fused_modules as fm
 from ..reports import kernel_report
 from . import stock_path
@@ -36,11 +36,11 @@ class FusedTransformerBlock:
 
     def forward(self, x, context=None, transformer_options={}):  # noqa: B006 - the host's signature
         to = transformer_options
-        if stock_path.active():
-            return super().forward(x, context=context, transformer_options=to)
+        if stock_path.active() or fm.host_replaced(self) or fm.class_forward_replaced(type(self.norm2)):
+            return fm.original_class(self).forward(self, x, context=context, transformer_options=to)
         if not _plain_call(to):
             kernel_report.record("transformer_add_norm", _HOST_STEPS)
-            return super().forward(x, context=context, transformer_options=to)
+            return fm.original_class(self).forward(self, x, context=context, transformer_options=to)
         n = self._attention("attn1", self.norm1(x), None, to)
         x, n = _add_norm(self.norm2, n, x)
         n = self._attention("attn2", n, context, to)
@@ -48,17 +48,15 @@ class FusedTransformerBlock:
         return self.ff(n) + x
 
     def _attention(self, which, n, context, to):
-        """The host's attention call, or its replace-patch steps where SD Accel's own attention backend is
-        set for this block (hosts/comfyui/accelerate.py sets one on every block when `attention` is not auto)."""
+        """The host's attention call, or SD Accel's own attention backend where a host set one
+        (attention.TRANSFORMER_OPTION) and the call is the plain one (_plain_call passed: no replace patch)."""
         attn = getattr(self, which)
-        patch = _replace_patch(to, which)       # SD Accel's own when set: _plain_call passed this block
-        if patch is None:
+        attend = to.get(attention.TRANSFORMER_OPTION)
+        if attend is None or getattr(attn, "attn_precision", None) is not None:
             kw = {"transformer_options": to} if self.sdaccel_attn_takes_options else {}
             return attn(n, context=context, value=None, **kw)
         kv = n if context is None else context
-        extra = {k: v for k, v in to.items() if k not in ("patches", "patches_replace")}
-        extra.update(n_heads=self.n_heads, dim_head=self.d_head, attn_precision=getattr(self, "attn_precision", None))
-        return attn.to_out(patch(attn.to_q(n), attn.to_k(kv), attn.to_v(kv), extra))
+        return attn.to_out(attend(attn.to_q(n), attn.to_k(kv), attn.to_v(kv), self.n_heads))
 
 
 # what kernel_report files when the block ran the host's own steps
@@ -74,12 +72,12 @@ def _add_norm(norm, n, x):
 
 
 def _plain_call(to):
-    """No transformer patch but SD Accel's own attention backend acts inside this block on this call (the
-    host would run other steps)."""
+    """No transformer patch and no attention replace patch acts inside this block on this call (the host
+    would run other steps)."""
     patches = to.get("patches") or {}
     if any(patches.get(k) for k in _PATCHES):
         return False
-    return all(p is None or _ours(p) for p in (_replace_patch(to, "attn1"), _replace_patch(to, "attn2")))
+    return _replace_patch(to, "attn1") is None and _replace_patch(to, "attn2") is None
 
 
 def _replace_patch(to, name):
@@ -89,10 +87,6 @@ def _replace_patch(to, name):
     block = to.get("block")
     here = (block[0], block[1], to.get("block_index", 0)) if block is not None else None
     return r.get(here) if here in r else r.get(block)
-
-
-def _ours(patch):
-    return getattr(patch, "sd_accel_backend", None) is not None
 
 
 def _host_body(cls):
@@ -122,6 +116,7 @@ def plan_transformer_blocks(root, prefix=""):
     out = {}
     for name, mod in root.named_modules():
         if name and eligible(mod):
+            fm.host_forwards(type(mod.norm2))    # norm2/norm3's forwards, as forward compares them
             new = fm.clone_as(FusedTransformerBlock, mod)
             new.sdaccel_attn_takes_options = _host_body(fm.original_class(mod))[1]
             out[prefix + name] = new

@@ -50,7 +50,6 @@ class HintBlockCache:
         self.__dict__["_sdaccel_entries"] = OrderedDict()
         self.__dict__["_sdaccel_stats"] = {"hits": 0, "misses": 0, "bypassed": 0}
 
-    @property
     def sdaccel_stats(self):
         return dict(self.__dict__["_sdaccel_stats"])
 
@@ -83,7 +82,7 @@ class HintBlockCache:
         stats = self.__dict__["_sdaccel_stats"]
         if not isinstance(x, torch.Tensor) or not self._sdaccel_cacheable(args, kwargs):
             stats["bypassed"] += 1
-            return super().forward(x, *args, **kwargs)
+            return fm.original_class(self).forward(self, x, *args, **kwargs)
         entries = self.__dict__["_sdaccel_entries"]
         key = (_tensor_key(x), self._sdaccel_weights_key())
         hit = entries.get(id(x))
@@ -91,7 +90,7 @@ class HintBlockCache:
             entries.move_to_end(id(x))
             stats["hits"] += 1
             return hit[2]
-        out = super().forward(x, *args, **kwargs)
+        out = fm.original_class(self).forward(self, x, *args, **kwargs)
         entries[id(x)] = (x, key, out)
         entries.move_to_end(id(x))
         while len(entries) > MAX_ENTRIES:
@@ -106,7 +105,7 @@ def is_timestep_free(block):
     if not children:
         return False
     for m in children:
-        if fm.is_fused(m) and getattr(type(m), "sdaccel_kind", None) == "silu_folded":
+        if fm.kind_of(m) == "silu_folded":
             continue
         if not isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.SiLU, nn.Identity)):
             return False
@@ -115,7 +114,7 @@ def is_timestep_free(block):
 
 def make_hint_cache(orig):
     """The caching stand-in for `orig` (or for the host block behind an existing stand-in)."""
-    new = fm._clone_into(fm._fused_class(HintBlockCache, fm.original_class(orig)), orig)
+    new = fm.clone_as(HintBlockCache, orig)
     new.sdaccel_reset()
     return new
 
@@ -132,4 +131,4 @@ def plan_hint_cache(root, prefix=""):
 
 def caches_in(modules):
     """The hint caches among `modules` (e.g. a plan's values)."""
-    return [m for m in modules if isinstance(m, HintBlockCache)]
+    return [m for m in modules if fm.kind_of(m) == HintBlockCache.sdaccel_kind]

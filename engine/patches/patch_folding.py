@@ -23,6 +23,8 @@ from collections import OrderedDict
 
 from torch import nn
 
+from . import fused_modules as fm
+
 
 def group_of(path, prefix):
     """The group a patch path belongs to: `prefix` + its first component below the prefix (None if the path
@@ -39,7 +41,7 @@ def own_copy(module):
     new = module.__class__.__new__(module.__class__)
     new.__dict__.update(module.__dict__)
     new.__dict__["_modules"] = dict(module._modules)
-    return new
+    return fm.bind_methods(new)
 
 
 def fold(patches, bases, prefix, exclude=()):

@@ -40,8 +40,10 @@ def compile_note(before, after):
             "for later runs and starts)" % (n, secs))
 
 
-def build(steps, timer, kernels, graphs, options, notes=()):
-    """A JSON-able dict: it_s, seconds, peak_vram_gib, ran, fell_back ({what: why}), graphs, notes."""
+def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None):
+    """A JSON-able dict: it_s, seconds, peak_vram_gib, ran, fell_back ({what: why}), graphs, notes.
+    `host_reasons`: {what: why} the host knows better than the counts (why the attention backend could act in
+    no block, why nothing was fused); each replaces the generic reason of a `fell_back` entry of that name."""
     ran, fell_back = [], {}
     for op, e in sorted(kernels.items()):
         if e["fused"]:
@@ -75,6 +77,9 @@ def build(steps, timer, kernels, graphs, options, notes=()):
             ran.append("channels_last")
         else:
             fell_back["channels_last"] = "used inside CUDA graphs only, and none ran"
+    for k, why in (host_reasons or {}).items():
+        if k in fell_back:
+            fell_back[k] = why
     for k in ("fused_kernels", "cuda_graph", "channels_last"):
         if not options.get(k):
             fell_back.setdefault(k, "off")

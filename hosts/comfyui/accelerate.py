@@ -166,18 +166,42 @@ def _transformer_blocks(diffusion_model):
     return out
 
 
-def _install_attention(clone, backend):
-    attend = attention.attention_fn(backend)
+def _install_attention(clone, backend, options):
+    """Our attention backend as a transformer option (see attention.TRANSFORMER_OPTION): the fused transformer
+    blocks read it; the host's own blocks take it through current ComfyUI's attention override, where no other
+    pack set one. Returns (the number of transformer blocks it can act in, why none where 0)."""
+    attend = _inert(attention.attention_fn(backend), options, "attention")
+    to = clone.model_options.setdefault("transformer_options", {})
+    to[attention.TRANSFORMER_OPTION] = attend
+    reaches_host_blocks = _host_has_attention_override() and "optimized_attention_override" not in to
+    if reaches_host_blocks:
+        to["optimized_attention_override"] = _inert(_attention_override(attend), options, "attention_override")
+    if not (reaches_host_blocks or options.fused_kernels):
+        return 0, ("another pack set ComfyUI's attention override" if _host_has_attention_override() else
+                   "this ComfyUI has no attention override: the backend runs in fused transformer blocks only "
+                   "(fused_kernels is off)")
+    return len(_transformer_blocks(clone.model.diffusion_model)), None
 
-    def patch(q, k, v, extra_options):
-        return attend(q, k, v, extra_options["n_heads"])
-    patch.sd_accel_backend = backend
-    patch.sd_accel_inert = ("attention", backend)
-    blocks = _transformer_blocks(clone.model.diffusion_model)
-    for name, i in blocks:
-        clone.set_model_attn1_replace(patch, name, i)
-        clone.set_model_attn2_replace(patch, name, i)
-    return len(blocks)
+
+def _host_has_attention_override():
+    try:
+        import comfy.ldm.modules.attention as host_attention
+    except ImportError:
+        return False
+    return hasattr(host_attention, "wrap_attn")
+
+
+def _attention_override(attend):
+    """Current ComfyUI's `optimized_attention_override(func, q, k, v, heads, ...)`: ours for the plain call
+    (ldm layout, no mask, the model's own precision), the host's `func` for any other."""
+    def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kwargs):
+        if mask is None and attn_precision is None and not skip_reshape and not skip_output_reshape \
+                and q.dim() == 3:
+            return attend(q, k, v, heads)
+        return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                    skip_output_reshape=skip_output_reshape, **kwargs)
+    return override
 
 
 def _install_wrapper(clone, st, options):
@@ -256,7 +280,7 @@ def accelerate(model, options):
 
 def _accelerate(model, options):
     clone = model.clone()
-    info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None}
+    info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None, "reasons": {}}
     if not options.any():
         return clone, info
     _register_weight_caster()
@@ -265,15 +289,23 @@ def _accelerate(model, options):
     object_patches.drop_ours(clone)
     if options.fused_kernels or layout:
         # folded only where the restore order can be kept (current ComfyUI, which re-applies patches per prompt)
-        patches, counts = object_patches.plan(clone, options.fused_kernels, layout,
-                                                      fold=object_patches.can_keep_restore_order(clone))
+        why = object_patches.foreign_modules_reason(clone)
+        if why:
+            info["reasons"]["fused kernels"] = why
+            patches, counts = {}, {}
+        else:
+            patches, counts = object_patches.plan(clone, options.fused_kernels, layout,
+                                                  fold=object_patches.can_keep_restore_order(clone))
         for path, module in patches.items():
             clone.add_object_patch(path, module)
         info["patched"].update(counts)
         info["object_patches"] = len(patches)
         object_patches.keep_restore_order(clone, patches)
     if options.attention != "auto":
-        info["patched"]["attention_" + options.attention] = _install_attention(clone, options.attention)
+        n, why = _install_attention(clone, options.attention, options)
+        info["patched"]["attention_" + options.attention] = n
+        if why:
+            info["reasons"]["attention_" + options.attention] = why
     if options.cuda_graph and _loads_on_cuda(clone) and \
             object_patches.model_sampling_on_device(clone, clone.load_device):
         info["patched"]["model_sampling_on_gpu"] = 1

@@ -3,6 +3,7 @@ progress bar. ComfyUI modules (`folder_paths`, `comfy`) are imported inside the 
 imports without ComfyUI (the nodes' tests run it so)."""
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -34,7 +35,10 @@ def model_dirs(kind: str) -> list[str]:
     except KeyError:
         paths = []
     if default not in paths:
-        fp.add_model_folder_path(kind, default, is_default=not paths)
+        if "is_default" in inspect.signature(fp.add_model_folder_path).parameters:
+            fp.add_model_folder_path(kind, default, is_default=not paths)
+        else:   # ComfyUI 2024: appends; it reads the first folder as the default, ours when there was none
+            fp.add_model_folder_path(kind, default)
     return fp.get_folder_paths(kind)
 
 

@@ -22,6 +22,7 @@ model only once (no per-prompt cycle to save): there the UNet is patched module 
 ControlNet's patcher is made by Accelerated KSampler right before sampling, so no other node can add to it:
 folded on both.
 """
+import contextlib
 import logging
 
 import torch
@@ -105,7 +106,53 @@ def drop_ours(clone):
 def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True):
     """(ordered {path: module} to add as object patches, counts per op) for the
     UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
-    one patch per module, as the plan has them."""
+    one patch per module, as the plan has them. Planned with other loaded clones' injections ejected."""
+    with contextlib.ExitStack() as ejected:
+        for other in _injected_clones(clone):
+            ejected.enter_context(other.use_ejected())
+        return _plan(clone, fused_kernels, channels_last, root, fold)
+
+
+def _injected_clones(clone):
+    """Loaded patchers of `clone`'s model with their injections in place (current ComfyUI's PatcherInjection:
+    AnimateDiff inserts its motion modules into the UNet's blocks, in place, while its clone is loaded; a plan
+    made then would copy them into our blocks, or plan paths that are gone once they are ejected)."""
+    try:
+        import comfy.model_management as mm
+    except ImportError:
+        return []
+    out = []
+    for loaded in list(getattr(mm, "current_loaded_models", ())):
+        other = getattr(loaded, "model", None)
+        if other is not None and getattr(other, "model", None) is clone.model and \
+                getattr(other, "is_injected", False) and hasattr(other, "use_ejected"):
+            out.append(other)
+    return out
+
+
+def foreign_modules_reason(clone, root="diffusion_model"):
+    """Why no module swap can be planned on `clone` now, or None: modules of another pack's classes inside the
+    UNet once the injections SD Accel can eject are out (ComfyUI 2024's AnimateDiff inserts its motion modules
+    while its clone is loaded, with no way to take them out): paths planned among them may not exist, or
+    name other modules, once that pack takes them out."""
+    with contextlib.ExitStack() as ejected:
+        for other in _injected_clones(clone):
+            ejected.enter_context(other.use_ejected())
+        live = patching.get_attr(clone.model, root)
+        found = sorted({type(m).__name__ for _, m in live.named_modules() if _foreign_class(m)})
+    if not found:
+        return None
+    return ("another pack's modules are inside the UNet (%s): module swaps planned among them could miss or hit "
+            "the wrong module once it takes them out" % ", ".join(found[:3]))
+
+
+def _foreign_class(m):
+    """A module of a class neither ComfyUI's, torch's, nor SD Accel's (another pack's)."""
+    top = (type(m).__module__ or "").split(".")[0]
+    return top not in ("comfy", "comfy_extras", "torch") and not _is_ours(m)
+
+
+def _plan(clone, fused_kernels, channels_last, root, fold):
     prefix = root + "." if root else ""
     live = patching.get_attr(clone.model, root) if root else clone.model
     foreign = [k for k, _ in foreign_patches(clone)]

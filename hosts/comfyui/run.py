@@ -90,7 +90,8 @@ class AcceleratedRun:
             self.notes.append("VRAM Pool: %s%s" % (vram_report.summary_of(pool.last_report),
                                                    " | " + "; ".join(pool.last_notes) if pool.last_notes else ""))
         report = run_report.build(steps, self.timer, kernel_report.summarize(k0, kernel_report.snapshot()),
-                                  graphs, self.info.get("options", {}), self.notes)
+                                  graphs, self.info.get("options", {}), self.notes,
+                                  host_reasons=self.info.get("reasons"))
         if pool is not None and pool.last_report is not None:
             report["memory"] = pool.last_report
         line = run_report.one_line(report) + (" | " + self.cn_line if self.cn_line else "")

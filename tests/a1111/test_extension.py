@@ -1,13 +1,14 @@
 """scripts/sd_accel.py through a stand-in of A1111's API (fake_a1111/): settings, callbacks, reloads."""
 import torch
 
+from sd_accel.engine.patches import fused_modules as fm
 from unet_util import FakeSdModel, load_extension_script, make_unet, unet_inputs
 
 KEYS = ("sd_accel_enabled", "sd_accel_fused_kernels", "sd_accel_cuda_graph", "sd_accel_channels_last")
 
 
 def fused_count(unet):
-    return sum(1 for m in unet.modules() if getattr(type(m), "sdaccel_kind", None))
+    return sum(1 for m in unet.modules() if fm.kind_of(m))
 
 
 def run(unet, inputs):

@@ -108,7 +108,6 @@ def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, m
     clone's patches are applied starts from the originals too, and nothing fused is left after unloading."""
     import comfy.model_management as mm
     from sd_accel.engine.patches import fused_modules as fm
-    from sd_accel.engine.patches.layout_modules import ChannelsLastSpatialTransformer
     from sd_accel.hosts.comfyui import accelerate as host
     monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
     dm = model.model.diffusion_model
@@ -125,7 +124,7 @@ def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, m
         assert keys.index("diffusion_model." + path) < keys.index("diffusion_model." + path + ".norm")
     mm.load_models_gpu([acc])
     live = dm.get_submodule(path)
-    assert isinstance(live, ChannelsLastSpatialTransformer) and fm.is_fused(live.norm)
+    assert fm.kind_of(live) == "layout" and type(live) is type(st) and fm.is_fused(live.norm)
     assert live.proj_in is st.proj_in and live.norm.weight is norm.weight, "the stand-in shares the tensors"
     if folds:
         assert st.norm is norm and not fm.is_fused(st.norm), "the original block itself is never modified"
@@ -133,7 +132,7 @@ def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, m
     acc2, _ = host.accelerate(model.clone().clone(), host.AccelOptions(channels_last=True, cuda_graph=False))
     mm.load_models_gpu([acc2])
     live2 = dm.get_submodule(path)
-    assert isinstance(live2, ChannelsLastSpatialTransformer) and live2 is not live
+    assert fm.kind_of(live2) == "layout" and live2 is not live
     assert fm.is_fused(live2.transformer_blocks[0]) and fm.original_class(live2.transformer_blocks[0]) is block_cls
     mm.unload_all_models()
     assert dm.get_submodule(path) is st and st.norm is norm

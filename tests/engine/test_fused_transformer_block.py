@@ -112,19 +112,30 @@ def test_blocks_of_other_shapes_are_not_planned(unet):
 
 
 def test_sd_accels_own_attention_backend_keeps_the_fused_path(unet):
-    """attention=sdpa (or xformers, sage) sets SD Accel's replace patch on every block: the stand-in runs the
-    host's replace-patch steps itself and keeps the add+norm fusion; same output as the host with that patch."""
+    """attention=sdpa (or xformers, sage) hands the backend to the block as a transformer option: the stand-in
+    runs it in both attentions and keeps the add+norm fusion; same output as the host's own attention."""
     from sd_accel.engine.patches import attention
     name, blk = _blocks(unet)[0]
-    attend = attention.attention_fn("sdpa")
-
-    def patch(q, k, v, extra):
-        return attend(q, k, v, extra["n_heads"])
-    patch.sd_accel_backend = "sdpa"
     x, ctx = _inputs(blk, seed=2)
-    to = {"block": ("input", 1), "block_index": 0,
-          "patches_replace": {"attn1": {("input", 1, 0): patch}, "attn2": {("input", 1): patch}}}
+    to = {"block": ("input", 1), "block_index": 0, attention.TRANSFORMER_OPTION: attention.attention_fn("sdpa")}
     ref, out, ran = _host_and_standin(blk, _standin(blk), x, ctx, to)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert ran["transformer_add_norm"] == {"fused": 2, "fallback": 0, "reasons": []}, ran
-    assert ran["attention_sdpa"]["fused"] == 4, ran      # both attentions, host and stand-in
+    assert ran["attention_sdpa"]["fused"] == 2, ran      # the stand-in's two attentions
+
+
+def test_another_packs_replace_patch_wins_over_our_attention_backend(unet):
+    """IPAdapter's attn2 replace patch beside our backend: the host's steps run, with its patch."""
+    from sd_accel.engine.patches import attention
+    name, blk = _blocks(unet)[0]
+    x, ctx = _inputs(blk, seed=3)
+    calls = []
+
+    def ipadapter_like(q, k, v, extra):
+        calls.append(1)
+        return attention.sdpa(q, k, v, extra["n_heads"]) * 0.5
+    to = {"block": ("input", 1), "block_index": 0, attention.TRANSFORMER_OPTION: attention.attention_fn("sdpa"),
+          "patches_replace": {"attn2": {("input", 1): ipadapter_like}}}
+    ref, out, ran = _host_and_standin(blk, _standin(blk), x, ctx, to)
+    assert torch.equal(out, ref) and calls == [1, 1]
+    assert ran["transformer_add_norm"]["fallback"] == 1, ran

@@ -59,7 +59,7 @@ def test_plan_only_timestep_free_blocks_and_keeps_parameter_names(model):
     patching.apply_patches(model, {"input_hint_block": new})
     again = hc.plan_hint_cache(model)["input_hint_block"]
     assert type(again) is type(new) and again is not new
-    assert again.sdaccel_stats == {"hits": 0, "misses": 0, "bypassed": 0}
+    assert again.sdaccel_stats() == {"hits": 0, "misses": 0, "bypassed": 0}
 
 
 def test_same_hint_is_computed_once_and_equals_stock(model):
@@ -73,7 +73,7 @@ def test_same_hint_is_computed_once_and_equals_stock(model):
         finally:
             patching.restore(model, backup)
     cache = plan["input_hint_block"]
-    assert cache.sdaccel_stats == {"hits": 2, "misses": 1, "bypassed": 0}
+    assert cache.sdaccel_stats() == {"hits": 2, "misses": 1, "bypassed": 0}
     assert all(torch.equal(o, ref) for o in outs)
     assert type(model.input_hint_block) is TimestepSeq, "restore puts the original back"
 
@@ -84,7 +84,7 @@ def test_inference_tensors_without_version_counter_still_hit(patched):
         x = _hint()
         a = model.input_hint_block(x, None, None)
         b = model.input_hint_block(x, None, None)
-    assert a is b and cache.sdaccel_stats["hits"] == 1
+    assert a is b and cache.sdaccel_stats()["hits"] == 1
 
 
 def test_a_new_hint_tensor_is_a_miss_even_with_equal_values(patched):
@@ -93,7 +93,7 @@ def test_a_new_hint_tensor_is_a_miss_even_with_equal_values(patched):
         x = _hint()
         a = model.input_hint_block(x, None, None)
         b = model.input_hint_block(x.clone(), None, None)
-    assert cache.sdaccel_stats["misses"] == 2 and torch.equal(a, b)
+    assert cache.sdaccel_stats()["misses"] == 2 and torch.equal(a, b)
 
 
 def test_changed_hint_invalidates(patched):
@@ -105,7 +105,7 @@ def test_changed_hint_invalidates(patched):
         b = model.input_hint_block(x, None, None)
         ref = TimestepSeq.forward(model.input_hint_block, _hint(2))
         c = model.input_hint_block(_hint(3, hw=24), None, None)    # another shape
-    assert cache.sdaccel_stats == {"hits": 0, "misses": 3, "bypassed": 0}
+    assert cache.sdaccel_stats() == {"hits": 0, "misses": 3, "bypassed": 0}
     assert not torch.equal(a, b) and torch.equal(b, ref)
     assert c.shape[-1] == 12
 
@@ -122,7 +122,7 @@ def test_changed_weights_invalidate(patched):
         c = model.input_hint_block(x, None, None)
         conv.weight_function = [lambda w: w]       # ComfyUI's low-VRAM LoRA hook appears
         model.input_hint_block(x, None, None)
-    assert cache.sdaccel_stats == {"hits": 0, "misses": 4, "bypassed": 0}
+    assert cache.sdaccel_stats() == {"hits": 0, "misses": 4, "bypassed": 0}
     assert not torch.equal(a, b) and torch.equal(a, c)
 
 
@@ -134,7 +134,7 @@ def test_patched_or_training_calls_bypass_the_cache(patched):
         model.input_hint_block(x, None, None, transformer_options={"patches": {"x": []}})
     out = model.input_hint_block(x, None, None)    # autograd on, weights require grad
     assert out.requires_grad
-    assert cache.sdaccel_stats == {"hits": 0, "misses": 0, "bypassed": 3}
+    assert cache.sdaccel_stats() == {"hits": 0, "misses": 0, "bypassed": 3}
 
 
 def test_clear_and_bounded_entries(patched):
@@ -145,8 +145,8 @@ def test_clear_and_bounded_entries(patched):
             model.input_hint_block(h, None, None)
         assert len(cache._sdaccel_entries) == hc.MAX_ENTRIES
         model.input_hint_block(hints[-1], None, None)
-        assert cache.sdaccel_stats["hits"] == 1
+        assert cache.sdaccel_stats()["hits"] == 1
         cache.clear()
         assert not cache._sdaccel_entries
         model.input_hint_block(hints[-1], None, None)
-    assert cache.sdaccel_stats["misses"] == 5
+    assert cache.sdaccel_stats()["misses"] == 5

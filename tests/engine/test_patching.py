@@ -147,3 +147,25 @@ def test_channels_last_conversion_keeps_each_weight_in_its_own_storage():
     patching.convert_conv_weights(shared)
     assert shared.weight.data_ptr() != flat[5:].data_ptr() and torch.equal(flat[:5], before)
     assert torch.equal(shared.weight, w_ref) and shared.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_stand_ins_are_instances_of_the_host_class_itself(comfy_unet):
+    """Packs place their modules by exact class (AnimateDiff: `type(c) == SpatialTransformer`,
+    `type(c).__name__ == "ResBlock"`): every stand-in is of its original's very class, its methods bound to
+    itself, also in a shallow copy (the folded blocks copy modules along a patch path)."""
+    from sd_accel.engine.patches import patch_folding
+    live = dict(comfy_unet.named_modules())
+    plan = patching.plan_patches(comfy_unet, patching.COMFY_OPS, prefix="diffusion_model.")
+    kinds = set()
+    for path, new in plan.patches.items():
+        orig = live[path[len("diffusion_model."):]]
+        kind = fm.kind_of(new)
+        if kind == "silu_folded":
+            continue
+        kinds.add(kind)
+        assert type(new) is type(orig) and fm.kind_of(orig) is None, path
+        assert new.forward.__self__ is new or new.__dict__.get("_forward").__self__ is new, path
+        copy = patch_folding.own_copy(new)
+        bound = [v for v in copy.__dict__.values() if hasattr(v, "__self__") and hasattr(v, "__func__")]
+        assert bound and all(v.__self__ is copy for v in bound), path
+    assert {"group_norm", "layer_norm", "geglu", "resblock", "transformer_block"} <= kinds, kinds

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comfy_inproc  # noqa: E402
 
 from sd_accel.engine.reports import kernel_report  # noqa: E402
+from sd_accel.engine.patches import fused_modules as fm  # noqa: E402
 from sd_accel.engine.patches import layout_modules, patching, stock_path  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def test_every_stand_in_in_stock_mode_is_the_stock_module_bit_for_bit(unet):
     ref = _forward(unet, x, t, ctx)
     plan = dict(layout_modules.plan_layout_patches(unet))
     plan.update(patching.plan_patches(unet, patching.COMFY_OPS).patches)
-    kinds = {getattr(type(m), "sdaccel_kind", None) for m in plan.values()}
+    kinds = {fm.kind_of(m) for m in plan.values()}
     assert {"group_norm", "layer_norm", "geglu", "resblock", "transformer_block", "layout"} <= kinds
     backup = patching.apply_patches(unet, plan)
     try:
