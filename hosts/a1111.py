@@ -28,6 +28,7 @@ import torch
 from ..engine.patches import fused_modules, patching
 from ..engine.graphs.step_graphs import StepGraphs
 from . import webui
+from .attached import state_on
 from .webui import kernel_summary  # noqa: F401 - the extension script's status route reads it here
 
 log = logging.getLogger("sd_accel")
@@ -51,16 +52,11 @@ class _UnetState:
         self.structure = None     # (epoch, signature) cache for the graph key
 
 
-# An attribute of the UNet, not a WeakKeyDictionary entry: the state refers back to the UNet (its
-# graphs), and a dict value that refers to its weak key would keep every UNet ever patched alive.
 _STATE_ATTR = "_sd_accel_state"
 
 
 def _state(unet):
-    st = unet.__dict__.get(_STATE_ATTR)
-    if st is None:
-        st = unet.__dict__[_STATE_ATTR] = _UnetState()
-    return st
+    return state_on(unet, _STATE_ATTR, _UnetState)
 
 
 def _on_cuda(unet):

@@ -29,6 +29,7 @@ from torch import nn
 from ..engine.patches import fused_modules as fm
 from ..engine.patches import layout_modules, patching
 from . import webui
+from .attached import state_on
 
 NORM_OPS = ("group_norm", "layer_norm")
 PREFIX = "diffusion_model."          # object patch paths are relative to the KModel
@@ -64,11 +65,7 @@ _STATE_ATTR = "_sd_accel_forge"
 
 
 def state_of(kmodel):
-    # an attribute of the KModel, not a WeakKeyDictionary entry: the state refers back to the model
-    st = kmodel.__dict__.get(_STATE_ATTR)
-    if st is None:
-        st = kmodel.__dict__[_STATE_ATTR] = ForgeState()
-    return st
+    return state_on(kmodel, _STATE_ATTR, ForgeState)
 
 
 def is_ours(m):

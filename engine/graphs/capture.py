@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from .host_reads import HostReads
+from .host_reads import HostReads, sync_debug
 from .waits import Waits
 
 log = logging.getLogger("sd_accel")
@@ -45,16 +45,6 @@ def gc_paused():
     finally:
         if was:
             gc.enable()
-
-
-@contextlib.contextmanager
-def sync_errors():
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(2)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(old)
 
 
 def _side_stream():
@@ -89,7 +79,7 @@ def _on_side_stream(graph, pool):
 
 @contextlib.contextmanager
 def capturing(graph, pool, inputs=(), host_values=None):
-    with gc_paused(), HostReads(inputs, host_values or {}), Waits(raise_=True), sync_errors(), \
+    with gc_paused(), HostReads(inputs, host_values or {}), Waits(raise_=True), sync_debug(2), \
             _on_side_stream(graph, pool):
         yield
 

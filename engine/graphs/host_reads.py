@@ -13,22 +13,19 @@ go straight to torch) and records which inputs were read and where other GPU val
 import contextlib
 import os
 import sys
-import threading
 
 import torch
 
+from .interception import Interception, Watch
+
 _METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
-_tls = threading.local()
-_install_lock = threading.Lock()
-_installed = [0, {}, set()]   # scopes active in any thread, the original methods, those torch.Tensor defines
 _HERE = os.path.dirname(os.path.abspath(__file__))
 WATCHED = "cuda"     # the device whose values a read waits for (tests on the CPU watch "cpu")
 
 
-def _dispatch(name):
+def _reader(interception, owner, name, original):
     def read(t, *args, **kwargs):
-        watch = getattr(_tls, "watch", None)
-        original = _installed[1][name]
+        watch = interception.current()
         if watch is None or watch.busy:
             return original(t, *args, **kwargs)
         return watch.read(name, original, t, args, kwargs)
@@ -36,27 +33,7 @@ def _dispatch(name):
     return read
 
 
-def _install():
-    with _install_lock:
-        if _installed[0] == 0:
-            for name in _METHODS:
-                _installed[1][name] = getattr(torch.Tensor, name)
-                if name in torch.Tensor.__dict__:
-                    _installed[2].add(name)
-                setattr(torch.Tensor, name, _dispatch(name))
-        _installed[0] += 1
-
-
-def _uninstall():
-    with _install_lock:
-        _installed[0] -= 1
-        if _installed[0] == 0:
-            for name, fn in _installed[1].items():
-                if name in _installed[2]:
-                    setattr(torch.Tensor, name, fn)
-                else:
-                    delattr(torch.Tensor, name)     # inherited from torch's C base class: visible again
-            _installed[2].clear()
+_INTERCEPTION = Interception(lambda: [(torch.Tensor, name) for name in _METHODS], _reader)
 
 
 def caller():
@@ -70,8 +47,9 @@ def caller():
     return "unknown"
 
 
-class HostReads:
+class HostReads(Watch):
     """See the module doc. `host_values` ({input index: CPU copy}) answers reads of inputs (inside a capture)."""
+    interception = _INTERCEPTION
 
     def __init__(self, inputs, host_values=None):
         self.inputs = inputs
@@ -85,16 +63,6 @@ class HostReads:
         self.input_reads = set()
         self.other_reads = []         # (method, caller) of GPU values that are no inputs
         self.busy = False
-
-    def __enter__(self):
-        self.outer = getattr(_tls, "watch", None)
-        _install()
-        _tls.watch = self
-        return self
-
-    def __exit__(self, *exc):
-        _tls.watch = self.outer
-        _uninstall()
 
     def read(self, name, original, t, args, kwargs):
         if t.device.type != WATCHED:
@@ -111,7 +79,7 @@ class HostReads:
                 if i not in self.host_values:
                     raise RuntimeError("a host read of graph input %d that the probe did not see" % i)
                 return original(self._host_view(t, i), *args, **kwargs)
-            with sync_checks_off():
+            with sync_debug(0):       # a read the watch accounts for
                 return original(t, *args, **kwargs)
         finally:
             self.busy = False
@@ -123,13 +91,13 @@ class HostReads:
 
 
 @contextlib.contextmanager
-def sync_checks_off():
-    """No synchronisation warnings or errors inside (a read the caller has accounted for)."""
+def sync_debug(mode):
+    """torch's sync debug mode inside the scope (0 off, 1 warn, 2 error), restored after; no-op without CUDA."""
     if not torch.cuda.is_available():
         yield
         return
     old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.set_sync_debug_mode(mode)
     try:
         yield
     finally:

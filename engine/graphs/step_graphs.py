@@ -19,15 +19,14 @@ Memory: all graphs of one model share one private pool; each graph's static inpu
 for as long as the graph lives; at most `max_graphs` keys (and `max_variants` values per key) are kept, and
 dropping a key past the bound drops the whole pool, so graph memory is bounded and freed as a unit.
 """
-import contextlib
 import logging
 import os
-import threading
 from collections import Counter, OrderedDict
 
 import torch
 
 from ..reports import kernel_report
+from ..thread_scope import ThreadScope
 from ...kernels.errors import first_line
 from . import capture, eager, keys, probe
 from .fingerprint import WeightsFingerprint, off_gpu
@@ -38,16 +37,8 @@ PROBES = 2           # eager probe calls a key gets before its findings count
 MAX_VERDICTS = 256
 CHURN = 6            # new keys in a row, none replayed: the key changes on every call
 
-_running = threading.local()   # depth of StepGraphs calls running their function (warm-up or capture)
-
-
-@contextlib.contextmanager
-def _step_running():
-    _running.depth = getattr(_running, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _running.depth -= 1
+_RUNNING = ThreadScope()   # StepGraphs calls running their function (warm-up or capture) on this thread
+_step_running = _RUNNING.entered
 
 
 class _Entry:
@@ -108,7 +99,7 @@ class StepGraphs:
         (ComfyUI: `current_weight_patches_uuid`); a change drops the graphs. `before_capture()`: called before
         a capture; True when it changed the weights' layout (channels_last, kept for graphs: eager steps run
         faster on the layout stock uses), and this call then runs eagerly to compile for the new layout."""
-        if getattr(_running, "depth", 0):
+        if _RUNNING.active():
             return self._eager(fn, args, kwargs, "inside another model's step")
         if not torch.cuda.is_available():
             return self._eager(fn, args, kwargs, "no CUDA device", key=(), device=None)

@@ -7,15 +7,10 @@ capture in CUDA, which under cudaMallocAsync cannot be repaired in-process. So a
 (`Waits(raise_=False)`), and a capture raises at the call instead (`Waits(raise_=True)`), before CUDA sees it,
 so the capture can still be ended cleanly.
 """
-import threading
-
 import torch
 
 from .host_reads import caller
-
-_tls = threading.local()
-_lock = threading.Lock()
-_state = {"depth": 0, "saved": []}
+from .interception import Interception, Watch
 
 
 class CaptureForbidden(RuntimeError):
@@ -23,54 +18,30 @@ class CaptureForbidden(RuntimeError):
 
 
 def _targets():
-    return [(torch.cuda, "synchronize", "torch.cuda.synchronize"),
-            (torch.cuda.Stream, "synchronize", "Stream.synchronize"), (torch.cuda.Stream, "query", "Stream.query"),
-            (torch.cuda.Event, "synchronize", "Event.synchronize"), (torch.cuda.Event, "query", "Event.query")]
+    return [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Stream, "query"),
+            (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "query")]
 
 
-def _guard(original, label):
+def _guard(interception, owner, name, original):
+    label = "torch.cuda.%s" % name if owner is torch.cuda else "%s.%s" % (owner.__name__, name)
+
     def guarded(*args, **kwargs):
-        watch = getattr(_tls, "watch", None)
+        watch = interception.current()
         if watch is not None:
             where = caller()
             watch.found.append("%s at %s" % (label, where))
             if watch.raise_:
                 raise CaptureForbidden("%s inside a CUDA graph capture (%s)" % (label, where))
         return original(*args, **kwargs)
-    guarded.sd_accel_original = original
     return guarded
 
 
-def _install():
-    with _lock:
-        if _state["depth"] == 0:
-            for owner, name, label in _targets():
-                original = getattr(owner, name)
-                _state["saved"].append((owner, name, original))
-                setattr(owner, name, _guard(original, label))
-        _state["depth"] += 1
+_INTERCEPTION = Interception(_targets, _guard)
 
 
-def _uninstall():
-    with _lock:
-        _state["depth"] -= 1
-        if _state["depth"] == 0:
-            for owner, name, original in reversed(_state["saved"]):
-                setattr(owner, name, original)
-            _state["saved"].clear()
+class Waits(Watch):
+    interception = _INTERCEPTION
 
-
-class Waits:
     def __init__(self, raise_):
         self.raise_ = raise_
         self.found = []
-
-    def __enter__(self):
-        self.outer = getattr(_tls, "watch", None)
-        _install()
-        _tls.watch = self
-        return self
-
-    def __exit__(self, *exc):
-        _tls.watch = self.outer
-        _uninstall()

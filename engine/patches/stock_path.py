@@ -7,21 +7,15 @@ calls its host class's own forward (a fused GroupNorm+SiLU runs the GroupNorm an
 run), so the result is stock's, bit for bit, at stock's speed. Per thread: a scope on one thread never changes
 what another computes.
 """
-import contextlib
-import threading
+from ..thread_scope import ThreadScope
 
-_tls = threading.local()
+_SCOPE = ThreadScope()
 
 
 def active():
     """True inside a `stock_modules()` scope on this thread."""
-    return getattr(_tls, "depth", 0) > 0
+    return _SCOPE.active()
 
 
-@contextlib.contextmanager
 def stock_modules():
-    _tls.depth = getattr(_tls, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _tls.depth -= 1
+    return _SCOPE.entered()

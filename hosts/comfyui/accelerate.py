@@ -13,8 +13,8 @@ Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, ne
 import logging
 from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
 from ...engine.patches import attention, fused_modules, patching
-from ...engine.graphs import step_graphs
 from ...engine.graphs.step_graphs import StepGraphs
+from ..attached import state_on
 from . import control_graph
 from . import object_patches
 
@@ -42,18 +42,11 @@ class _ModelState:
         self.epoch = None      # set per sampling run by Accelerated KSampler
 
 
-# Kept in an attribute of the model (a reference cycle the garbage collector frees with it), not in a
-# WeakKeyDictionary: the state refers back to the model (graphs), and a value that refers to its weak key
-# keeps it alive for ever.
 _STATE_ATTR = "_sd_accel_state"
 
 
 def _state(base_model):
-    st = base_model.__dict__.get(_STATE_ATTR)
-    if st is None:
-        st = base_model.__dict__[_STATE_ATTR] = _ModelState(base_model)
-        log.log(step_graphs.DIAG_LEVEL, "[SD Accel] new graph state for model %x", id(base_model))
-    return st
+    return state_on(base_model, _STATE_ATTR, lambda: _ModelState(base_model))
 
 
 def _inert(fn, options, role):

@@ -180,3 +180,20 @@ def test_a_helper_closure_made_per_call_is_not_python_state():
     _, v = _probe(lambda x, to: to["patches"]["attn1_patch"][0](x), torch.ones(4),
                   {"patches": {"attn1_patch": [patch]}})
     assert v.capturable, v.reason
+
+
+def test_watches_put_back_exactly_what_was_there_and_stay_on_their_thread():
+    import threading
+    from sd_accel.engine.graphs.waits import Waits
+    sync = torch.cuda.synchronize
+    seen = []
+    x = torch.ones(3)
+    with host_reads.HostReads([x]) as watch, Waits(raise_=False):
+        assert "item" in vars(torch.Tensor) and torch.cuda.synchronize is not sync
+        th = threading.Thread(target=lambda: seen.append(x[0].item()))    # another thread: straight to torch
+        th.start()
+        th.join()
+        x[1].item()
+    assert seen == [1.0] and watch.input_reads == {0}
+    assert "item" not in vars(torch.Tensor), "an inherited method is inherited again, not pinned"
+    assert torch.cuda.synchronize is sync
