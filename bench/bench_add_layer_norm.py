@@ -13,19 +13,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_timing import Case, run  # noqa: E402  (also registers sd_accel)
+from kernel_timing import RESIDUAL_STREAM_SHAPES, Case, run  # noqa: E402  (also registers sd_accel)
 
 import torch  # noqa: E402
 
 from sd_accel.kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference  # noqa: E402
 
-# (batch, tokens, D): the residual stream at each transformer level, CFG batch 2 at 512² (SD1.5) and 1024²
-# (SDXL), and batch 8
-SHAPES = [
-    ("sd15", (2, 4096, 320)), ("sd15", (2, 1024, 640)), ("sd15", (2, 256, 1280)),
-    ("sd15", (2, 64, 1280)), ("sdxl", (2, 4096, 640)), ("sdxl", (2, 1024, 1280)),
-    ("b8", (8, 4096, 320)),
-]
+SHAPES = RESIDUAL_STREAM_SHAPES
 
 
 def setup(dtype):

@@ -2,7 +2,7 @@
 
     python bench/bench_condition_cache.py [--size 1024] [--repeat 5] [--no-real-depth]
 
-Depth and pose run on the tiny random models from tests/engine/tiny_models.py, so their miss is
+Depth and pose run on the tiny random models from tests/tiny_models.py, so their miss is
 cheap; the table therefore also splits a miss into its stages, and the model-free part (everything
 but the network forward passes) is what a real model adds its forward time to. With
 --real-depth (default) a random-weight Depth-Anything-V2-Small (24.8 M parameters, the real
@@ -27,7 +27,7 @@ if "sd_accel" not in sys.modules:  # the repo root is a package under whatever f
     pkg = types.ModuleType("sd_accel")
     pkg.__path__ = [REPO]
     sys.modules["sd_accel"] = pkg
-sys.path.insert(0, os.path.join(REPO, "tests", "engine"))
+sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from sd_accel.engine import preprocess as pp  # noqa: E402
 from sd_accel.engine.preprocess.cache_keys import frame_key  # noqa: E402

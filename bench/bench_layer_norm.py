@@ -9,17 +9,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_timing import Case, run  # noqa: E402  (also registers sd_accel)
+from kernel_timing import RESIDUAL_STREAM_SHAPES, Case, run  # noqa: E402  (also registers sd_accel)
 
 import torch  # noqa: E402
 
 from sd_accel.kernels.layer_norm import layer_norm, layer_norm_reference  # noqa: E402
 
-SHAPES = [
-    ("sd15", (2, 4096, 320)), ("sd15", (2, 1024, 640)), ("sd15", (2, 256, 1280)),
-    ("sd15", (2, 64, 1280)), ("sdxl", (2, 4096, 640)), ("sdxl", (2, 1024, 1280)),
-    ("b8", (8, 4096, 320)),
-]
+SHAPES = RESIDUAL_STREAM_SHAPES
 
 
 def setup(dtype):

@@ -27,6 +27,14 @@ from triton.testing import do_bench  # noqa: E402
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+# (batch, tokens, D): the transformer residual stream at each level, CFG batch 2 at 512² (SD1.5) and 1024²
+# (SDXL), and batch 8: the shapes the LayerNorm kernels see
+RESIDUAL_STREAM_SHAPES = [
+    ("sd15", (2, 4096, 320)), ("sd15", (2, 1024, 640)), ("sd15", (2, 256, 1280)),
+    ("sd15", (2, 64, 1280)), ("sdxl", (2, 4096, 640)), ("sdxl", (2, 1024, 1280)),
+    ("b8", (8, 4096, 320)),
+]
+
 def graph_us(fn, calls=10):
     """Median µs per call replaying `calls` calls captured in one CUDA graph: GPU time without the
     host's launch overhead, which is what a CUDA-graphed UNet step pays."""

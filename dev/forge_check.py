@@ -5,7 +5,7 @@ Sets up Forge from a snapshot of its public repository as shared/research/forge_
 `git archive` of the pinned commit, a venv with the pinned torch and Forge's pins, a random SD1.5
 checkpoint, this repo cloned into `extensions/`), all under `--home` (default $SDACCEL_HOME/forge, never
 in this repo), then:
-  probe     dev/forge_probe.py on the real backend and on the CI stand-in (tests/a1111/fake_forge):
+  probe     dev/forge_probe.py on the real backend and on the CI stand-in (tests/hosts/a1111/fake_forge):
             the same observations (Forge's Linear, clone, load/unload, LoRA loader, lowvram marking)
   options   GET /sdapi/v1/options lists the sd_accel_* keys; /sd_accel/status says forge from the start
   kernels   default settings: the fused modules are in the run and each is called on every step

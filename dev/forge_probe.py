@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One scenario run against Forge's backend (`--forge WEBUI`: the real one, from a Forge tree) or against
-SD Accel's stand-in of it (`--stand-in DIR`: tests/a1111/fake_forge); prints what it observed as one JSON
+SD Accel's stand-in of it (`--stand-in DIR`: tests/hosts/a1111/fake_forge); prints what it observed as one JSON
 line. dev/forge_check.py runs both and compares, so the CI tests' stand-in is checked against the real
 Forge. Observed:
   linear   Forge's Linear is an nn.Module that is not an nn.Linear, with in/out features and
@@ -121,7 +121,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--forge", help="a Forge tree (its backend/ is imported)")
-    g.add_argument("--stand-in", help="the stand-in's folder (tests/a1111/fake_forge)")
+    g.add_argument("--stand-in", help="the stand-in's folder (tests/hosts/a1111/fake_forge)")
     args = ap.parse_args()
     with torch.no_grad():
         obs = observe(*_api(args))

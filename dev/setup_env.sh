@@ -84,7 +84,7 @@ if [[ $todo == *" reqs "* ]]; then
   pip_install $REQS $TORCH_PIN
 fi
 
-# The real ldm UNetModel that A1111 runs (tests/a1111): PyPI's stable-diffusion-sdkit vendors ldm/.
+# The real ldm UNetModel that A1111 runs (tests/hosts/a1111): PyPI's stable-diffusion-sdkit vendors ldm/.
 # --no-deps: its declared pins are ancient (pytorch-lightning 1.4.2, ...); the UNet needs only torch,
 # numpy, einops, Pillow, and omegaconf (imported when context_dim is set).
 if [[ $todo == *" ldm "* ]]; then

@@ -14,7 +14,9 @@ import types
 if not shutil.which("nvidia-smi") and os.environ.get("SDACCEL_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+sys.path.insert(0, TESTS)    # the shared helpers (comfy_inproc, tiny_models) for every layer's tests
 
 if "sd_accel" not in sys.modules:
     pkg = types.ModuleType("sd_accel")

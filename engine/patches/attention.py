@@ -1,7 +1,7 @@
 """Attention backends, chosen per call.
 
 `attention_fn(backend)` returns `fn(q, k, v, heads) -> out` over ldm's layout (q, k, v: batch x tokens x
-heads*dim_head; out the same), the shape hosts hand to attention-replace patches. Per call it uses the
+heads*dim_head; out the same), the shape of ldm's attention calls. Per call it uses the
 requested backend where it can run and PyTorch's SDPA otherwise, recording why:
   * "sdpa": torch.nn.functional.scaled_dot_product_attention (PyTorch picks flash/cuDNN/efficient);
   * "xformers": xformers.ops.memory_efficient_attention, when xformers imports and the tensors are on

@@ -8,7 +8,8 @@ two launches fewer per block, 32 per SD1.5 step and 140 per SDXL step, same numb
 Only the plain call is re-implemented, and only where the host's block source has the expected steps
 (`eligible`): no transformer patches that act inside the block (attn1/attn2 patches, output patches, the
 middle patch), no attention replace patch for this block, no ff_in, a residual stream (`is_res`), a
-cross-attention. SD Accel's own attention backend, where a host sets one, runs in the block's attentions. Any other call goes to the host's own forward, and the run report says so. The host keeps the body in `forward`
+cross-attention. SD Accel's own attention backend, where a host sets one, runs in the block's attentions.
+Any other call goes to the host's own forward, and the run report says so. The host keeps the body in `forward`
 (current ComfyUI) or in `_forward` behind a checkpoint wrapper (ComfyUI 2024; in inference the wrapper only
 calls it). Children (norms, attentions, feed-forward) are the block's own modules, called as the host calls
 them, so their own patches (fused norms, GEGLU, attention backends) apply.

@@ -6,7 +6,7 @@ full image resolution whose output depends only on the hint image (not on the ti
 block's output can be computed on the first step and reused on the next ones.
 
 `plan_hint_cache(root, prefix)` returns `{path: replacement}` like `patching.plan_patches`: the
-replacement is an instance of a subclass of the block's own class (`TimestepEmbedSequential`) holding
+replacement is an instance of the block's own class (`TimestepEmbedSequential`, fused_modules.clone_as) holding
 the SAME child modules, so parameter names (`input_hint_block.0.weight`, ...) and weight patching are
 unchanged; the host applies and removes it (ComfyUI: `add_object_patch`). Only blocks made of
 timestep-free layers (convolutions, SiLU, identity, fused replacements of those) are planned.

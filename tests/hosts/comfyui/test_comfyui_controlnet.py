@@ -7,17 +7,16 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from sd_accel.engine.patches import fused_modules as fm  # noqa: E402
-from sd_accel.engine.patches import hint_cache  # noqa: E402
-from sd_accel.engine.reports import kernel_report  # noqa: E402
+from sd_accel.engine.patches import fused_modules as fm
+from sd_accel.engine.patches import hint_cache
+from sd_accel.engine.reports import kernel_report
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import comfy_inproc  # noqa: E402
+import comfy_inproc
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = comfy_inproc.REPO
 HOME = os.environ.get("SDACCEL_HOME", os.path.expanduser("~/.cache/sd_accel"))
 COMFY = os.environ.get("SDACCEL_COMFYUI") or os.path.join(HOME, "ComfyUI-2024")
 

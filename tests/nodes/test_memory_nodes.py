@@ -2,7 +2,6 @@
 with the planner's run placement (engine/memory/vram_plan.py), called in-process on a real ComfyUI
 ModelPatcher (CPU): a budget too small stops with the minimum needed, a valid budget gives the plan, ComfyUI's globals come back unchanged,
 and on a ComfyUI with keyed sampler wrappers a real sampling run goes through the pool."""
-import os
 import subprocess
 import sys
 import types
@@ -10,8 +9,7 @@ import types
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import comfy_inproc  # noqa: E402
+import comfy_inproc
 
 GIB = 2 ** 30
 

@@ -1,13 +1,10 @@
 """Where the ComfyUI host puts a step's graph when other packs' code runs around the UNet call, and the device
 copy of a ModelSampling node's tables (hosts/comfyui/accelerate.py, hosts/comfyui/object_patches.py). In-process, CPU."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import comfy_inproc  # noqa: E402
+import comfy_inproc
 
 
 @pytest.fixture(scope="module")

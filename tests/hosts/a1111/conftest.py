@@ -1,7 +1,7 @@
 """A1111 and Forge host tests: the real ldm UNet (PyPI's stable-diffusion-sdkit), a stand-in of A1111's API
 (`fake_a1111`, which Forge keeps) and one of Forge's backend (`fake_forge`, see fake_forge/README.md).
 
-`fake_a1111` puts tests/a1111/fake_a1111 first on sys.path so `import modules` is the stand-in, with
+`fake_a1111` puts tests/hosts/a1111/fake_a1111 first on sys.path so `import modules` is the stand-in, with
 fresh state per test; `unet_util.load_extension_script` loads `scripts/sd_accel.py` the way A1111
 does. The ldm UNet comes from `stable-diffusion-sdkit==2.1.5` (installed `--no-deps`, with omegaconf,
 by dev/setup_env.sh).

@@ -1,13 +1,10 @@
 """hosts/comfyui/accelerate.py on a real ComfyUI ModelPatcher, in-process (CPU): what it patches, how it wraps
 the step, that the input model is untouched and that re-running a node hands back the same clone."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import comfy_inproc  # noqa: E402
+import comfy_inproc
 
 
 @pytest.fixture(scope="module")

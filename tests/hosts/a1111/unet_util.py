@@ -9,7 +9,7 @@ import types
 import torch
 from torch import nn
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # one level, one ResBlock + SpatialTransformer per block: every op SD Accel fuses, small enough for
 # Triton's CPU interpreter (about 0.5 s per GroupNorm call there)

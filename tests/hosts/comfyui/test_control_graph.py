@@ -4,14 +4,11 @@ chained the way ControlNetApplyAdvanced chains them. On the CPU no graph is capt
 exactly what a capture records: the chain evaluated from the graph inputs, then the UNet. So the latent
 must be stock's bit for bit, and the graph key must follow what a replay bakes in (strength, range, model)
 and nothing that changes per prompt. The capture itself is tests/gpu/test_controlnet_graphs_gpu.py."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import comfy_inproc  # noqa: E402
+import comfy_inproc
 
 STEPS = 4
 

@@ -1,6 +1,6 @@
 """Other packs' mechanisms (the stand-ins of tests/packs, docs/other_packs.md) in-process on the CPU, where a
 test needs SD Accel's GPU plan: the channels_last stand-ins are planned only for a CUDA load device, so the
-check is forced here as tests/engine/test_comfy_host.py does. The server tests (tests/server/test_other_packs.py)
+check is forced here as tests/hosts/comfyui/test_comfy_host.py does. The server tests (tests/server/test_other_packs.py)
 cover the rest through a real ComfyUI."""
 import importlib.util
 import os
@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import comfy_inproc  # noqa: E402
+import comfy_inproc
 
 PACKS = os.path.join(comfy_inproc.REPO, "tests", "packs")
 
