@@ -109,7 +109,10 @@ class StepGraphs:
         fp = (fp, host_state)
         if not all_cuda:
             if log.isEnabledFor(DIAG_LEVEL):
-                log.log(DIAG_LEVEL, "[SD Accel] %s: weights off the GPU: %s", self.name, off_gpu(self.fp.module))
+                free, total = torch.cuda.mem_get_info()
+                log.log(DIAG_LEVEL, "[SD Accel] %s: weights off the GPU: %s (GPU free %.1f of %.1f GiB, torch "
+                        "reserved %.1f GiB)", self.name, off_gpu(self.fp.module), free / 2**30, total / 2**30,
+                        torch.cuda.memory_reserved() / 2**30)
             self.clear()
             return self._eager(fn, args, kwargs, "weights not all on the GPU (offloaded or partially loaded)",
                                key=("offloaded",), device=None)

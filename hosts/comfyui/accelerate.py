@@ -11,6 +11,9 @@
 Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
 """
 import logging
+
+import torch
+
 from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
 from ...engine.patches import attention, fused_modules, patching
 from ...engine.graphs.step_graphs import StepGraphs
@@ -71,6 +74,7 @@ def _make_step(st, options, base_model):
         x = args[0]
         fn, args, kwargs = _with_deferred_control(call, args, kwargs)
         if options.cuda_graph:
+            _model_sampling_on(base_model, x.device)
             # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
             epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
             return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
@@ -78,6 +82,18 @@ def _make_step(st, options, base_model):
         # graphs off: the faster of the fused and the stock modules, measured per shape
         return st.graphs.eager_paths.run(("no graphs", tuple(x.shape), x.dtype), fn, args, kwargs, x.device)
     return step
+
+
+def _model_sampling_on(base_model, device):
+    """ComfyUI's partial loads move only the modules that hold weights: after the model was unloaded and loaded
+    again, its model_sampling buffers (sigmas, log_sigmas) stay on the CPU, and each step converts its sigma
+    there and back through host syncs that no graph can hold. A first load puts them on the GPU with the rest;
+    they are put there again, where the UNet runs (the same values: the conversion is an exact lookup)."""
+    sampling = getattr(base_model, "model_sampling", None)
+    if device.type != "cuda" or not isinstance(sampling, torch.nn.Module):
+        return
+    if any(b.device != device for b in sampling.buffers()):
+        sampling.to(device)
 
 
 def _with_deferred_control(apply_model, args, kwargs):

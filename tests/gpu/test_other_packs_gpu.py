@@ -88,6 +88,7 @@ def check_every_order(env, build, run_kwargs, what, orders=ORDERS):
     outs = {(order, attempt): _run(env, by_order[order][0], by_order[order][1], **run_kwargs)
             for order in orders for attempt in (1, 2)}
     ref, _ = _run(env, by_order["stock"][0], "stock", **run_kwargs)
+    assert torch.isfinite(ref).all(), (what, "stock's own output is not finite: the stand-in pack is broken")
     for (order, attempt), (out, report) in outs.items():
         assert _rel(out, ref) < FP16_NOISE, (what, order, attempt, _rel(out, ref), report and report["graphs"])
         if report is not None and attempt == 2:

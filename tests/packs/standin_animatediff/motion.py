@@ -176,13 +176,24 @@ def _ordered_halving(val):
 
 
 def _uniform_windows(num_frames, length, overlap, step):
+    """Windows shifted by the step; a window that rolls over the end is moved back to end at the last frame,
+    and where the next window then lacks the frame it rolled over to, one starting there is added (as
+    AnimateDiff does: every frame is in some window, or its fused output would be 0 / 0)."""
     pad = int(round(num_frames * _ordered_halving(step)))
     windows = [[e % num_frames for e in range(j, j + length)]
                for j in range(int(_ordered_halving(step)) + pad, num_frames + pad - overlap, length - overlap)]
+    i = 0
+    while i < len(windows):
+        w = windows[i]
+        roll = next((k for k in range(1, len(w)) if w[k] < w[k - 1]), None)
+        if roll is not None:
+            first = w[roll]
+            windows[i] = list(range(num_frames - length, num_frames))
+            if first not in windows[(i + 1) % len(windows)]:
+                windows.insert(i + 1, list(range(first, first + length)))
+        i += 1
     out = []
     for w in windows:
-        if any(b < a for a, b in zip(w, w[1:])):   # rolled over the end: AnimateDiff shifts it to the end
-            w = list(range(num_frames - length, num_frames))
         if w not in out:
             out.append(w)
     return out
