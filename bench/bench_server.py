@@ -186,7 +186,8 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
                first_run_s=round(warm["ours"]["latency"] - per["ours"] * batch, 3),
                psnr_db=sg.psnr_of(saved_images(srv, warm["stock"]), saved_images(srv, warm["ours"])), graphs=bool(replays) and min(replays) > 0,
                stock_breakdown_s=st.median_phases(lat["stock"], batch),
-               ours_breakdown_s=st.median_phases(lat["ours"], batch), previews_per_prompt=previews)
+               ours_breakdown_s=st.median_phases(lat["ours"], batch), previews_per_prompt=previews,
+               deferred_previews=os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1") != "0")
     rec["notes"] = ("server process %d of %d, launched with --preview-method %s (previews are a launch flag); "
                     "websocket client %s; reps %d, ABAB; a new seed and positive text per timed prompt; ours: "
                     "SDAccelKSampler (defaults) + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
@@ -234,12 +235,27 @@ def print_tables(rows):
         print("%-40s %9.3f %9.3f %6.2f %9.3f %9.3f %6.2f %9s %7s" % (
             r["config"], r["stock_s_per_image"], r["ours_s_per_image"], r["latency_speedup"], r["stock_img_s"],
             r["ours_img_s"], r["throughput_speedup"], pv, r["psnr_db"]))
+    print_preview_cost(rows)
     print("\nwhere the time goes, seconds per image (median of the latency prompts; bench/server_timing.py):")
     print("%-46s" % "config / variant" + "".join("%12s" % c for c in st.COLUMNS))
     for r in rows:
         for v in VARIANTS:
             b = r["%s_breakdown_s" % v]
             print("%-46s" % ("%s %s" % (r["config"], v)) + "".join("%12.4f" % b[c] for c in st.COLUMNS))
+
+
+def print_preview_cost(rows):
+    """s/image with previews over s/image without, per config and variant (issue #21's target: ours <= 1.10)."""
+    plain = {r["config"]: r for r in rows if r["preview"] == "none"}
+    lines = []
+    for r in rows:
+        base = plain.get(r["config"][:len(r["config"]) - len(SUFFIX[r["preview"]])]) if r["preview"] != "none" else None
+        if base is not None:
+            lines.append("%-40s stock %.2fx  ours %.2fx" % (r["config"], r["stock_s_per_image"] / base["stock_s_per_image"],
+                                                          r["ours_s_per_image"] / base["ours_s_per_image"]))
+    if lines:
+        print("\npreviews' cost, s/image with them over s/image without (servers of their own, same run):")
+        print("\n".join(lines))
 
 
 def main():

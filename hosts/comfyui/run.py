@@ -57,8 +57,10 @@ class AcceleratedRun:
 
     def _previews(self):
         """Live previews one step late (hosts/comfyui/previews.py) on an accelerated run; with every option off
-        the node is exactly KSampler."""
-        return host_previews.DeferredPreviews() if self.accelerated() else contextlib.nullcontext()
+        the node is exactly KSampler, and SDACCEL_DEFERRED_PREVIEWS=0 keeps ComfyUI's own timing."""
+        if self.accelerated() and os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1") != "0":
+            return host_previews.DeferredPreviews()
+        return contextlib.nullcontext()
 
     def accelerated(self):
         return self.patched is not self.model or bool(self.cn_info and self.cn_info["controlnets"])

@@ -144,3 +144,14 @@ def test_no_previews_and_other_threads_keep_comfyuis_callback_and_the_functions_
     assert not isinstance(other[0], dp.DeferredCallback)
     assert (latent_preview.prepare_callback, latent_preview.get_previewer) == originals
     assert "prepare_callback" in vars(latent_preview) and latent_preview.prepare_callback.__module__ == "latent_preview"
+
+
+def test_only_accelerated_runs_defer_and_the_switch_turns_it_off(model, monkeypatch):
+    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import previews, run as host_run
+    accelerated = host_run.AcceleratedRun(model, [], [], host.AccelOptions(), patched=model.clone())
+    plain = host_run.AcceleratedRun(model, [], [], host.AccelOptions(), patched=model)
+    assert isinstance(accelerated._previews(), previews.DeferredPreviews)
+    assert not isinstance(plain._previews(), previews.DeferredPreviews), "every option off: exactly KSampler"
+    monkeypatch.setenv("SDACCEL_DEFERRED_PREVIEWS", "0")
+    assert not isinstance(accelerated._previews(), previews.DeferredPreviews)
