@@ -120,11 +120,7 @@ def start_server(opt, models, method, index, total):
     shutil.rmtree(work, ignore_errors=True)
     args = ["--preview-method", method] + opt.comfy_args.split()
     if os.path.isdir(os.path.join(opt.comfy_dir, "comfy_api")):   # current ComfyUI: no frontend package needed
-        frontend = os.path.join(work, "frontend")
-        os.makedirs(frontend)
-        with open(os.path.join(frontend, "index.html"), "w") as f:
-            f.write("<html></html>")
-        args += ["--front-end-root", frontend]
+        args += comfy_server.empty_frontend(work)
     env = {"TRITON_INTERPRET": "0"} if opt.smoke else {}   # interpreted kernels take minutes a prompt on a CPU
     srv = comfy_server.ComfyServer(opt.comfy_dir, sys.executable, work, models, extra_args=args, env=env,
                                    cpu=opt.smoke)
@@ -228,20 +224,21 @@ def run_method(opt, vers, configs, models, names, method, index, total, counter,
 
 
 def print_tables(rows):
-    print("%-40s %9s %9s %6s %9s %9s %6s %9s %7s" % ("config", "stock s/im", "ours s/im", "x", "stock im/s",
-                                                    "ours im/s", "x", "previews", "PSNR"))
-    for r in rows:
-        pv = "%s/%s" % (r["previews_per_prompt"]["stock"][-1], r["previews_per_prompt"]["ours"][-1])
-        print("%-40s %9.3f %9.3f %6.2f %9.3f %9.3f %6.2f %9s %7s" % (
-            r["config"], r["stock_s_per_image"], r["ours_s_per_image"], r["latency_speedup"], r["stock_img_s"],
-            r["ours_img_s"], r["throughput_speedup"], pv, r["psnr_db"]))
-    print_preview_cost(rows)
-    print("\nwhere the time goes, seconds per image (median of the latency prompts; bench/server_timing.py):")
+    """Where the time goes, then the headline table and the previews' cost last (what a log's tail shows)."""
+    print("where the time goes, seconds per image (median of the latency prompts; bench/server_timing.py):")
     print("%-46s" % "config / variant" + "".join("%12s" % c for c in st.COLUMNS))
     for r in rows:
         for v in VARIANTS:
             b = r["%s_breakdown_s" % v]
             print("%-46s" % ("%s %s" % (r["config"], v)) + "".join("%12.4f" % b[c] for c in st.COLUMNS))
+    print("\n%-40s %10s %10s %6s %10s %10s %6s %9s %7s" % ("config", "stock s/im", "ours s/im", "x", "stock im/s",
+                                                         "ours im/s", "x", "previews", "PSNR"))
+    for r in rows:
+        pv = "%s/%s" % (r["previews_per_prompt"]["stock"][-1], r["previews_per_prompt"]["ours"][-1])
+        print("%-40s %10.3f %10.3f %6.2f %10.3f %10.3f %6.2f %9s %7s" % (
+            r["config"], r["stock_s_per_image"], r["ours_s_per_image"], r["latency_speedup"], r["stock_img_s"],
+            r["ours_img_s"], r["throughput_speedup"], pv, r["psnr_db"]))
+    print_preview_cost(rows)
 
 
 def print_preview_cost(rows):
@@ -254,7 +251,7 @@ def print_preview_cost(rows):
             lines.append("%-40s stock %.2fx  ours %.2fx" % (r["config"], r["stock_s_per_image"] / base["stock_s_per_image"],
                                                           r["ours_s_per_image"] / base["ours_s_per_image"]))
     if lines:
-        print("\npreviews' cost, s/image with them over s/image without (servers of their own, same run):")
+        print("previews' cost, s/image with them over s/image without (servers of their own, same run):")
         print("\n".join(lines))
 
 

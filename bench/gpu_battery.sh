@@ -25,7 +25,10 @@
 # without; no config starts after 150 s, killed at 300 s), server_taesd (SD1.5 512² b1 and SDXL 1024² b1 with taesd
 # previews on random-weight TAESD decoders; estimated 3 min; no config after 180 s, killed at 300 s). bench_server's
 # parts share their random checkpoints in /tmp/sdaccel_bench_server: run server_sdxl before the other SDXL parts
-# in one call, so only it builds the SDXL checkpoint.
+# in one call, so only it builds the SDXL checkpoint. server_nodefer (the A/B of the previews' deferral: server's
+# latent2rgb server with SDACCEL_DEFERRED_PREVIEWS=0, SD1.5 512² b1 and b4; ~2 min, killed at 300 s),
+# tests_previews (tests/gpu/test_deferred_preview_gpu.py and test_previews_gpu.py alone, a GPU server with
+# previews; ~1 min, killed at 200 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -83,6 +86,14 @@ for p in "$@"; do
       latent2rgb --deadline 150 --configs server_sdxl_1024_b1,server_sdxl_1024_b4 ;;
     server_taesd) part server_taesd 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews taesd --deadline 180 \
       --configs server_sd15_512_b1,server_sdxl_1024_b1 ;;
+    server_nodefer) part server_nodefer 300 env SDACCEL_DEFERRED_PREVIEWS=0 python3 bench/bench_server.py --comfy-dir \
+      $COMFY --previews latent2rgb --deadline 200 --configs server_sd15_512_b1,server_sd15_512_b4 ;;
+    tests_previews)
+      mkdir -p "$OUT/tests_previews"
+      timeout 200 python3 -m pytest tests/gpu/test_deferred_preview_gpu.py tests/gpu/test_previews_gpu.py -q -rA \
+        > "$OUT/tests_previews/log.txt" 2>&1
+      echo "== tests_previews exit $?"
+      tail -15 "$OUT/tests_previews/log.txt" ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
@@ -93,6 +104,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews)"; exit 2 ;;
   esac
 done

@@ -212,6 +212,16 @@ class PromptRejected(Exception):
         self.body = body
 
 
+def empty_frontend(work_dir):
+    """["--front-end-root", <a folder with an empty page>]: current ComfyUI serves its frontend from a package the
+    GPU machine does not have; the API needs no page."""
+    frontend = os.path.join(work_dir, "frontend")
+    os.makedirs(frontend, exist_ok=True)
+    with open(os.path.join(frontend, "index.html"), "w") as f:
+        f.write("<html></html>")
+    return ["--front-end-root", frontend]
+
+
 def load_api_workflow(path, **overrides):
     """An API-format workflow from workflows/, with `{node_id: {input: value}}` overrides."""
     with open(path) as f:

@@ -67,12 +67,8 @@ def _report(msgs):
 
 def test_previews_every_step_with_and_without_graphs_as_stock(comfy_env):  # noqa: F811
     work = tempfile.mkdtemp(prefix="sdaccel_gpu_previews_")
-    frontend = os.path.join(work, "frontend")      # the GPU machine has no frontend package: an empty page
-    os.makedirs(frontend)
-    with open(os.path.join(frontend, "index.html"), "w") as f:
-        f.write("<html></html>")
     srv = comfy_server.ComfyServer(COMFY, sys.executable, work, WORK, cpu=False,
-                                   extra_args=["--front-end-root", frontend, "--preview-method", "latent2rgb"])
+                                   extra_args=comfy_server.empty_frontend(work) + ["--preview-method", "latent2rgb"])
     srv.start()
     try:
         with srv.events() as ev:
