@@ -155,3 +155,22 @@ def test_only_accelerated_runs_defer_and_the_switch_turns_it_off(model, monkeypa
     assert not isinstance(plain._previews(), previews.DeferredPreviews), "every option off: exactly KSampler"
     monkeypatch.setenv("SDACCEL_DEFERRED_PREVIEWS", "0")
     assert not isinstance(accelerated._previews(), previews.DeferredPreviews)
+
+
+def test_taesd_previews_keep_comfyuis_callback(model, previews_on, tmp_path):
+    """TAESD draws on the GPU from the GPU latent: a host copy would move its decode to the CPU, so it is not
+    deferred (a random-weight decoder, dev/fixtures.py, found where ComfyUI looks: vae_approx)."""
+    import comfy.cli_args
+    import folder_paths
+    import latent_preview
+    fixtures = comfy_inproc.fixtures_module()
+    fixtures.build_taesd(comfy_inproc.COMFY, str(tmp_path / "taesd_decoder.safetensors"))
+    folder_paths.add_model_folder_path("vae_approx", str(tmp_path))
+    comfy.cli_args.args.preview_method = comfy.cli_args.LatentPreviewMethod.TAESD
+    watch = _previews()
+    with watch:
+        _sample(model)
+    assert [type(p) for p in watch.previewers] == [latent_preview.TAESDPreviewerImpl]
+    assert watch.deferred == []
+    assert [(v, t) for v, t, _ in previews_on] == [(i + 1, STEPS) for i in range(STEPS)]
+    assert all(p is not None for _, _, p in previews_on)
