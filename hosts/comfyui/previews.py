@@ -1,10 +1,12 @@
-"""ComfyUI's live previews during an accelerated run, without a GPU stall per step (engine/deferred_preview.py).
+"""ComfyUI's live previews during an accelerated run, each drawn from a finished copy of its step's latent while
+the next step runs on the GPU (engine/deferred_preview.py): no wait per step (ComfyUI 2024 reads the latent with
+`.cpu()`), and never a copy still on its way (the current ComfyUI draws from its non_blocking copy at once).
 
 ComfyUI's `common_ksampler` builds its step callback itself: `latent_preview.prepare_callback` takes a previewer
 from `latent_preview.get_previewer` and a ProgressBar, whose hook sends the `progress` message and the preview
 image. There is no way to hand it another callback (ComfyUI 2024 has no sampler wrappers), so inside
-`DeferredPreviews` those two functions of `latent_preview` are watched on this thread only (the Interception
-that also watches torch for graph capture: other threads, and calls outside the context, reach ComfyUI's own).
+`DeferredPreviews` those two functions of `latent_preview` are watched on this thread only (an Interception, as
+torch's methods are during graph capture: other threads, and calls outside the context, reach ComfyUI's own).
 
 prepare_callback then returns ComfyUI's own callback, delivered one step late, when all of this holds:
   - it is ComfyUI's own prepare_callback (no other pack replaced it) and has no x0_output_dict to fill;
