@@ -28,11 +28,12 @@ class Snapshot:
         return self.host
 
 
-def to_host(t):
-    """A Snapshot of CUDA tensor `t`, copied asynchronously into pinned memory on the current stream; None for any
-    other tensor (reading it costs no GPU wait, so there is nothing to defer)."""
+def to_host(t, always=False):
+    """A Snapshot of CUDA tensor `t`, copied asynchronously into pinned memory on the current stream. Any other
+    tensor costs no GPU wait to read, so there is nothing to defer: None, or with `always` (tests of the
+    deferral on machines without CUDA) a plain copy."""
     if not t.is_cuda:
-        return None
+        return Snapshot(t.detach().clone()) if always else None
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()

@@ -52,6 +52,11 @@ def first_image_to_host(x0):
     return deferred_preview.to_host(x0[:1])
 
 
+def first_image_copy(x0):
+    """Deferred on any device (SDACCEL_DEFERRED_PREVIEWS=always: tests through a real server without CUDA)."""
+    return deferred_preview.to_host(x0[:1], always=True)
+
+
 class DeferredPreviews(Watch):
     """Context around one sampling call; `snapshot` as in DeferredCallback (tests pass a CPU one)."""
 

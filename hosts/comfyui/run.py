@@ -57,10 +57,14 @@ class AcceleratedRun:
 
     def _previews(self):
         """Live previews one step late (hosts/comfyui/previews.py) on an accelerated run; with every option off
-        the node is exactly KSampler, and SDACCEL_DEFERRED_PREVIEWS=0 keeps ComfyUI's own timing."""
-        if self.accelerated() and os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1") != "0":
-            return host_previews.DeferredPreviews()
-        return contextlib.nullcontext()
+        the node is exactly KSampler. SDACCEL_DEFERRED_PREVIEWS=0 keeps ComfyUI's own timing; =always defers
+        on a CPU too (tests)."""
+        switch = os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1")
+        if not self.accelerated() or switch == "0":
+            return contextlib.nullcontext()
+        if switch == "always":
+            return host_previews.DeferredPreviews(snapshot=host_previews.first_image_copy)
+        return host_previews.DeferredPreviews()
 
     def accelerated(self):
         return self.patched is not self.model or bool(self.cn_info and self.cn_info["controlnets"])

@@ -74,6 +74,9 @@ def test_cpu_latents_call_through_at_once_with_x():
     deferred(0, buf, "x", 2)
     assert rec.calls == [(0, 3.0, "x", 2)]
     assert dp.to_host(buf) is None
+    copy = dp.to_host(buf, always=True).tensor()
+    buf.fill_(4.0)
+    assert copy.flatten()[0].item() == 3.0, "always: a copy, not a view"
 
 
 def test_a_step_that_cannot_be_deferred_first_delivers_the_held_one():

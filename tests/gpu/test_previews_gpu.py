@@ -24,6 +24,7 @@ import comfy_server  # noqa: E402
 import comfy_ws  # noqa: E402
 
 SIZE, STEPS, SEED, SAMPLER = 256, 6, 21, "3"
+TOL = 3.0   # mean abs difference of two JPEGs of one latent (fp16 noise); the first and last steps differ by ~4x it
 TXT2IMG = os.path.join(REPO, "workflows", "sd15_txt2img_accelerated.api.json")
 
 
@@ -60,6 +61,7 @@ def _sampler_steps(msgs):
     assert [m.type for m in frames] == [comfy_ws.PREVIEW_IMAGE] * len(frames)
     kinds = ["p" if m.type == "progress" else "i" for m in win if m.type == "progress" or m.binary]
     assert kinds == ["p", "i"] * STEPS, kinds
+    assert all(m.data["node"] == SAMPLER for m in win if m.type == "progress"), "progress of another node"
     progress = [(m.data["value"], m.data["max"]) for m in win if m.type == "progress"]
     images = [np.asarray(Image.open(io.BytesIO(m.data[4:])).convert("RGB")).astype(np.float64) for m in frames]
     return progress, images
@@ -123,12 +125,12 @@ def test_previews_every_step_with_and_without_graphs_each_of_its_own_step(comfy_
     references = {seed: _reference_previews(comfy_env, seed) for seed in stock}
     for seed, (progress, images) in stock.items():
         assert progress == want
-        assert np.abs(references[seed][0] - references[seed][-1]).mean() > 10, "the previews move step to step"
+        assert np.abs(references[seed][0] - references[seed][-1]).mean() > 2 * TOL, "the previews move step to step"
         print("stock's server previews against the reference, seed %d, mean abs per step:" % seed,
               [round(float(np.abs(a - b).mean()), 2) for a, b in zip(references[seed], images)])
     for name, (seed, (progress, images), report) in runs.items():
         assert progress == want, (name, progress)
         for step, (a, b) in enumerate(zip(references[seed], images)):
-            assert np.abs(a - b).mean() < 3.0, (name, step, np.abs(a - b).mean())
+            assert np.abs(a - b).mean() < TOL, (name, step, np.abs(a - b).mean())
     assert runs["graphs_replay"][2]["graphs"]["replays"] > 0, runs["graphs_replay"][2]
     assert not (runs["eager"][2].get("graphs") or {}).get("replays"), runs["eager"][2]

@@ -3,8 +3,8 @@ previewer and a progress hook set the way ComfyUI's server sets its own: every s
 preview image arrive, in order, each the image stock ComfyUI shows for that step, one step later (while the next
 step runs); the last at the context's end; nothing after a failure or an interrupt; ComfyUI's functions restored.
 
-On CPU the pinned copy would defer nothing (engine/deferred_preview.to_host), so these tests hand the context a
-CPU copy; tests/gpu/test_deferred_preview_gpu.py covers the CUDA copy."""
+On CPU the pinned copy would defer nothing (engine/deferred_preview.to_host), so these tests give the context the
+plain copy of SDACCEL_DEFERRED_PREVIEWS=always; tests/gpu/test_deferred_preview_gpu.py covers the CUDA copy."""
 import importlib
 import threading
 
@@ -37,13 +37,9 @@ def previews_on():
     comfy.utils.set_progress_bar_global_hook(old_hook)
 
 
-def _cpu_copy(x0):
-    return dp.Snapshot(x0[:1].clone())
-
-
-def _previews(**kw):
+def _previews():
     from sd_accel.hosts.comfyui import previews
-    return previews.DeferredPreviews(snapshot=kw.get("snapshot", _cpu_copy))
+    return previews.DeferredPreviews(snapshot=previews.first_image_copy)
 
 
 def _counting(model, fail_at=None):
@@ -153,8 +149,12 @@ def test_only_accelerated_runs_defer_and_the_switch_turns_it_off(model, monkeypa
     plain = host_run.AcceleratedRun(model, [], [], host.AccelOptions(), patched=model)
     assert isinstance(accelerated._previews(), previews.DeferredPreviews)
     assert not isinstance(plain._previews(), previews.DeferredPreviews), "every option off: exactly KSampler"
+    assert accelerated._previews().snapshot is previews.first_image_to_host
     monkeypatch.setenv("SDACCEL_DEFERRED_PREVIEWS", "0")
     assert not isinstance(accelerated._previews(), previews.DeferredPreviews)
+    monkeypatch.setenv("SDACCEL_DEFERRED_PREVIEWS", "always")
+    assert accelerated._previews().snapshot is previews.first_image_copy
+    assert not isinstance(plain._previews(), previews.DeferredPreviews)
 
 
 def test_taesd_previews_keep_comfyuis_callback(model, previews_on, tmp_path):
