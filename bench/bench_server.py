@@ -189,7 +189,8 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
                     "SDAccelKSampler (defaults) + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
                         index, total, method, "with supports_preview_metadata" if metadata else "without feature flags",
                         opt.reps, "SDAccelVAEDecode" if opt.ours_decoder == "sdaccel" else "VAEDecode", replays,
-                        ", ".join(last.get("ran", [])), json.dumps(last.get("fell_back", {})),
+                        ", ".join(last.get("ran", []) + [n for n in last.get("notes", []) if n.startswith("live previews")]),
+                        json.dumps(last.get("fell_back", {})),
                         "; smoke (CPU, tiny UNet)" if opt.smoke else ""))
     if kind == "img2img":
         rec["notes"] += "; img2img denoise %.1f, its LoadImage and VAE Encode cached after the first prompt" % sg.DENOISE

@@ -48,6 +48,7 @@ class DeferredCallback:
     def __init__(self, callback, snapshot=to_host):
         self.callback, self.snapshot = callback, snapshot
         self.pending = None          # (step, Snapshot, total_steps) not delivered yet
+        self.delivered = 0           # steps delivered late
 
     def __call__(self, step, x0, x, total_steps):
         snap = self.snapshot(x0)
@@ -72,3 +73,4 @@ class DeferredCallback:
     def _deliver(self, item):
         step, snap, total_steps = item
         self.callback(step, snap.tensor(), None, total_steps)
+        self.delivered += 1

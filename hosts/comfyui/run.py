@@ -45,14 +45,18 @@ class AcceleratedRun:
         host.new_sampling_run(self.info)
         self._before = (kernel_report.snapshot(), host.graph_counts(self.info),
                         host_cn.graph_stats(self.cn_info), run_report.compile_snapshot())
+        previews = self._previews()
         try:
-            with run_report.RunTimer(getattr(self.patched, "load_device", None)) as self.timer, self._previews():
+            with run_report.RunTimer(getattr(self.patched, "load_device", None)) as self.timer, previews:
                 return sampler(self.patched, self.cn_positive, self.cn_negative)
         except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
             if not self.accelerated() or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
                 raise
             return self._stock_after(e, sampler)
         finally:
+            note = previews.note() if isinstance(previews, host_previews.DeferredPreviews) else None
+            if note:
+                self.notes.append(note)
             self._finish_controlnets()
 
     def _previews(self):

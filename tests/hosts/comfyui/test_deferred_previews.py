@@ -86,6 +86,7 @@ def test_every_step_arrives_in_order_with_stock_s_image_one_step_later(model, pr
     watch = _previews()
     ours, ours_at = _hooked(model, previews_on, watch)
     assert len(watch.deferred) == 1
+    assert watch.note() == "live previews: %d delivered one step late, without a GPU wait per step" % STEPS
     assert [(v, t) for v, t, _ in ours] == [(v, t) for v, t, _ in stock] == [(i + 1, STEPS) for i in range(STEPS)]
     for step, (a, b) in enumerate(zip(stock, ours)):
         assert np.array_equal(a[2], b[2]), "step %d shows another image than stock" % step
@@ -135,7 +136,7 @@ def test_no_previews_and_other_threads_keep_comfyuis_callback_and_the_functions_
         t = threading.Thread(target=lambda: other.append(latent_preview.prepare_callback(model, STEPS)))
         t.start()
         t.join()
-    assert watch.deferred == [] and watch.previewers == [None]
+    assert watch.deferred == [] and watch.previewers == [None] and watch.note() is None
     assert [(v, t, p) for v, t, p in previews_on] == [(i + 1, STEPS, None) for i in range(STEPS)]
     assert not isinstance(other[0], dp.DeferredCallback)
     assert (latent_preview.prepare_callback, latent_preview.get_previewer) == originals
