@@ -44,7 +44,9 @@ def _shared_interception():
     with _lock:
         if _interception is None:
             lp = _latent_preview()
-            _interception = Interception(lambda: [(lp, "prepare_callback"), (lp, "get_previewer")], _watched)
+            # only what this ComfyUI has: without get_previewer no previewer is seen, and nothing is deferred
+            _interception = Interception(lambda: [(lp, name) for name in ("prepare_callback", "get_previewer")
+                                                  if hasattr(lp, name)], _watched)
     return _interception
 
 

@@ -66,9 +66,12 @@ class AcceleratedRun:
         switch = os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1")
         if not self.accelerated() or switch == "0":
             return contextlib.nullcontext()
-        if switch == "always":
-            return host_previews.DeferredPreviews(snapshot=host_previews.first_image_copy)
-        return host_previews.DeferredPreviews()
+        try:
+            if switch == "always":
+                return host_previews.DeferredPreviews(snapshot=host_previews.first_image_copy)
+            return host_previews.DeferredPreviews()
+        except ImportError:   # a host without ComfyUI's latent_preview: its callbacks, as they are
+            return contextlib.nullcontext()
 
     def accelerated(self):
         return self.patched is not self.model or bool(self.cn_info and self.cn_info["controlnets"])
