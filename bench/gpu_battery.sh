@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_battery.sh tests unet vram        # $OUT must be set (the device tool sets it)
 #
-# Parts: tests (tests/gpu, ~70 s before the patch-node tests, which add an estimated 2 min; killed at 400 s), unet
+# Parts: tests (tests/gpu, ~70 s before the patch-node tests, which add an estimated 2 min, and the previews tests
+# an estimated 1 min; killed at 400 s), unet
 # (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min), cn (bench_controlnet.py, cn1 cn2 SDXL cn1, ~3 min), vram (bench_vram.py stock+ours, ~2 min), lowvram_baseline
 # (bench_vram.py with ComfyUI's own partial loading too, ~5 min), soak (bench_soak.py, ~3 min), a1111
 # (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min), profile
