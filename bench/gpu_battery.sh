@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_battery.sh tests unet vram        # $OUT must be set (the device tool sets it)
 #
-# Parts: tests (tests/gpu, ~70 s before the patch-node tests, which add an estimated 2 min; killed at 400 s), unet
+# Parts: tests (tests/gpu, ~70 s before the patch-node tests, which add an estimated 2 min, and the previews tests
+# an estimated 1 min; killed at 400 s), unet
 # (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min), cn (bench_controlnet.py, cn1 cn2 SDXL cn1, ~3 min), vram (bench_vram.py stock+ours, ~2 min), lowvram_baseline
 # (bench_vram.py with ComfyUI's own partial loading too, ~5 min), soak (bench_soak.py, ~3 min), a1111
 # (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min), profile
@@ -17,7 +18,18 @@
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
 # patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
-# configs, stock vs ours; deadline 200 s, killed at 240 s).
+# configs, stock vs ours; deadline 200 s, killed at 240 s), server (bench_server.py, the headline: a real ComfyUI
+# server, stock vs SD Accel graphs, SD1.5 512² b1 and b4, previews none then latent2rgb in a second server process;
+# estimated 3-4 min with the SD1.5 build; no config starts after 200 s, killed at 300 s), server_more (SD1.5 512² b1
+# + ControlNet and img2img, previews none then latent2rgb; the same limits), server_sdxl and server_sdxl_preview
+# (SDXL 1024² b1/b4 with previews none / latent2rgb, one server each; estimated 4-5 min with the SDXL build, 3 min
+# without; no config starts after 150 s, killed at 300 s), server_taesd (SD1.5 512² b1 and SDXL 1024² b1 with taesd
+# previews on random-weight TAESD decoders; estimated 3 min; no config after 180 s, killed at 300 s). bench_server's
+# parts share their random checkpoints in /tmp/sdaccel_bench_server: run server_sdxl before the other SDXL parts
+# in one call, so only it builds the SDXL checkpoint. server_nodefer (the A/B of the previews' deferral: server's
+# latent2rgb server with SDACCEL_DEFERRED_PREVIEWS=0, SD1.5 512² b1 and b4; ~2 min, killed at 300 s),
+# tests_previews (tests/gpu/test_deferred_preview_gpu.py and test_previews_gpu.py alone, a GPU server with
+# previews; ~1 min, killed at 200 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -65,6 +77,24 @@ for p in "$@"; do
     patches_after_refused)
       part patches_after_refused 240 python3 bench/bench_patches.py --comfy-dir $COMFY --passes after_refused \
         --deadline 200 ;;
+    server) part server 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none,latent2rgb --deadline 200 \
+      --configs server_sd15_512_b1,server_sd15_512_b4 ;;
+    server_more) part server_more 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none,latent2rgb \
+      --deadline 200 --configs server_sd15_512_b1_cn1,server_sd15_512_b1_img2img ;;
+    server_sdxl) part server_sdxl 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none --deadline 150 \
+      --configs server_sdxl_1024_b1,server_sdxl_1024_b4 ;;
+    server_sdxl_preview) part server_sdxl_preview 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews \
+      latent2rgb --deadline 150 --configs server_sdxl_1024_b1,server_sdxl_1024_b4 ;;
+    server_taesd) part server_taesd 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews taesd --deadline 180 \
+      --configs server_sd15_512_b1,server_sdxl_1024_b1 ;;
+    server_nodefer) part server_nodefer 300 env SDACCEL_DEFERRED_PREVIEWS=0 python3 bench/bench_server.py --comfy-dir \
+      $COMFY --previews latent2rgb --deadline 200 --configs server_sd15_512_b1,server_sd15_512_b4 ;;
+    tests_previews)
+      mkdir -p "$OUT/tests_previews"
+      timeout 200 python3 -m pytest tests/gpu/test_deferred_preview_gpu.py tests/gpu/test_previews_gpu.py -q -rA \
+        > "$OUT/tests_previews/log.txt" 2>&1
+      echo "== tests_previews exit $?"
+      tail -15 "$OUT/tests_previews/log.txt" ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
@@ -75,6 +105,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews)"; exit 2 ;;
   esac
 done

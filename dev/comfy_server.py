@@ -74,7 +74,7 @@ class ComfyServer:
             # diffusion_models -> checkpoints: current ComfyUI's UNETLoader loads a checkpoint's UNet
             # (with weight_dtype fp8_e4m3fn, say), so the fixture checkpoints serve it too
             f.write("sd_accel_test:\n    base_path: %s\n    checkpoints: checkpoints\n    controlnet: controlnet\n"
-                    "    loras: loras\n    vae: vae\n    diffusion_models: checkpoints\n" % self.models_dir)
+                    "    loras: loras\n    vae: vae\n    vae_approx: vae_approx\n    diffusion_models: checkpoints\n" % self.models_dir)
             if self.extra_nodes:
                 f.write("sd_accel_test_nodes:\n    base_path: %s\n    custom_nodes: custom_nodes\n"
                         % self._link_extra_nodes())
@@ -83,7 +83,8 @@ class ComfyServer:
                self.input_dir, "--temp-directory", os.path.join(self.work_dir, "temp"),
                "--extra-model-paths-config", cfg] + self.extra_args
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")   # 2 threads on 2 busy cores run 5-10x slower
+        if self.cpu:
+            env.setdefault("OMP_NUM_THREADS", "1")   # 2 threads on 2 busy cores run 5-10x slower
         env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         env.update(self.env)
         self._log = open(self.log_path, "ab")
@@ -164,8 +165,14 @@ class ComfyServer:
     def object_info(self):
         return self.get("/object_info")
 
-    def queue(self, prompt):
-        return self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})["prompt_id"]
+    def queue(self, prompt, client_id=None):
+        return self.post("/prompt", {"prompt": prompt, "client_id": client_id or self.client_id})["prompt_id"]
+
+    def events(self, client_id=None, feature_flags=None):
+        """The websocket of `client_id` (default: the one `queue` uses), read by a thread (dev/comfy_ws.py).
+        `feature_flags`: sent first, as the frontend does (current ComfyUI then sends previews with metadata)."""
+        import comfy_ws
+        return comfy_ws.Events(self.url, client_id or self.client_id, feature_flags)
 
     def wait(self, prompt_id, timeout=600):
         t_end = time.time() + timeout
@@ -203,6 +210,16 @@ class PromptRejected(Exception):
         super().__init__("HTTP %s: %s" % (code, body[:2000]))
         self.code = code
         self.body = body
+
+
+def empty_frontend(work_dir):
+    """["--front-end-root", <a folder with an empty page>]: current ComfyUI serves its frontend from a package the
+    GPU machine does not have; the API needs no page."""
+    frontend = os.path.join(work_dir, "frontend")
+    os.makedirs(frontend, exist_ok=True)
+    with open(os.path.join(frontend, "index.html"), "w") as f:
+        f.write("<html></html>")
+    return ["--front-end-root", frontend]
 
 
 def load_api_workflow(path, **overrides):

@@ -6,6 +6,8 @@ No weights can be downloaded here, so the demo, the tests and the GPU benchmark 
   sdxl   SDXL checkpoint (full size; for the GPU machine)
   cn15   SD1.5 ControlNet (`control_model.*`), matching an SD1.5 UNet preset
   lora15 SD1.5 LoRA in kohya naming (`lora_unet_<path>.lora_up/lora_down/alpha`)
+  taesd  TAESD decoder, the live-preview decoder of `--preview-method taesd` (models/vae_approx; one
+         architecture for SD1.5 and SDXL: save it as taesd_decoder.safetensors or taesdxl_decoder.safetensors)
 
 ComfyUI detects SD1.5 from model_channels 320, context_dim 768, conv proj_in and no label_emb; channel
 counts per level, res blocks and transformer depths are read from the weights, so reduced UNets load
@@ -175,6 +177,18 @@ def build_lora(comfy_dir, preset, path, rank=4, seed=0, scale=0.5):
     return _save(out, path, torch.float16, {"sd_accel_fixture": "lora15", "preset": preset, "seed": seed})
 
 
+def build_taesd(comfy_dir, path, seed=0):
+    """Random TAESD decoder in ComfyUI's layout (comfy/taesd/taesd.py's `Decoder`, keys as it loads them)."""
+    _import_comfy(comfy_dir)
+    import torch
+    import comfy.taesd.taesd as taesd
+    with torch.device("meta"):
+        sd = taesd.Decoder().state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    out = {k: _random(k, v, gen) for k, v in sorted(sd.items())}
+    return _save(out, path, torch.float16, {"sd_accel_fixture": "taesd", "seed": seed})
+
+
 def ensure(path, builder, *args, **kw):
     """Build once; later calls (and later test runs) reuse the cached file."""
     if not os.path.exists(path):
@@ -187,7 +201,7 @@ def ensure(path, builder, *args, **kw):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy-dir", required=True)
-    ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15"], required=True)
+    ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd"], required=True)
     ap.add_argument("--preset", choices=sorted(UNET_PRESETS), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -196,6 +210,8 @@ def main():
         ensure(a.out, build_checkpoint, a.comfy_dir, a.kind, a.preset, a.out, a.seed)
     elif a.kind == "cn15":
         ensure(a.out, build_controlnet, a.comfy_dir, a.preset, a.out, a.seed)
+    elif a.kind == "taesd":
+        ensure(a.out, build_taesd, a.comfy_dir, a.out, a.seed)
     else:
         ensure(a.out, build_lora, a.comfy_dir, a.preset, a.out, seed=a.seed)
 

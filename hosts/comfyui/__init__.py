@@ -2,6 +2,7 @@
 
   accelerate      SD Accel on a cloned ModelPatcher: object patches, the step wrapper, graph routes
   run             one Accelerated KSampler run (AcceleratedRun): prepare, sample with a stock fallback, report
+  previews        its live previews one step late: ComfyUI's own callback, deferred on the sampling thread
   object_patches  the engine's module swaps as ComfyUI object patches, folded per top-level block
   controlnet      copies of the ControlNets in the conds, patched; cond-only mode
   control_graph   a step's ControlNet chain inside the UNet's CUDA graph

@@ -5,9 +5,11 @@
 whether the ControlNet chain runs inside the UNet's graph. `AcceleratedRun.sample(sampler)` runs
 `sampler(model, positive, negative)` on the patched objects; if the accelerated path itself raises, the
 error is logged and the stock sampler's result is returned instead (an interrupt still interrupts;
-SDACCEL_STRICT=1, for tests and benchmarks, lets the error through). `report(steps)` gives the run's report
+SDACCEL_STRICT=1, for tests and benchmarks, lets the error through); its live previews arrive one step late, so
+drawing them never stalls the GPU (hosts/comfyui/previews.py). `report(steps)` gives the run's report
 dict and one line: it/s, seconds, peak VRAM, what ran, what fell back and why, graph counts and refusals.
 """
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from ...kernels.errors import first_line
 from . import accelerate as host
 from . import controlnet as host_cn
 from . import memory as host_memory
+from . import previews as host_previews
 
 log = logging.getLogger("sd_accel")
 
@@ -42,15 +45,33 @@ class AcceleratedRun:
         host.new_sampling_run(self.info)
         self._before = (kernel_report.snapshot(), host.graph_counts(self.info),
                         host_cn.graph_stats(self.cn_info), run_report.compile_snapshot())
+        previews = self._previews()
         try:
-            with run_report.RunTimer(getattr(self.patched, "load_device", None)) as self.timer:
+            with run_report.RunTimer(getattr(self.patched, "load_device", None)) as self.timer, previews:
                 return sampler(self.patched, self.cn_positive, self.cn_negative)
         except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
             if not self.accelerated() or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
                 raise
             return self._stock_after(e, sampler)
         finally:
+            note = previews.note() if isinstance(previews, host_previews.DeferredPreviews) else None
+            if note:
+                self.notes.append(note)
             self._finish_controlnets()
+
+    def _previews(self):
+        """Live previews one step late (hosts/comfyui/previews.py) on an accelerated run; with every option off
+        the node is exactly KSampler. SDACCEL_DEFERRED_PREVIEWS=0 keeps ComfyUI's own timing; =always defers
+        on a CPU too (tests)."""
+        switch = os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1")
+        if not self.accelerated() or switch == "0":
+            return contextlib.nullcontext()
+        try:
+            if switch == "always":
+                return host_previews.DeferredPreviews(snapshot=host_previews.first_image_copy)
+            return host_previews.DeferredPreviews()
+        except ImportError:   # a host without ComfyUI's latent_preview: its callbacks, as they are
+            return contextlib.nullcontext()
 
     def accelerated(self):
         return self.patched is not self.model or bool(self.cn_info and self.cn_info["controlnets"])

@@ -204,12 +204,8 @@ def test_easycache_with_accelerated_ksampler_in_a_gpu_server_stays_up(comfy_env)
     server still answers /object_info after, and ours gives stock's image."""
     import comfy_server
     work = tempfile.mkdtemp(prefix="sdaccel_gpu_server_")
-    frontend = os.path.join(work, "frontend")      # the GPU machine has no frontend package: an empty page
-    os.makedirs(frontend)
-    with open(os.path.join(frontend, "index.html"), "w") as f:
-        f.write("<html></html>")
     srv = comfy_server.ComfyServer(COMFY, sys.executable, work, WORK, cpu=False,
-                                   extra_args=["--front-end-root", frontend])
+                                   extra_args=comfy_server.empty_frontend(work))
     srv.start()
     try:
         stock = srv.run(_server_graph("KSampler", "ec_stock"))

@@ -47,13 +47,13 @@ def _build_fixtures():
 PACKS = os.path.join(REPO, "tests", "packs")
 
 
-def _server(extra_nodes=(), log_suffix="", env=None):
+def _server(extra_nodes=(), log_suffix="", env=None, extra_args=()):
     if not os.path.isfile(os.path.join(COMFY, "main.py")):
         pytest.fail("no ComfyUI at %s: run dev/setup_env.sh (or set SDACCEL_COMFYUI)" % COMFY)
     _build_fixtures()
     work = tempfile.mkdtemp(prefix="sdaccel_server_")
     srv = comfy_server.ComfyServer(COMFY, sys.executable, work, MODELS, env=env or {"TRITON_INTERPRET": "1"},
-                                   extra_nodes=extra_nodes)
+                                   extra_nodes=extra_nodes, extra_args=extra_args)
     srv.start()
     yield srv
     srv.stop()
@@ -80,6 +80,18 @@ def comfy_packs():
     packs = sorted(os.path.join(PACKS, d) for d in os.listdir(PACKS)
                    if os.path.isfile(os.path.join(PACKS, d, "__init__.py")))
     yield from _server(packs, log_suffix=".packs", env={"TRITON_INTERPRET": "0", "SDACCEL_EAGER_PATH": "fused"})
+
+
+@pytest.fixture(scope="session")
+def comfy_preview():
+    """A server started with `--preview-method latent2rgb` (previews are a launch flag), for
+    tests/server/test_previews.py. Its fused modules run their torch references as in `comfy_packs` (interpreted,
+    a 64 px prompt with fused kernels takes ~100 s here): what previews depend on is the sampler's per-step
+    callback around our step, not the kernels' own math. SDACCEL_DEFERRED_PREVIEWS=always: the Accelerated
+    KSampler delivers its previews one step late here as on a GPU (hosts/comfyui/previews.py), from plain copies."""
+    yield from _server(log_suffix=".preview", env={"TRITON_INTERPRET": "0", "SDACCEL_EAGER_PATH": "fused",
+                                                   "SDACCEL_DEFERRED_PREVIEWS": "always"},
+                       extra_args=("--preview-method", "latent2rgb"))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,93 @@
+"""bench_server.py's prompts: the shipped txt2img workflow (workflows/sd15_txt2img_accelerated.api.json) made into
+each config's stock and accelerated graph, and the input images its ControlNet and img2img graphs load."""
+import json
+import os
+
+import numpy as np
+from PIL import Image
+
+import comfy_bench as cb
+
+TXT2IMG = os.path.join(cb.REPO, "workflows", "sd15_txt2img_accelerated.api.json")
+SAMPLER, DECODE, LATENT, POS_NODE = "3", "8", "5", "6"
+ACCEL_KEYS = ("fused_kernels", "cuda_graph", "channels_last")
+DENOISE = 0.6
+HINT, SOURCE = "sdaccel_bench_hint_%d.png", "sdaccel_bench_source_%d.png"
+
+
+def text(k):
+    """A positive prompt of its own for timed prompt k (a repeated text is served from ComfyUI's cache)."""
+    return "%s, study %d" % (cb.POS, k)
+
+
+def sized(opt, cfg):
+    family, size, batch, kind = cfg
+    return (family, 64 if opt.smoke else size, batch, kind)
+
+
+def graph(opt, cfg, names, variant, seed, positive, prefix):
+    """The API prompt of one config: stock (KSampler, VAE Decode) or ours (Accelerated KSampler with its defaults,
+    VAE Decode (SD Accel) unless --ours-decoder stock). Everything else is the same node for node."""
+    family, size, batch, kind = cfg
+    with open(TXT2IMG) as f:
+        wf = json.load(f)
+    wf["4"]["inputs"]["ckpt_name"] = names[family]
+    wf[POS_NODE]["inputs"]["text"] = positive
+    wf[LATENT]["inputs"].update(width=size, height=size, batch_size=batch)
+    wf["9"]["inputs"]["filename_prefix"] = "%s_%s" % (prefix, kind)
+    node = wf[SAMPLER]["inputs"]
+    node.update(seed=seed, steps=opt.steps, cfg=7.0, sampler_name="euler", scheduler="normal")
+    if variant == "stock":
+        wf[SAMPLER]["class_type"] = "KSampler"
+        for k in ACCEL_KEYS:
+            node.pop(k)
+    elif opt.ours_decoder == "sdaccel":
+        wf[DECODE] = {"class_type": "SDAccelVAEDecode", "inputs": dict(wf[DECODE]["inputs"], budget_gib=0.0)}
+    if kind == "cn":
+        _add_controlnet(wf, names["cn"], size)
+    elif kind == "img2img":
+        _img2img(wf, size, batch)
+    return wf
+
+
+def _add_controlnet(wf, cn_name, size):
+    wf["10"] = {"class_type": "LoadImage", "inputs": {"image": HINT % size}}
+    wf["12"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": cn_name}}
+    wf["13"] = {"class_type": "ControlNetApplyAdvanced", "inputs": {
+        "positive": [POS_NODE, 0], "negative": ["7", 0], "control_net": ["12", 0], "image": ["10", 0],
+        "strength": 1.0, "start_percent": 0.0, "end_percent": 1.0}}
+    wf[SAMPLER]["inputs"].update(positive=["13", 0], negative=["13", 1])
+
+
+def _img2img(wf, size, batch):
+    del wf[LATENT]
+    wf["10"] = {"class_type": "LoadImage", "inputs": {"image": SOURCE % size}}
+    wf["11"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["10", 0], "vae": ["4", 2]}}
+    latent = ["11", 0]
+    if batch > 1:
+        wf["12"] = {"class_type": "RepeatLatentBatch", "inputs": {"samples": latent, "amount": batch}}
+        latent = ["12", 0]
+    wf[SAMPLER]["inputs"].update(latent_image=latent, denoise=DENOISE)
+
+
+def write_inputs(input_dir, configs, table, opt):
+    """A ready edge map (white strokes on black, as a canny map looks) and a smooth picture for img2img, at each
+    size the configs use, into the server's input folder."""
+    for name in configs:
+        family, size, batch, kind = sized(opt, table[name])
+        yy, xx = np.mgrid[0:size, 0:size] / float(size)
+        if kind == "cn":
+            edges = (np.abs(np.sin(9 * xx + 4 * yy)) < 0.06) | (np.abs((xx - .5) ** 2 + (yy - .5) ** 2 - .09) < .004)
+            img = np.repeat((edges * 255).astype(np.uint8)[..., None], 3, axis=2)
+            Image.fromarray(img).save(os.path.join(input_dir, HINT % size))
+        elif kind == "img2img":
+            img = np.stack([xx, yy, 0.5 + 0.5 * np.sin(6 * xx * yy)], axis=2)
+            Image.fromarray((img * 255).astype(np.uint8)).save(os.path.join(input_dir, SOURCE % size))
+
+
+def psnr_of(stock_paths, ours_paths):
+    """PSNR (dB) of ours' first saved image against stock's (the warm-up prompts: same seed and text), 8-bit PNGs."""
+    import torch
+    a, b = (torch.from_numpy(np.asarray(Image.open(p[0]).convert("RGB"), dtype=np.float32) / 255.0)
+            for p in (stock_paths, ours_paths))
+    return round(cb.psnr(a, b), 2)
