@@ -121,17 +121,16 @@ def test_graph_memory_is_bounded(comfy_env):
     assert after - before < 3 * 2 ** 30, (before, after)
 
 
-def test_a_model_loaded_again_after_an_unload_still_replays_graphs(comfy_env):
-    """Current ComfyUI's partial load moves only modules holding weights, so after an unload and a reload the
-    model_sampling buffers stay on the CPU (a first load had them on the GPU). Stock still works there; ours
-    must too, and with its graphs, not eagerly for every later prompt of that model."""
-    import comfy.model_management as mm
-    mm.unload_all_models()
-    ref, _ = _sample(comfy_env, comfy_env.model, ours=False)
+def test_a_model_whose_model_sampling_is_left_on_the_cpu_still_replays_graphs(comfy_env):
+    """Current ComfyUI's partial loads move only modules holding weights, so some load sequences leave the
+    model_sampling buffers (sigmas, log_sigmas) on the CPU while the UNet is on the GPU (tests/gpu's full run
+    reached it after the model-sampling patch nodes' clones came and went). Stock works there, converting each
+    step's sigma through the CPU; ours must too, and with its graphs, not eagerly for every later prompt. The
+    state is set here directly, as those sequences leave it."""
     sampling = comfy_env.model.model.model_sampling
-    if all(b.is_cuda for b in sampling.buffers()):
-        pytest.fail("the reload put model_sampling on the GPU: this ComfyUI does not leave it on the CPU, so the "
-                    "test proves nothing; check how this ComfyUI loads (model_patcher.load)")
+    sampling.to("cpu")
+    ref, _ = _sample(comfy_env, comfy_env.model, ours=False)
+    assert not any(b.is_cuda for b in sampling.buffers()), "stock moved model_sampling: nothing to test"
     _sample(comfy_env, comfy_env.model)
     out, rep = _sample(comfy_env, comfy_env.model)
     assert _rel(out, ref) < 2e-2, _rel(out, ref)
