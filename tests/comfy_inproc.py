@@ -52,13 +52,13 @@ def unet_inputs(unet, seed=1):
     return x, t, ctx
 
 
-def tiny_model_patcher(folder, seed=5):
-    """A real ComfyUI ModelPatcher: a tiny random SD1.5 checkpoint written to `folder` and loaded by
-    ComfyUI's own load_checkpoint_guess_config (UNet only)."""
+def tiny_model_patcher(folder, seed=5, preset="tiny"):
+    """A real ComfyUI ModelPatcher: a random SD1.5 checkpoint at a reduced preset (dev/fixtures.py) written to
+    `folder` and loaded by ComfyUI's own load_checkpoint_guess_config (UNet only)."""
     fixtures = fixtures_module()
     import comfy.sd
-    path = os.path.join(str(folder), "tiny.safetensors")
-    fixtures.build_checkpoint(COMFY, "sd15", "tiny", path, seed=seed)
+    path = os.path.join(str(folder), "%s.safetensors" % preset)
+    fixtures.build_checkpoint(COMFY, "sd15", preset, path, seed=seed)
     with torch.inference_mode():
         return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)[0]
 
