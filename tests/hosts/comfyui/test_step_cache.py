@@ -227,3 +227,65 @@ def test_only_the_ldm_unet_is_accepted():
     unet = comfy_inproc.tiny_unet()
     assert step_cache_unet.unsupported(unet, 0) is None and step_cache_unet.unsupported(unet, 1) is None
     assert "skip branch 2" in step_cache_unet.unsupported(unet, 2)
+
+
+@current
+def test_vram_pool_lowvram_streaming_under_the_step_cache_changes_no_bit(model):
+    """Pool -> step cache, as a workflow chains them: cached calls enter the streamed units out of order (the
+    deep ones skipped), which the streamer serves by demand loads; every unit is streamed here."""
+    import comfy.patcher_extension as pe
+    from sd_accel.hosts.comfyui.memory import WRAPPER_KEY
+    from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
+    plain = _sample(_ours(model, "interval 3")[0])
+    pooled = SDAccelVRAMPool().apply(model, budget_gib=8.0, offload="lowvram")["result"][0]
+    settings = pooled.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)[0].sd_accel_pool
+    settings.stream_every_block = True
+    ours, info = _ours(pooled, "interval 3")
+    assert torch.equal(_sample(ours), plain)
+    streamer = settings.last_streamer
+    assert streamer.stats["demand_loads"] > 0 and info["step_cache"].last["cached_steps"] > 0
+
+
+def _sdxl_like_unet():
+    """ComfyUI's UNetModel with SDXL's extras (a label embedding of an adm vector, linear transformer projections)
+    at a reduced size."""
+    comfy_inproc.fixtures_module()
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    torch.manual_seed(0)
+    unet = UNetModel(image_size=32, in_channels=4, out_channels=4, model_channels=64, num_res_blocks=[1, 1],
+                     channel_mult=[1, 2], transformer_depth=[0, 1], transformer_depth_output=[0, 0, 1, 1],
+                     transformer_depth_middle=1, num_head_channels=32, context_dim=96, use_spatial_transformer=True,
+                     use_linear_in_transformer=True, num_classes="sequential", adm_in_channels=48,
+                     dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    with torch.no_grad():
+        for p in unet.parameters():
+            p.normal_(0, 0.05)
+    return unet.eval()
+
+
+@current
+@pytest.mark.parametrize("branch", [0, 2, 3])
+def test_both_kinds_of_call_on_an_sdxl_like_unet_are_the_reference(branch):
+    """The DIFFUSION_MODEL wrapper under ComfyUI's own UNetModel.forward, called as apply_model calls it."""
+    import comfy.patcher_extension as pe
+    from sd_accel.hosts.comfyui import step_cache as sc_host
+    unet = _sdxl_like_unet()
+    cache = sc_host.StepCache("interval 2", branch)
+    g = torch.Generator().manual_seed(1)
+    x, ctx, y = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 5, 96, generator=g), torch.randn(2, 48, generator=g)
+    t = torch.tensor([700.0, 700.0])
+    wrappers = {pe.WrappersMP.DIFFUSION_MODEL: {sc_host.WRAPPER_KEY: [cache.diffusion_model]}}
+
+    def call(mark, x):
+        to = {"wrappers": wrappers, sc_host.CALL_OPTION: mark}
+        return sc_host._keeping_feature(lambda: unet(x, t, context=ctx, y=y, transformer_options=to))()
+    with torch.no_grad():
+        out, feature = call(("full",), x)
+        want, want_feature = reference.unet_call(unet, x, t, ctx, y, branch=branch)
+        assert torch.equal(out, want) and torch.equal(feature, want_feature)
+        x2 = x * 0.9
+        got, none = call(("cached", feature), x2)
+        assert none is None and torch.equal(got, reference.unet_call(unet, x2, t, ctx, y, feature=feature,
+                                                                     branch=branch)[0])
+        assert not torch.equal(got, reference.unet_call(unet, x2, t, ctx, y)[0])
