@@ -17,7 +17,10 @@
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
 # patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
-# configs, stock vs ours; deadline 200 s, killed at 240 s).
+# configs, stock vs ours; deadline 200 s, killed at 240 s), stepcache (bench_step_cache.py: SD1.5 512² b1 and b4,
+# stock vs our fp16 vs step_cache interval 2, interval 3, non-uniform 3, LOSSY modes; deadline 250 s, killed at
+# 300 s), stepcache_sdxl (the same at SDXL 1024² b1, its random checkpoint built first; deadline 230 s, killed at
+# 300 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -65,6 +68,10 @@ for p in "$@"; do
     patches_after_refused)
       part patches_after_refused 240 python3 bench/bench_patches.py --comfy-dir $COMFY --passes after_refused \
         --deadline 200 ;;
+    stepcache) part stepcache 300 python3 bench/bench_step_cache.py --comfy-dir $COMFY --configs sd15_512_b1,sd15_512_b4 \
+      --deadline 250 ;;
+    stepcache_sdxl) part stepcache_sdxl 300 python3 bench/bench_step_cache.py --comfy-dir $COMFY --configs sdxl_1024_b1 \
+      --deadline 230 ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
@@ -75,6 +82,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused stepcache stepcache_sdxl)"; exit 2 ;;
   esac
 done
