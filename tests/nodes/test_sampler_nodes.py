@@ -19,7 +19,7 @@ def _unload():
 
 
 def _nodes():
-    comfy_inproc.fixtures_module()
+    comfy_inproc.comfy_nodes()
     from sd_accel.nodes import sampler_nodes
     return sampler_nodes
 
