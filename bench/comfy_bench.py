@@ -132,7 +132,7 @@ def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_c
         sync(env)
         t3 = _t.perf_counter()
     return {"sample_s": t2 - t1, "e2e_s": t3 - t0, "peak_gib": peak, "img": img.float().cpu(), "report": report,
-            "line": line}
+            "line": line, "latent": out["samples"].float().cpu()}
 
 
 def load_family(env, opt, kind, loaded):

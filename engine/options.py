@@ -8,6 +8,9 @@ class AccelOptions:
     cuda_graph: bool = True        # each step replayed from a CUDA graph where it can be
     channels_last: bool = True     # conv weights in channels_last before the first capture
     attention: str = "auto"        # "auto" keeps the host's own attention
+    step_cache: str = "off"        # LOSSY, opt-in: DeepCache's schedule (engine/step_cache/schedule.MODES)
+    step_cache_branch: int = 0     # the skip branch: input blocks 0..branch run on cached steps
 
     def any(self):
-        return self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"
+        return (self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"
+                or self.step_cache != "off")

@@ -48,6 +48,20 @@ ATTENTION_INPUTS = {
                   "xformers and sage (SageAttention) when installed. A call a backend cannot run (CPU, "
                   "SD1.5's head dims 40/80/160 for sage) uses SDPA and the report says why."}),
 }
+STEP_CACHE_INPUTS = {
+    "step_cache": (list(host.STEP_CACHE_MODES), {"default": "off", "tooltip":
+                   "LOSSY, off by default: the image changes. DeepCache: on a full step the whole UNet runs and "
+                   "its deep features are kept; on the steps between, only the shallow blocks (input blocks up "
+                   "to the skip branch and the output blocks from it) run, on the kept features. 'interval N': "
+                   "every Nth step full (0, N, 2N, ...); 'non-uniform N': as many full steps, denser early in the "
+                   "run. ControlNet residuals and patches of the skipped blocks are skipped with them. Needs "
+                   "current ComfyUI and an SD1.5/SDXL-style UNet; elsewhere the whole UNet runs every step and "
+                   "the report says why. The report says how many steps ran cached."}),
+    "step_cache_branch": ("INT", {"default": 0, "min": 0, "max": 11, "tooltip":
+                          "LOSSY with step_cache on (ignored when off): the skip branch, the last input block that "
+                          "still runs on cached steps (0 = only the first convolution and the last output block). "
+                          "Higher runs more blocks per cached step: slower, closer to the full image."}),
+}
 
 
 def _comfy_nodes():
@@ -55,15 +69,16 @@ def _comfy_nodes():
     return importlib.import_module("nodes")
 
 
-def _options(fused_kernels, cuda_graph, channels_last, attention="auto"):
-    return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last), attention)
+def _options(fused_kernels, cuda_graph, channels_last, attention="auto", step_cache="off", step_cache_branch=0):
+    return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last), attention,
+                             step_cache=step_cache, step_cache_branch=int(step_cache_branch))
 
 
 class SDAccelKSampler:
     DESCRIPTION = ("KSampler with SD Accel's lossless accelerations: fused kernels, CUDA-graph replay and "
                    "channels_last convolutions, on the model and on the ControlNets in the conditioning. Same "
                    "inputs and the same LATENT output as KSampler; with every option off it is exactly "
-                   "KSampler. One opt-in lossy option: controlnet_cond_only. Reports it/s, seconds, peak VRAM "
+                   "KSampler. Two opt-in lossy options: controlnet_cond_only and step_cache. Reports it/s, seconds, peak VRAM "
                    "and what ran or fell back (and why) after each run.")
     CATEGORY = "SD Accel/sampling"
     RETURN_TYPES = ("LATENT", "STRING")
@@ -78,14 +93,14 @@ class SDAccelKSampler:
         req = dict(base["required"])
         req.update(ACCEL_INPUTS)
         # optional, so prompts and workflows saved before it existed still load
-        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS}}
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS, **STEP_CACHE_INPUTS}}
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto",
-               controlnet_cond_only=False):
+               controlnet_cond_only=False, step_cache="off", step_cache_branch=0):
         common_ksampler = _comfy_nodes().common_ksampler
-        run = host_run.prepare(model, positive, negative, _options(fused_kernels, cuda_graph, channels_last, attention),
-                               controlnet=controlnet, cond_only=controlnet_cond_only)
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch)
+        run = host_run.prepare(model, positive, negative, opts, controlnet=controlnet, cond_only=controlnet_cond_only)
         out = run.sample(lambda m, pos, neg: common_ksampler(m, seed, steps, cfg, sampler_name, scheduler, pos, neg,
                                                              latent_image, denoise=denoise))
         report, line = run.report(steps)
@@ -97,7 +112,8 @@ class SDAccelApply:
     DESCRIPTION = ("Applies SD Accel to a MODEL for graphs that use other samplers (KSamplerAdvanced, "
                    "SamplerCustom, ...). The input model is untouched: the output is a patched clone, the "
                    "ComfyUI way, so removing this node restores stock behaviour. ControlNets are not reached "
-                   "from here (they travel in the conditioning): Accelerated KSampler accelerates those.")
+                   "from here (they travel in the conditioning): Accelerated KSampler accelerates those. One opt-in "
+                   "lossy option: step_cache.")
     CATEGORY = "SD Accel/patches"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model with SD Accel's patches on a clone.",)
@@ -107,13 +123,18 @@ class SDAccelApply:
     def INPUT_TYPES(cls):
         req = {"model": ("MODEL", {"tooltip": "The model to accelerate (a UNet: SD1.5, SDXL and relatives)."})}
         req.update(ACCEL_INPUTS)
-        return {"required": req, "optional": dict(ATTENTION_INPUTS)}
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **STEP_CACHE_INPUTS}}
 
-    def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True, attention="auto"):
-        opts = _options(fused_kernels, cuda_graph, channels_last, attention)
+    def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True, attention="auto",
+              step_cache="off", step_cache_branch=0):
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch)
         patched, info = host.accelerate(model, opts)
         parts = ["%s x%d" % kv for kv in sorted(info.get("patched", {}).items())]
         line = "patched: %s; step wrapper: %s" % (", ".join(parts) or "nothing", info.get("wrapper") or "none")
+        if step_cache != "off":
+            why = info.get("reasons", {}).get("step_cache")
+            line += "; step_cache %s: %s" % (step_cache, "refused: " + why if why else
+                                              "LOSSY, branch %d (each run's count in the log)" % opts.step_cache_branch)
         log.info("[SD Accel] Apply: %s", line)
         return {"ui": {"text": [line]}, "result": (patched,)}
 

@@ -3,6 +3,7 @@
 Which ComfyUI: $SDACCEL_COMFYUI, else the 2024 copy dev/setup_env.sh installs. Shared by the engine
 tests so the import order (args.cpu before comfy.model_management) lives in one place.
 """
+import importlib.util
 import os
 import sys
 
@@ -23,6 +24,19 @@ def fixtures_module():
     import fixtures
     fixtures._import_comfy(COMFY)
     return fixtures
+
+
+def comfy_nodes():
+    """ComfyUI's own nodes.py, loaded as main.py has it before any custom node. By name alone `import nodes` can
+    find this repo's nodes/ package first (pytest puts the repo root on sys.path, at times ahead of ComfyUI)."""
+    fixtures_module()
+    mod = sys.modules.get("nodes")
+    if mod is None or os.path.dirname(os.path.abspath(getattr(mod, "__file__", "") or "")) != os.path.abspath(COMFY):
+        spec = importlib.util.spec_from_file_location("nodes", os.path.join(COMFY, "nodes.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["nodes"] = mod
+        spec.loader.exec_module(mod)
+    return mod
 
 
 def tiny_unet(seed=0, operations=None, std=None):
@@ -52,13 +66,13 @@ def unet_inputs(unet, seed=1):
     return x, t, ctx
 
 
-def tiny_model_patcher(folder, seed=5):
-    """A real ComfyUI ModelPatcher: a tiny random SD1.5 checkpoint written to `folder` and loaded by
-    ComfyUI's own load_checkpoint_guess_config (UNet only)."""
+def tiny_model_patcher(folder, seed=5, preset="tiny"):
+    """A real ComfyUI ModelPatcher: a random SD1.5 checkpoint at a reduced preset (dev/fixtures.py) written to
+    `folder` and loaded by ComfyUI's own load_checkpoint_guess_config (UNet only)."""
     fixtures = fixtures_module()
     import comfy.sd
-    path = os.path.join(str(folder), "tiny.safetensors")
-    fixtures.build_checkpoint(COMFY, "sd15", "tiny", path, seed=seed)
+    path = os.path.join(str(folder), "%s.safetensors" % preset)
+    fixtures.build_checkpoint(COMFY, "sd15", preset, path, seed=seed)
     with torch.inference_mode():
         return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)[0]
 

@@ -40,10 +40,11 @@ def compile_note(before, after):
             "for later runs and starts)" % (n, secs))
 
 
-def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None):
+def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None, step_cache=None):
     """A JSON-able dict: it_s, seconds, peak_vram_gib, ran, fell_back ({what: why}), graphs, notes.
     `host_reasons`: {what: why} the host knows better than the counts (why the attention backend could act in
-    no block, why nothing was fused); each replaces the generic reason of a `fell_back` entry of that name."""
+    no block, why nothing was fused); each replaces the generic reason of a `fell_back` entry of that name.
+    `step_cache`: the run's step-cache summary (engine/step_cache/run_state.summary), None where none ran."""
     ran, fell_back = [], {}
     for op, e in sorted(kernels.items()):
         if e["fused"]:
@@ -77,6 +78,7 @@ def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None):
             ran.append("channels_last")
         else:
             fell_back["channels_last"] = "used inside CUDA graphs only, and none ran"
+    _step_cache(ran, fell_back, options.get("step_cache"), step_cache)
     for k, why in (host_reasons or {}).items():
         if k in fell_back:
             fell_back[k] = why
@@ -87,7 +89,27 @@ def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None):
             "seconds": round(timer.seconds, 4),
             "steps": steps,
             "peak_vram_gib": round(timer.peak_bytes / 2 ** 30, 3) if timer.peak_bytes is not None else None,
-            "ran": ran, "fell_back": fell_back, "graphs": graphs, "notes": list(notes)}
+            "ran": ran, "fell_back": fell_back, "graphs": graphs, "notes": list(notes),
+            "step_cache": step_cache}
+
+
+def _step_cache(ran, fell_back, mode, summary):
+    """The step cache's entry, which says LOSSY wherever it ran: how many steps ran the shallow blocks only."""
+    if not mode or mode == "off":
+        return
+    refused = (summary or {}).get("refused") or {}
+    if summary and summary["cached_steps"]:
+        ran.append("step_cache %s (LOSSY: %d of %d steps ran the shallow blocks only, branch %d)"
+                   % (mode, summary["cached_steps"], summary["steps"], summary["branch"]))
+        if refused:
+            fell_back["step_cache (some calls)"] = _refusals(refused).replace("eager", "whole UNet")
+    elif summary is None:
+        fell_back["step_cache"] = "no sampling run of this model went through it"
+    elif refused:
+        fell_back["step_cache"] = _refusals(refused).replace("eager", "whole UNet")
+    else:
+        fell_back["step_cache"] = "no step ran cached (%d steps, %d reported by the sampler)" % (
+            summary["steps"], summary["steps_reported"])
 
 
 def _refusals(refused):

@@ -8,6 +8,8 @@
   ComfyUI), else the single-slot `model_function_wrapper` (ComfyUI 2024), chaining any wrapper another
   pack set there. One `StepGraphs` per loaded model object, so graphs survive across prompts and are
   dropped when the weights change or (current ComfyUI) when the model is unloaded.
+* step cache (DeepCache; LOSSY, opt-in): hosts/comfyui/step_cache.py marks each call of a run full or cached
+  before the step, and its own wrappers run the kind.
 Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
 """
 import logging
@@ -20,10 +22,13 @@ from ...engine.graphs.step_graphs import StepGraphs
 from ..attached import state_on
 from . import control_graph
 from . import object_patches
+from . import step_cache
 
 log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
 ATTENTION_BACKENDS = attention.BACKENDS   # the nodes' `attention` choices
+STEP_CACHE_MODES = step_cache.MODES        # the nodes' `step_cache` choices
+STEP_CACHE_KEYS = 4                        # graph keys per kind kept with the step cache on
 
 
 def _register_weight_caster():
@@ -54,7 +59,8 @@ def _state(base_model):
 
 def _inert(fn, options, role):
     """Marks one of our callables for graph keys: it computes what its options say, whichever object it is."""
-    fn.sd_accel_inert = (role, options.fused_kernels, options.cuda_graph, options.channels_last, options.attention)
+    fn.sd_accel_inert = (role, options.fused_kernels, options.cuda_graph, options.channels_last, options.attention,
+                         options.step_cache, options.step_cache_branch)
     return fn
 
 
@@ -80,7 +86,8 @@ def _make_step(st, options, base_model):
             return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
                                  host_state=getattr(base_model, "current_weight_patches_uuid", None))
         # graphs off: the faster of the fused and the stock modules, measured per shape
-        return st.graphs.eager_paths.run(("no graphs", tuple(x.shape), x.dtype), fn, args, kwargs, x.device)
+        key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
+        return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
     return step
 
 
@@ -213,9 +220,11 @@ def _attention_override(attend):
     return override
 
 
-def _install_wrapper(clone, st, options):
+def _install_wrapper(clone, st, options, cache=None):
     base_model = clone.model
     step = _make_step(st, options, base_model)
+    if cache is not None:   # the step cache decides each call's kind before the step (hosts/comfyui/step_cache.py)
+        step = cache.wrap(step, foreign_diffusion_wrappers)
     if hasattr(clone, "add_wrapper_with_key"):
         _install_keyed(clone, st, options, step)
         return "apply_model wrapper (keyed)"
@@ -318,10 +327,13 @@ def _accelerate(model, options):
     if options.cuda_graph and _loads_on_cuda(clone) and \
             object_patches.model_sampling_on_device(clone, clone.load_device):
         info["patched"]["model_sampling_on_gpu"] = 1
-    if options.fused_kernels or options.cuda_graph or options.channels_last:
+    cache = step_cache.install(clone, options, info)
+    if options.fused_kernels or options.cuda_graph or options.channels_last or cache is not None:
         # also with fused kernels alone: where a step runs eagerly it takes the faster of fused and stock
         st = _state(base_model)
-        info["wrapper"] = _install_wrapper(clone, st, options)
+        if cache is not None:   # each kind of call is its own key: room for both kinds of each shape
+            st.graphs.max_graphs = max(st.graphs.max_graphs, 2 * STEP_CACHE_KEYS)
+        info["wrapper"] = _install_wrapper(clone, st, options, cache)
         info["graph_state"] = st
     return clone, info
 

@@ -7,7 +7,8 @@ whether the ControlNet chain runs inside the UNet's graph. `AcceleratedRun.sampl
 error is logged and the stock sampler's result is returned instead (an interrupt still interrupts;
 SDACCEL_STRICT=1, for tests and benchmarks, lets the error through); its live previews arrive one step late, so
 drawing them never stalls the GPU (hosts/comfyui/previews.py). `report(steps)` gives the run's report
-dict and one line: it/s, seconds, peak VRAM, what ran, what fell back and why, graph counts and refusals.
+dict and one line: it/s, seconds, peak VRAM, what ran, what fell back and why, graph counts and refusals, and
+with the step cache on its LOSSY line (how many steps ran the shallow blocks only).
 """
 import contextlib
 import logging
@@ -20,6 +21,7 @@ from . import accelerate as host
 from . import controlnet as host_cn
 from . import memory as host_memory
 from . import previews as host_previews
+from . import step_cache as host_step_cache
 
 log = logging.getLogger("sd_accel")
 
@@ -39,10 +41,12 @@ class AcceleratedRun:
     cn_line: str = None
     timer: object = None
     _before: tuple = None
+    _step_cache_runs: int = 0
 
     def sample(self, sampler):
         """`sampler(model, positive, negative)` -> ComfyUI's (latent,) on the accelerated objects."""
         host.new_sampling_run(self.info)
+        self._step_cache_runs = host_step_cache.finished_runs(self.info)
         self._before = (kernel_report.snapshot(), host.graph_counts(self.info),
                         host_cn.graph_stats(self.cn_info), run_report.compile_snapshot())
         previews = self._previews()
@@ -112,7 +116,8 @@ class AcceleratedRun:
                                                    " | " + "; ".join(pool.last_notes) if pool.last_notes else ""))
         report = run_report.build(steps, self.timer, kernel_report.summarize(k0, kernel_report.snapshot()),
                                   graphs, self.info.get("options", {}), self.notes,
-                                  host_reasons=self.info.get("reasons"))
+                                  host_reasons=self.info.get("reasons"),
+                                  step_cache=host_step_cache.run_summary(self.info, self._step_cache_runs))
         if pool is not None and pool.last_report is not None:
             report["memory"] = pool.last_report
         line = run_report.one_line(report) + (" | " + self.cn_line if self.cn_line else "")
