@@ -15,12 +15,11 @@ next; `StepGraphs` does the keying, static buffers and stale-weight checks (see 
 channels_last: the module's conv weights are converted in place before its first capture (values unchanged),
 as the UNet's are, so its convolutions need no layout transforms inside the graphs either.
 
-Another method than `forward` (a VAE's `decode` and `encode`, which its host calls directly) is replayed the same
-way, set on the instance under its own name, each method with graphs of its own. A `Policy` says what differs
-from a ControlNet's: the host's word on which calls may replay (a VAE decode's graph keeps its working memory
-reserved between calls, which the host bounds), how many shapes are kept (a tiled decode has several), and
-whether the weights go to channels_last before the first GPU call, graphed or not (a VAE decode is GPU-bound
-either way). Calls the policy refuses take the faster of the fused and the stock modules (eager.EagerPaths).
+A `Policy` says what differs from a ControlNet's (a VAE's decoder and encoder use one): the host's word on which
+calls may replay (a decode's graph keeps its working memory reserved between calls, which the host bounds), how
+many shapes are kept (a tiled decode has several), and whether the weights go to channels_last before the first
+GPU call, graphed or not (a VAE decode is GPU-bound either way). Calls the policy refuses take the faster of the
+fused and the stock modules (eager.EagerPaths).
 """
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -42,19 +41,18 @@ class Policy:
 
 
 class GraphedForward:
-    def __init__(self, module, name, cuda_graph=True, channels_last=True, method="forward", policy=Policy()):
+    def __init__(self, module, name, cuda_graph=True, channels_last=True, policy=Policy()):
         self.module = module
-        self.method = method
-        self.forward = getattr(type(module), method)
+        self.forward = type(module).forward
         self.cuda_graph, self.channels_last = cuda_graph, channels_last
         self.policy = policy
-        self.graphs = _graphs_of(module, name, method, policy.max_graphs)
+        self.graphs = _graphs_of(module, name, policy.max_graphs)
         self.epoch = None
         self.channels_last_done = False
 
     @classmethod
     def for_module(cls, module, name, cuda_graph=True, channels_last=True):
-        """The one stand-in of `module`'s forward for these options (created on first use)."""
+        """The one stand-in of `module` for these options (created on first use)."""
         forwards = module.__dict__.setdefault(_ATTR, {})
         key = (bool(cuda_graph), bool(channels_last))
         gf = forwards.get(key)
@@ -93,11 +91,9 @@ def _on_gpu(args):
     return any(getattr(a, "is_cuda", False) for a in args)
 
 
-def _graphs_of(module, name, method="forward", max_graphs=4):
-    # one StepGraphs per module and method, shared by its stand-ins: graph memory is bounded per module
-    graphs = module.__dict__.setdefault("_sd_accel_graphs", {})
-    g = graphs.get(method)
+def _graphs_of(module, name, max_graphs=4):
+    # one StepGraphs per module, shared by its stand-ins: graph memory is bounded per module
+    g = module.__dict__.get("_sd_accel_graphs")
     if g is None:
-        g = graphs[method] = StepGraphs(module, name=name if method == "forward" else "%s.%s" % (name, method),
-                                        max_graphs=max_graphs)
+        g = module.__dict__["_sd_accel_graphs"] = StepGraphs(module, name=name, max_graphs=max_graphs)
     return g

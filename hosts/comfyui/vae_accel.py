@@ -7,9 +7,11 @@ tile). `accelerate_vae(vae, options)` returns a shallow copy of the VAE object w
 the VAE's own, with one `add_object_patch(path, module)` per entry of the plan:
   * every eligible ResnetBlock of the encoder and decoder -> the stand-in of engine/patches/fused_vae.py, every
     other GroupNorm -> a fused GroupNorm (the same Parameter objects under the same names);
-  * `decode` and `encode` -> GraphedForward of those methods (engine/graphs/graphed_forward.py): each call
+  * `decoder.forward` and `encoder.forward` -> GraphedForward (engine/graphs/graphed_forward.py): each call
     replayed from a CUDA graph per shape (a tiled decode's tiles are calls too), the conv weights converted to
-    channels_last (in place, values unchanged) before the first GPU call.
+    channels_last (in place, values unchanged) before the first GPU call. The 1x1 quant convs and the latent
+    distribution stay outside, in ComfyUI's code (ComfyUI 2024 samples the latent with host random numbers,
+    which no graph can hold).
 ComfyUI sets the patches when it loads the clone and restores the original modules when it loads another clone
 of the same model (the user's VAE in a stock VAE Decode) or unloads it, as for a UNet's clone. The copy's own
 methods are the VAE's: ComfyUI's memory estimates, batching and its tiled retry after an out-of-memory error
@@ -101,12 +103,14 @@ def _accelerate(vae, options):
         else:
             patches, counts = object_patches.plan(clone, True, False, root="", fold=False, planner=_planner)
     if options.cuda_graph or options.channels_last:
-        for method, estimate in (("decode", vae.memory_used_decode), ("encode", vae.memory_used_encode)):
+        for method, coder, estimate in (("decode", "decoder", vae.memory_used_decode),
+                                        ("encode", "encoder", vae.memory_used_encode)):
             policy = Policy(refuse=_graph_memory_rule(method, estimate), max_graphs=MAX_SHAPES,
                             layout_first_call=True)
-            gf = info["forwards"][method] = GraphedForward(clone.model, type(clone.model).__name__,
-                                                           options.cuda_graph, options.channels_last, method, policy)
-            patches[method] = gf
+            module = getattr(clone.model, coder)
+            gf = info["forwards"][method] = GraphedForward(module, "VAE " + coder, options.cuda_graph,
+                                                           options.channels_last, policy)
+            patches[coder + ".forward"] = gf
     for path, module in patches.items():
         clone.add_object_patch(path, module)
     object_patches.free_graphs_on_unload(clone, patches)
@@ -151,19 +155,24 @@ def _kernels_reason(vae):
 
 
 def _graph_memory_rule(method, estimate):
-    """The refusal of GraphedForward's policy: a call whose graph would keep more than GRAPH_SHARE of the GPU."""
+    """GraphedForward's refusal for `method`'s calls: `graph_memory_refusal` of ComfyUI's estimate for the call."""
     def refuse(args, kwargs):
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or not x.is_cuda:
             return None
-        if eager.budgeted():
-            return "a VRAM Pool budget is in force (graph memory stays reserved)"
-        need, total = estimate(tuple(x.shape), x.dtype), _total_memory(x.device)
-        if need > total * GRAPH_SHARE:
-            return ("a %s of this size keeps ~%.1f GiB reserved as a graph (over 1/%d of the GPU's %.0f GiB)"
-                    % (method, need / GIB, round(1 / GRAPH_SHARE), total / GIB))
-        return None
+        return graph_memory_refusal(method, estimate(tuple(x.shape), x.dtype), _total_memory(x.device),
+                                    eager.budgeted())
     return refuse
+
+
+def graph_memory_refusal(method, need, total, budgeted):
+    """Why a call needing `need` bytes may not keep a graph on a GPU of `total` bytes, or None."""
+    if budgeted:
+        return "a memory budget is in force (a graph's memory would stay reserved past the call)"
+    if need > total * GRAPH_SHARE:
+        return ("a %s of this size keeps ~%.1f GiB reserved as a graph (over 1/%d of the GPU's %.0f GiB)"
+                % (method, need / GIB, round(1 / GRAPH_SHARE), total / GIB))
+    return None
 
 
 def _total_memory(device):

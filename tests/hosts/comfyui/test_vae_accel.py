@@ -1,0 +1,126 @@
+"""The accelerated VAE copy (hosts/comfyui/vae_accel.py) on ComfyUI's own VAE object (comfy.sd.VAE: its patcher,
+its decode/encode with their memory estimates and tiled paths), in-process on the CPU. By default a CPU VAE runs
+its own modules (stock, bit for bit) and says why; with the kernels' interpreter and SDACCEL_EAGER_PATH=fused the
+copy's patches are installed as on a GPU, its decode and encode run the fused kernels within fp32 noise of stock,
+and ComfyUI puts the user's modules back when the user's VAE is used again."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from sd_accel.engine.graphs import eager
+from sd_accel.engine.graphs.graphed_forward import GraphedForward
+from sd_accel.hosts.comfyui import vae as host_vae
+from sd_accel.hosts.comfyui import vae_accel
+
+import comfy_inproc
+
+OPTS = vae_accel.VAEOptions()
+
+
+@pytest.fixture(autouse=True)
+def _unload():
+    yield
+    import comfy.model_management as mm
+    mm.unload_all_models()
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setattr(eager, "FORCED_PATH", "fused")
+
+
+def _latent():
+    return torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+
+
+def _pixels():
+    return torch.rand(1, 16, 16, 3, generator=torch.Generator().manual_seed(4))
+
+
+def _encode(vae, pixels):
+    torch.manual_seed(0)   # ComfyUI 2024 samples the latent from the global generator
+    return vae.encode(pixels)
+
+
+def _ours_in_tree(vae):
+    m = vae.first_stage_model
+    return [n for n, mod in m.named_modules() if "sdaccel_mixin" in mod.__dict__] + \
+        [n for n in ("decoder", "encoder") if isinstance(getattr(m, n).__dict__.get("forward"), GraphedForward)]
+
+
+def test_on_the_cpu_the_vae_runs_its_own_modules_and_the_report_says_why():
+    vae = comfy_inproc.tiny_vae(seed=1)
+    acc, info = vae_accel.accelerate_vae(vae, OPTS)
+    assert acc is vae and "VAE on cpu" in info["reasons"]["SD Accel"]
+    with torch.inference_mode():
+        ref = vae.decode(_latent())
+        images, line, ui = host_vae.decode(vae, {"samples": _latent()})
+    assert torch.equal(images, ref)
+    assert "VAE on cpu: its own modules run" in line and ui["accel"]["ran"] == []
+
+
+def test_forced_copy_runs_fused_and_comfy_restores_the_user_s_modules_after(forced):
+    vae = comfy_inproc.tiny_vae(seed=1)
+    own = dict(vae.__dict__)
+    with torch.inference_mode():
+        ref_img, ref_lat = vae.decode(_latent()), _encode(vae, _pixels())
+        acc, info = vae_accel.accelerate_vae(vae, OPTS)
+        assert acc is not vae and acc.first_stage_model is vae.first_stage_model and acc.patcher is not vae.patcher
+        patched = set(acc.patcher.object_patches)
+        assert {"decoder.forward", "encoder.forward", "decoder.up.0.block.1", "encoder.norm_out"} <= patched
+        assert info["patched"] == {"vae_resnet_block": 10, "group_norm": 4}
+        out = {}
+        with vae_accel.measured(info, out):
+            img, lat = acc.decode(_latent()), _encode(acc, _pixels())
+        assert out["ran"] == ["fused kernels x34"], out   # 20 in the decoder, 14 in the encoder
+        assert out["fell_back"] == {"cuda_graph decode (1 eager)": "no CUDA device",
+                                    "cuda_graph encode (1 eager)": "no CUDA device"}
+        for a, b in ((img, ref_img), (lat, ref_lat)):
+            assert torch.allclose(a, b, atol=1e-4) and not torch.equal(a, b)
+        assert _ours_in_tree(vae), "while the copy's patcher is loaded its modules are in the shared model"
+        again = vae.decode(_latent()), _encode(vae, _pixels())
+    assert not _ours_in_tree(vae), "loading the user's patcher restored the original modules"
+    assert torch.equal(again[0], ref_img) and torch.equal(again[1], ref_lat)
+    assert vae.__dict__ == own and not vae.patcher.object_patches, "the user's VAE object is untouched"
+
+
+def test_copies_are_cached_per_vae_and_options_and_a_copy_is_accelerated_from_its_original(forced):
+    vae = comfy_inproc.tiny_vae(seed=1)
+    acc, _ = vae_accel.accelerate_vae(vae, OPTS)
+    assert vae_accel.accelerate_vae(vae, OPTS)[0] is acc
+    assert vae_accel.accelerate_vae(acc, OPTS)[0] is acc and vae_accel.original_of(acc) is vae
+    no_graphs = vae_accel.accelerate_vae(acc, vae_accel.VAEOptions(cuda_graph=False))[0]
+    assert no_graphs is not acc and vae_accel.original_of(no_graphs) is vae
+    off, info = vae_accel.accelerate_vae(vae, vae_accel.VAEOptions(False, False, False))
+    assert off is vae and info["reasons"] == {"SD Accel": "all options off"}
+
+
+def test_a_tiled_decode_calls_the_copy_s_decoder_per_tile(forced):
+    vae = comfy_inproc.tiny_vae(seed=1)
+    acc, info = vae_accel.accelerate_vae(vae, vae_accel.VAEOptions(fused_kernels=False, channels_last=False))
+    assert set(acc.patcher.object_patches) == {"decoder.forward", "encoder.forward"}
+    graphs = info["forwards"]["decode"].graphs
+    calls = graphs.stats["eager"]
+    with torch.inference_mode():
+        ref = vae.decode_tiled(_latent(), tile_x=8, tile_y=8, overlap=2)
+        img = acc.decode_tiled(_latent(), tile_x=8, tile_y=8, overlap=2)
+    assert torch.equal(img, ref), "the host's own modules behind the graph stand-in: stock, bit for bit"
+    assert graphs.stats["eager"] - calls >= 3, "every tile went through the decoder's stand-in"
+
+
+def test_a_call_keeps_its_graph_only_where_its_memory_is_a_small_share_of_the_gpu():
+    refusal = vae_accel.graph_memory_refusal
+    assert refusal("decode", need=2 * 2 ** 30, total=141 * 2 ** 30, budgeted=False) is None
+    why = refusal("decode", need=5 * 2 ** 30, total=24 * 2 ** 30, budgeted=False)
+    assert "keeps ~5.0 GiB reserved" in why and "1/8 of the GPU's 24 GiB" in why
+    assert "budget" in refusal("encode", need=1, total=141 * 2 ** 30, budgeted=True)
+
+
+def test_a_model_that_is_not_an_image_autoencoder_is_left_as_it_is(forced):
+    vae = comfy_inproc.tiny_vae(seed=1)
+    vae.first_stage_model.decoder.conv_in = torch.nn.Identity()   # as a video VAE's 3-D convolution would
+    acc, info = vae_accel.accelerate_vae(vae, OPTS)
+    assert acc is vae and "not an image AutoencoderKL" in info["reasons"]["SD Accel"]
