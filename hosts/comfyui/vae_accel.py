@@ -20,9 +20,12 @@ never modified (the conv weights' layout aside); the copies are cached per VAE a
 Not folded per block (hosts/comfyui/object_patches.py): a VAE is not sampled, so no callback keeps our blocks
 last in ComfyUI's restore order, and its ~60 swaps per load cost about a millisecond.
 
-A graph keeps its working memory reserved between calls, and a 1024² decode's is GiBs: a call replays only where
-ComfyUI's own estimate of that call's memory is at most `GRAPH_SHARE` of the GPU; larger ones, and every call
-under a VRAM Pool budget, run eagerly on the faster of the fused and the stock modules. Falls back, with one
+A graph keeps its working memory reserved between calls in a private pool, and a 1024² decode's is GiBs. torch
+counts that pool as reserved but inactive, which ComfyUI's `get_free_memory` takes for free memory, so it stays
+small and goes when the VAE does: a call replays only where ComfyUI's own estimate of that call's memory (per
+image, times the batch) is at most `GRAPH_SHARE` of the GPU, and only on a ComfyUI with ON_DETACH callbacks, which
+free the pool when ComfyUI unloads the VAE (to make room for another model, or a Free memory node). Other calls,
+and every call under a budget, run eagerly on the faster of the fused and the stock modules. Falls back, with one
 reason each in `info["reasons"]`: a VAE off CUDA runs its own modules (bit for bit stock; only the kernels'
 interpreter with SDACCEL_EAGER_PATH=fused takes the fused path on the CPU, for tests), no Triton or an old GPU
 leaves the kernels out, a model that is not an image AutoencoderKL (video, audio, TAESD) is returned as it is.
@@ -46,7 +49,9 @@ from . import object_patches
 log = logging.getLogger("sd_accel")
 GIB = 2 ** 30
 GRAPH_SHARE = 1 / 8     # most of the GPU's memory one call's graph may keep reserved
-MAX_SHAPES = 8          # a tiled decode's tile shapes (three tilings, their edge tiles) fit
+# ComfyUI's tiled decode runs three tilings (tall, wide, square tiles), each with its own edge tiles: up to 18
+# shapes for one image at its default tile sizes; past the bound every graph would be captured again
+MAX_SHAPES = 24
 _COPIES_ATTR = "_sd_accel_vae_copies"
 _ORIGINAL = "_sd_accel_vae_of"
 _MODELS = ("AutoencoderKL", "AutoencodingEngineLegacy", "AutoencodingEngine")
@@ -103,9 +108,10 @@ def _accelerate(vae, options):
         else:
             patches, counts = object_patches.plan(clone, True, False, root="", fold=False, planner=_planner)
     if options.cuda_graph or options.channels_last:
+        no_graphs = _no_graphs_reason(clone)
         for method, coder, estimate in (("decode", "decoder", vae.memory_used_decode),
                                         ("encode", "encoder", vae.memory_used_encode)):
-            policy = Policy(refuse=_graph_memory_rule(method, estimate), max_graphs=MAX_SHAPES,
+            policy = Policy(refuse=_graph_memory_rule(method, estimate, no_graphs), max_graphs=MAX_SHAPES,
                             layout_first_call=True)
             module = getattr(clone.model, coder)
             gf = info["forwards"][method] = GraphedForward(module, "VAE " + coder, options.cuda_graph,
@@ -154,14 +160,26 @@ def _kernels_reason(vae):
     return None if ok else why
 
 
-def _graph_memory_rule(method, estimate):
-    """GraphedForward's refusal for `method`'s calls: `graph_memory_refusal` of ComfyUI's estimate for the call."""
+def _no_graphs_reason(clone):
+    """Why no VAE call may keep a graph on this ComfyUI, or None. A graph's memory must go when ComfyUI unloads the
+    VAE to make room for another model; only a ComfyUI that calls ON_DETACH callbacks tells us when that is."""
+    if not hasattr(clone, "add_callback_with_key"):
+        return ("this ComfyUI has no ON_DETACH callbacks: a graph's memory would stay reserved after ComfyUI "
+                "unloads the VAE (update ComfyUI to 0.3.x)")
+    return None
+
+
+def _graph_memory_rule(method, estimate, no_graphs=None):
+    """GraphedForward's refusal for `method`'s calls: `no_graphs`, else `graph_memory_refusal` of ComfyUI's
+    estimate for the call (ComfyUI's image VAE estimates are per image: times the batch)."""
     def refuse(args, kwargs):
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or not x.is_cuda:
             return None
-        return graph_memory_refusal(method, estimate(tuple(x.shape), x.dtype), _total_memory(x.device),
-                                    eager.budgeted())
+        if no_graphs:
+            return no_graphs
+        need = estimate(tuple(x.shape), x.dtype) * max(1, x.shape[0])
+        return graph_memory_refusal(method, need, _total_memory(x.device), eager.budgeted())
     return refuse
 
 

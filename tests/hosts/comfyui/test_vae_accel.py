@@ -124,3 +124,55 @@ def test_a_model_that_is_not_an_image_autoencoder_is_left_as_it_is(forced):
     vae.first_stage_model.decoder.conv_in = torch.nn.Identity()   # as a video VAE's 3-D convolution would
     acc, info = vae_accel.accelerate_vae(vae, OPTS)
     assert acc is vae and "not an image AutoencoderKL" in info["reasons"]["SD Accel"]
+
+
+def test_a_tiled_decode_on_the_fused_copy_matches_stock_s_tiled_decode_within_fp32_noise(forced):
+    vae = comfy_inproc.tiny_vae(seed=1)
+    acc, info = vae_accel.accelerate_vae(vae, OPTS)
+    lat = torch.randn(1, 4, 12, 10, generator=torch.Generator().manual_seed(6))   # edge tiles of other shapes
+    with torch.inference_mode():
+        ref = vae.decode_tiled(lat, tile_x=8, tile_y=8, overlap=2)
+        out = {}
+        with vae_accel.measured(info, out):
+            img = acc.decode_tiled(lat, tile_x=8, tile_y=8, overlap=2)
+    assert img.shape == ref.shape and torch.allclose(img, ref, atol=1e-4) and not torch.equal(img, ref)
+    assert out["ran"] and out["ran"][0].startswith("fused kernels x"), out
+
+
+def _tile_shapes(vae, lat, **tiling):
+    shapes = set()
+    hook = vae.first_stage_model.decoder.register_forward_pre_hook(lambda m, a: shapes.add(tuple(a[0].shape)))
+    try:
+        with torch.inference_mode():
+            vae.decode_tiled(lat, **tiling)
+    finally:
+        hook.remove()
+    return shapes
+
+
+@pytest.mark.parametrize("latent_hw", [(128, 128), (152, 104), (200, 120)])   # 1024², 1216x832, 1600x960
+def test_every_tile_shape_of_comfyui_s_tiled_decode_keeps_its_graph(latent_hw):
+    # VAE Decode (Tiled) at its default tile size and overlap on this ComfyUI, and the tiling of its retry
+    # after an out-of-memory error (decode_tiled's own defaults)
+    vae = comfy_inproc.tiny_vae(seed=1)
+    lat = torch.zeros((1, 4) + latent_hw)
+    import nodes
+    node_defaults = nodes.VAEDecodeTiled.INPUT_TYPES()["required"]
+    tile = node_defaults["tile_size"][1]["default"] // 8
+    overlap = node_defaults.get("overlap", ("INT", {"default": 128}))[1]["default"] // 8
+    for tiling in ({"tile_x": tile, "tile_y": tile, "overlap": overlap}, {}):
+        shapes = _tile_shapes(vae, lat, **tiling)
+        assert 4 <= len(shapes) <= vae_accel.MAX_SHAPES, (tiling, sorted(shapes))
+
+
+def test_graphs_are_kept_only_on_a_comfyui_that_says_when_it_unloads_the_vae(forced):
+    vae = comfy_inproc.tiny_vae(seed=1)
+    acc, info = vae_accel.accelerate_vae(vae, OPTS)
+    why = vae_accel._no_graphs_reason(acc.patcher)
+    import comfy.model_patcher as mp
+    if hasattr(mp.ModelPatcher, "add_callback_with_key"):
+        import comfy.patcher_extension as pe
+        assert why is None
+        assert acc.patcher.get_all_callbacks(pe.CallbacksMP.ON_DETACH), "the graphs' memory goes with the VAE"
+    else:
+        assert "no ON_DETACH callbacks" in why
