@@ -17,7 +17,8 @@
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
 # patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
-# configs, stock vs ours; deadline 200 s, killed at 240 s).
+# configs, stock vs ours; deadline 200 s, killed at 240 s), vae (bench_vae.py: VAE decode and encode, stock vs ours vs ours
+# without graphs, SD1.5 512² b1/b4, SDXL 1024² whole and tiled; deadline 200 s, killed at 240 s, ~2-3 min).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -65,6 +66,7 @@ for p in "$@"; do
     patches_after_refused)
       part patches_after_refused 240 python3 bench/bench_patches.py --comfy-dir $COMFY --passes after_refused \
         --deadline 200 ;;
+    vae) part vae 240 python3 bench/bench_vae.py --comfy-dir $COMFY --deadline 200 ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
@@ -75,6 +77,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused vae)"; exit 2 ;;
   esac
 done
