@@ -8,8 +8,9 @@ VAE Encode call) for each variant:
   ours         Apply SD Accel (VAE)'s copy, defaults (fused kernels, channels_last, CUDA graphs)
   ours_eager   the copy without CUDA graphs (where graphs are refused, it must still not be slower than stock)
 Each variant: warm-up calls (compiling, the graph's probe and capture), then timed calls (CUDA events, median);
-the peak allocated memory over all of that variant's calls (reset before its first); the memory still reserved
-after its calls (a graph's pool stays); the image's PSNR against stock's (decode) or the latent's relative error
+the peak allocated memory over its calls after the first; the memory still reserved after its calls and the
+driver's graph memory they added (a graph's memory stays: torch's private pool under the native allocator, the
+driver's graph pool under ComfyUI's default cudaMallocAsync); the image's PSNR against stock's (decode) or the latent's relative error
 (encode). One JSON line per config to <out>/results.jsonl (../shared/BENCH.md), then a table.
 
     python3 bench/bench_vae.py --comfy-dir vendor/ComfyUI --out $OUT/vae    # GPU, ~3 min on the H200
@@ -56,22 +57,22 @@ def _call(env, vae, method, x, tiling):
 
 
 def _measure(env, opt, vae, method, x, tiling, info=None):
-    """{"ms", "peak_gib", "reserved_gib", "out", "accel"} of one variant, which starts with no model loaded:
-    its peak is its own weights and working memory (and a graph's, captured in the warm-up)."""
+    """{"ms", "peak_gib", "reserved_gib", "graph_gib", "out", "accel"} of one variant, which starts with no model
+    loaded. The peak is over every call after the first (which loads the weights and compiles the kernels on
+    their plain-torch references): the weights, the working memory, a graph's capture."""
     torch = env.torch
     from sd_accel.hosts.comfyui import vae_accel
     env.mm.unload_all_models()
     env.mm.soft_empty_cache()
-    if env.cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    accel = {}
-    times = []
+    graph0 = cb.graph_mem_bytes(env.cuda) or 0
+    accel, times = {}, []
     with torch.inference_mode():
-        for _ in range(opt.warmup):
+        for i in range(opt.warmup):
             out = _call(env, vae, method, x, tiling)
-        cm = vae_accel.measured(info, accel) if info is not None else contextlib.nullcontext()
-        with cm:
+            if i == 0 and env.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+        with vae_accel.measured(info, accel) if info is not None else contextlib.nullcontext():
             for _ in range(opt.reps):
                 times.append(_timed(env, lambda: _call(env, vae, method, x, tiling)))
             out = _call(env, vae, method, x, tiling)
@@ -79,9 +80,10 @@ def _measure(env, opt, vae, method, x, tiling, info=None):
     gib = float(2 ** 30)
     peak = torch.cuda.max_memory_allocated() / gib if env.cuda else 0.0
     reserved = torch.cuda.memory_reserved() / gib if env.cuda else 0.0
+    graph = ((cb.graph_mem_bytes(env.cuda) or 0) - graph0) / gib
     times.sort()
-    return {"ms": times[len(times) // 2], "peak_gib": peak, "reserved_gib": reserved, "out": out.float().cpu(),
-            "accel": accel}
+    return {"ms": times[len(times) // 2], "peak_gib": peak, "reserved_gib": reserved, "graph_gib": graph,
+            "out": out.float().cpu(), "accel": accel}
 
 
 def _timed(env, fn):
@@ -108,7 +110,7 @@ def _record(env_info, tag, method, stock, ours, eager, vae):
              speedup=round(stock["ms"] / ours["ms"], 3), speedup_eager=round(stock["ms"] / eager["ms"], 3),
              stock_peak_gib=round(stock["peak_gib"], 3), ours_peak_gib=round(ours["peak_gib"], 3),
              ours_eager_peak_gib=round(eager["peak_gib"], 3), stock_reserved_gib=round(stock["reserved_gib"], 3),
-             ours_reserved_gib=round(ours["reserved_gib"], 3),
+             ours_reserved_gib=round(ours["reserved_gib"], 3), ours_graph_mem_gib=round(ours["graph_gib"], 3),
              graphs="cuda_graph %s" % method in " ".join(ours["accel"].get("ran", [])),
              vae_dtype=str(vae.vae_dtype).replace("torch.", ""),
              notes="ours: %s | eager: %s" % (ours["accel"].get("line"), eager["accel"].get("line")))

@@ -2,6 +2,7 @@
 its default cudaMallocAsync allocator is in force), this repo registered as the package `sd_accel` the
 way ComfyUI loads it from custom_nodes, and the measuring helpers."""
 import argparse
+import ctypes
 import datetime
 import json
 import os
@@ -194,3 +195,31 @@ def append_record(opt, rec):
     with open(os.path.join(opt.out, "results.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
     say("RESULT", json.dumps(rec))
+
+
+_CUDART = []
+
+
+def graph_mem_bytes(cuda=True):
+    """cudaDeviceGetGraphMemAttribute(dev, cudaGraphMemAttrReservedMemCurrent): memory the driver holds for
+    CUDA graphs' allocation nodes (where captured allocations go under cudaMallocAsync). None if unreachable."""
+    if not cuda:
+        return None
+    if not _CUDART:
+        lib = None
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                lib.cudaDeviceGetGraphMemAttribute
+                break
+            except (OSError, AttributeError):
+                lib = None
+        _CUDART.append(lib)
+    lib = _CUDART[0]
+    if lib is None:
+        return None
+    import torch
+    val = ctypes.c_uint64(0)
+    rc = lib.cudaDeviceGetGraphMemAttribute(ctypes.c_int(torch.cuda.current_device()), ctypes.c_int(2),
+                                            ctypes.byref(val))
+    return int(val.value) if rc == 0 else None
