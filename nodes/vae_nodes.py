@@ -96,10 +96,7 @@ class SDAccelApplyVAE:
 
     def apply(self, vae, **accel):
         acc, info = vae_accel.accelerate_vae(vae, _options(**accel))
-        parts = ["%s x%d" % kv for kv in sorted(info["patched"].items())] + sorted(info["forwards"])
-        line = "patched: %s%s" % (", ".join(parts) or "nothing",
-                                  "".join("; %s: %s" % kv for kv in info["reasons"].items()))
-        return {"ui": {"text": [line]}, "result": (acc,)}
+        return {"ui": {"text": [vae_accel.patched_line(info)]}, "result": (acc,)}
 
 
 NODE_CLASS_MAPPINGS = {"SDAccelVAEDecode": SDAccelVAEDecode, "SDAccelVAEEncode": SDAccelVAEEncode,

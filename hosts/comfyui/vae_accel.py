@@ -108,7 +108,9 @@ def _accelerate(vae, options):
         else:
             patches, counts = object_patches.plan(clone, True, False, root="", fold=False, planner=_planner)
     if options.cuda_graph or options.channels_last:
-        no_graphs = _no_graphs_reason(clone)
+        no_graphs = _no_graphs_reason(clone) if options.cuda_graph else None
+        if no_graphs:
+            info["reasons"]["cuda_graph"] = no_graphs
         for method, coder, estimate in (("decode", "decoder", vae.memory_used_decode),
                                         ("encode", "encoder", vae.memory_used_encode)):
             policy = Policy(refuse=_graph_memory_rule(method, estimate, no_graphs), max_graphs=MAX_SHAPES,
@@ -195,6 +197,20 @@ def graph_memory_refusal(method, need, total, budgeted):
 
 def _total_memory(device):
     return torch.cuda.get_device_properties(device).total_memory
+
+
+def patched_line(info):
+    """One line of what `accelerate_vae` put on the copy, e.g. "patched: group_norm x4, vae_resnet_block x10 |
+    decode, encode: a CUDA graph per shape, channels_last | fell back: ..."."""
+    parts = ["patched: %s" % (", ".join("%s x%d" % kv for kv in sorted(info["patched"].items())) or "nothing")]
+    opts = info["options"]
+    how = [w for w, on in (("a CUDA graph per shape", opts.get("cuda_graph") and "cuda_graph" not in info["reasons"]),
+                           ("channels_last", opts.get("channels_last"))) if on]
+    if info["forwards"] and how:
+        parts.append("%s: %s" % (", ".join(sorted(info["forwards"])), ", ".join(how)))
+    if info["reasons"]:
+        parts.append("fell back: " + "; ".join("%s: %s" % kv for kv in info["reasons"].items()))
+    return " | ".join(parts)
 
 
 # -- what one call ran ----------------------------------------------------------------------------------
