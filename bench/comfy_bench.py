@@ -2,7 +2,6 @@
 its default cudaMallocAsync allocator is in force), this repo registered as the package `sd_accel` the
 way ComfyUI loads it from custom_nodes, and the measuring helpers."""
 import argparse
-import ctypes
 import datetime
 import json
 import os
@@ -197,29 +196,10 @@ def append_record(opt, rec):
     say("RESULT", json.dumps(rec))
 
 
-_CUDART = []
-
-
 def graph_mem_bytes(cuda=True):
-    """cudaDeviceGetGraphMemAttribute(dev, cudaGraphMemAttrReservedMemCurrent): memory the driver holds for
-    CUDA graphs' allocation nodes (where captured allocations go under cudaMallocAsync). None if unreachable."""
+    """The driver's memory for CUDA graphs (where captured allocations go under cudaMallocAsync), in use or
+    not; None off CUDA or where the runtime cannot be reached."""
     if not cuda:
         return None
-    if not _CUDART:
-        lib = None
-        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-            try:
-                lib = ctypes.CDLL(name)
-                lib.cudaDeviceGetGraphMemAttribute
-                break
-            except (OSError, AttributeError):
-                lib = None
-        _CUDART.append(lib)
-    lib = _CUDART[0]
-    if lib is None:
-        return None
-    import torch
-    val = ctypes.c_uint64(0)
-    rc = lib.cudaDeviceGetGraphMemAttribute(ctypes.c_int(torch.cuda.current_device()), ctypes.c_int(2),
-                                            ctypes.byref(val))
-    return int(val.value) if rc == 0 else None
+    from sd_accel.engine.graphs import graph_memory
+    return graph_memory.reserved_bytes()

@@ -30,6 +30,7 @@ import torch
 
 from ...engine.patches import layout_modules, patch_folding, patching
 from ...engine.patches import fused_modules as fm
+from ...engine.graphs import graph_memory
 from ...engine.graphs.graphed_forward import GraphedForward
 
 log = logging.getLogger("sd_accel")
@@ -239,7 +240,7 @@ def keep_restore_order(clone, patches):
 
 def free_graphs_on_unload(patcher, patches):
     """Current ComfyUI: when it detaches `patcher` and the weights have left the GPU, the graph memory of the
-    GraphedForwards among `patches` is freed (older ComfyUI has no callbacks: the graphs go when the weights change
+    GraphedForwards among `patches` is freed and given back to the device (older ComfyUI has no callbacks: the graphs go when the weights change
     or the model dies)."""
     forwards = [gf for gf in patches.values() if isinstance(gf, GraphedForward)]
     if not forwards or not hasattr(patcher, "add_callback_with_key"):
@@ -247,6 +248,11 @@ def free_graphs_on_unload(patcher, patches):
     import comfy.patcher_extension as pe
 
     def on_detach(p, unpatch_all=True, _forwards=tuple(forwards)):
+        held = [gf for gf in _forwards if gf.graphs.entries]
         for gf in _forwards:
             gf.graphs.clear_if_offloaded()
+        if held and not any(gf.graphs.entries for gf in held):
+            # under cudaMallocAsync the freed graphs' memory stays the driver's until trimmed, and ComfyUI
+            # unloaded this model to have that memory
+            graph_memory.trim(getattr(p, "load_device", None))
     patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "sd_accel", on_detach)

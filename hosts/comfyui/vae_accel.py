@@ -20,12 +20,15 @@ never modified (the conv weights' layout aside); the copies are cached per VAE a
 Not folded per block (hosts/comfyui/object_patches.py): a VAE is not sampled, so no callback keeps our blocks
 last in ComfyUI's restore order, and its ~60 swaps per load cost about a millisecond.
 
-A graph keeps its working memory reserved between calls in a private pool, and a 1024² decode's is GiBs. torch
-counts that pool as reserved but inactive, which ComfyUI's `get_free_memory` takes for free memory, so it stays
-small and goes when the VAE does: a call replays only where ComfyUI's own estimate of that call's memory (per
-image, times the batch) is at most `GRAPH_SHARE` of the GPU, and only on a ComfyUI with ON_DETACH callbacks, which
-free the pool when ComfyUI unloads the VAE (to make room for another model, or a Free memory node). Other calls,
-and every call under a budget, run eagerly on the faster of the fused and the stock modules. Falls back, with one
+A graph keeps its working memory between calls, and a 1024² decode's is GiBs, so it must be memory ComfyUI sees
+and memory that goes when the VAE does (engine/graphs/graph_memory.py). A call replays only
+  * under cudaMallocAsync (ComfyUI's default): a graph's memory is then the driver's, which ComfyUI's
+    `get_free_memory` counts as used (torch's native allocator keeps it in a pool ComfyUI would count as free);
+  * on a ComfyUI with ON_DETACH callbacks: when ComfyUI unloads the VAE (to make room for another model, or a
+    Free memory node) the graphs are dropped and their memory trimmed back to the device;
+  * where ComfyUI's own estimate of the call's memory (per image, times the batch) is at most `GRAPH_SHARE` of the
+    GPU, and no budget is in force.
+Other calls run eagerly on the faster of the fused and the stock modules. Falls back, with one
 reason each in `info["reasons"]`: a VAE off CUDA runs its own modules (bit for bit stock; only the kernels'
 interpreter with SDACCEL_EAGER_PATH=fused takes the fused path on the CPU, for tests), no Triton or an old GPU
 leaves the kernels out, a model that is not an image AutoencoderKL (video, audio, TAESD) is returned as it is.
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...engine.graphs import eager
+from ...engine.graphs import eager, graph_memory
 from ...engine.graphs.graphed_forward import GraphedForward, Policy
 from ...engine.options import AccelOptions
 from ...engine.patches import fused_vae
@@ -180,6 +183,9 @@ def _graph_memory_rule(method, estimate, no_graphs=None):
             return None
         if no_graphs:
             return no_graphs
+        if not graph_memory.async_allocator():
+            return ("torch's native allocator (--disable-cuda-malloc): a graph's pool would count as free memory "
+                    "in ComfyUI's get_free_memory")
         need = estimate(tuple(x.shape), x.dtype) * max(1, x.shape[0])
         return graph_memory_refusal(method, need, _total_memory(x.device), eager.budgeted())
     return refuse

@@ -76,8 +76,11 @@ def test_forced_copy_runs_fused_and_comfy_restores_the_user_s_modules_after(forc
         with vae_accel.measured(info, out):
             img, lat = acc.decode(_latent()), _encode(acc, _pixels())
         assert out["ran"] == ["fused kernels x34"], out   # 20 in the decoder, 14 in the encoder
-        assert out["fell_back"] == {"cuda_graph decode (1 eager)": "no CUDA device",
-                                    "cuda_graph encode (1 eager)": "no CUDA device"}
+        expected = {"cuda_graph decode (1 eager)": "no CUDA device", "cuda_graph encode (1 eager)": "no CUDA device"}
+        no_graphs = vae_accel._no_graphs_reason(acc.patcher)
+        if no_graphs:   # ComfyUI 2024
+            expected["cuda_graph"] = no_graphs
+        assert out["fell_back"] == expected
         for a, b in ((img, ref_img), (lat, ref_lat)):
             assert torch.allclose(a, b, atol=1e-4) and not torch.equal(a, b)
         assert _ours_in_tree(vae), "while the copy's patcher is loaded its modules are in the shared model"
