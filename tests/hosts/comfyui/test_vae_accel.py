@@ -179,3 +179,25 @@ def test_graphs_are_kept_only_on_a_comfyui_that_says_when_it_unloads_the_vae(for
         assert acc.patcher.get_all_callbacks(pe.CallbacksMP.ON_DETACH), "the graphs' memory goes with the VAE"
     else:
         assert "no ON_DETACH callbacks" in why
+
+
+def test_with_channels_last_weights_the_fused_copy_still_matches_stock_through_every_layer(forced):
+    # what the first GPU call does to the decoder's and encoder's conv weights; the CPU's convolutions then
+    # carry channels_last activations too, through the attention block's reshapes and the upsampling
+    vae = comfy_inproc.tiny_vae(seed=1)
+    with torch.inference_mode():
+        ref_img, ref_lat = vae.decode(_latent()), _encode(vae, _pixels())
+    acc, info = vae_accel.accelerate_vae(vae, OPTS)
+    for gf in info["forwards"].values():
+        assert gf._to_channels_last()
+    layouts = []
+    attn = vae.first_stage_model.decoder.mid.attn_1
+    hook = attn.register_forward_pre_hook(
+        lambda m, a: layouts.append(a[0].is_contiguous(memory_format=torch.channels_last)))
+    try:
+        with torch.inference_mode():
+            img, lat = acc.decode(_latent()), _encode(acc, _pixels())
+    finally:
+        hook.remove()
+    assert layouts == [True], "the decoder ran on channels_last activations"
+    assert torch.allclose(img, ref_img, atol=1e-4) and torch.allclose(lat, ref_lat, atol=1e-4)
