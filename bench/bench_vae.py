@@ -172,6 +172,9 @@ def main():
         cb.append_record(opt, rec)
         recs.append(rec)
     _table(recs)
+    if opt.smoke:
+        cb.say("smoke: a plumbing check on the CPU, one call per variant of the same stock modules; no timing here "
+               "means anything")
 
 
 if __name__ == "__main__":
