@@ -12,7 +12,8 @@ _ACCEL_TOOLTIPS = {
                   "than 1/8 of the GPU's, or one under VAE Decode (SD Accel)'s budget_gib, runs without one, as do "
                   "all on ComfyUI 2024 or with --disable-cuda-malloc (the report says why).",
     "channels_last": "Run the VAE's convolutions in channels_last (NHWC): its conv weights are converted in place "
-                     "before the first GPU call (values unchanged), as ComfyUI's --force-channels-last does. GPU only.",
+                     "before the first GPU call (values unchanged), as ComfyUI's --force-channels-last does. GPU, fp16 and bf16 "
+                     "VAEs only (an fp32 VAE keeps stock's layout).",
 }
 VAE_ACCEL_INPUTS = {name: ("BOOLEAN", {"default": True, "tooltip": tip}) for name, tip in _ACCEL_TOOLTIPS.items()}
 

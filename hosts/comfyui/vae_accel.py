@@ -110,7 +110,12 @@ def _accelerate(vae, options):
             info["reasons"]["fused kernels"] = why
         else:
             patches, counts = object_patches.plan(clone, True, False, root="", fold=False, planner=_planner)
-    if options.cuda_graph or options.channels_last:
+    channels_last = options.channels_last and _half_precision(vae)
+    if options.channels_last and not channels_last:
+        info["reasons"]["channels_last"] = ("a %s VAE keeps stock's layout (NHWC convolutions are kept for fp16 and "
+                                            "bf16, where cuDNN runs them on tensor cores)"
+                                            % str(getattr(vae, "vae_dtype", "")).replace("torch.", ""))
+    if options.cuda_graph or channels_last:
         no_graphs = _no_graphs_reason(clone) if options.cuda_graph else None
         if no_graphs:
             info["reasons"]["cuda_graph"] = no_graphs
@@ -120,7 +125,7 @@ def _accelerate(vae, options):
                             layout_first_call=True)
             module = getattr(clone.model, coder)
             gf = info["forwards"][method] = GraphedForward(module, "VAE " + coder, options.cuda_graph,
-                                                           options.channels_last, policy)
+                                                           channels_last, policy)
             patches[coder + ".forward"] = gf
     for path, module in patches.items():
         clone.add_object_patch(path, module)
@@ -153,6 +158,10 @@ def _stock_reason(vae, options):
         return ("VAE on %s: its own modules run (fused kernels, channels_last and CUDA graphs need a CUDA GPU)"
                 % device.type)
     return None
+
+
+def _half_precision(vae):
+    return getattr(vae, "vae_dtype", None) in (torch.float16, torch.bfloat16)
 
 
 def _image_coder(m):
@@ -211,7 +220,8 @@ def patched_line(info):
     parts = ["patched: %s" % (", ".join("%s x%d" % kv for kv in sorted(info["patched"].items())) or "nothing")]
     opts = info["options"]
     how = [w for w, on in (("a CUDA graph per shape", opts.get("cuda_graph") and "cuda_graph" not in info["reasons"]),
-                           ("channels_last", opts.get("channels_last"))) if on]
+                           ("channels_last", opts.get("channels_last") and "channels_last" not in info["reasons"]))
+           if on]
     if info["forwards"] and how:
         parts.append("%s: %s" % (", ".join(sorted(info["forwards"])), ", ".join(how)))
     if info["reasons"]:

@@ -80,6 +80,7 @@ def test_forced_copy_runs_fused_and_comfy_restores_the_user_s_modules_after(forc
         no_graphs = vae_accel._no_graphs_reason(acc.patcher)
         if no_graphs:   # ComfyUI 2024
             expected["cuda_graph"] = no_graphs
+        assert out["fell_back"].pop("channels_last").startswith("a float32 VAE keeps stock's layout"), out
         assert out["fell_back"] == expected
         for a, b in ((img, ref_img), (lat, ref_lat)):
             assert torch.allclose(a, b, atol=1e-4) and not torch.equal(a, b)
@@ -182,14 +183,16 @@ def test_graphs_are_kept_only_on_a_comfyui_that_says_when_it_unloads_the_vae(for
 
 
 def test_with_channels_last_weights_the_fused_copy_still_matches_stock_through_every_layer(forced):
-    # what the first GPU call does to the decoder's and encoder's conv weights; the CPU's convolutions then
-    # carry channels_last activations too, through the attention block's reshapes and the upsampling
+    # what the first GPU call does to an fp16/bf16 VAE's decoder and encoder conv weights; the CPU's convolutions
+    # then carry channels_last activations too, through the attention block's reshapes and the upsampling
     vae = comfy_inproc.tiny_vae(seed=1)
     with torch.inference_mode():
         ref_img, ref_lat = vae.decode(_latent()), _encode(vae, _pixels())
     acc, info = vae_accel.accelerate_vae(vae, OPTS)
+    from sd_accel.engine.patches import patching
     for gf in info["forwards"].values():
-        assert gf._to_channels_last()
+        assert not gf.channels_last, "an fp32 VAE keeps stock's layout by default"
+        assert patching.convert_conv_weights(gf.module) > 0
     layouts = []
     attn = vae.first_stage_model.decoder.mid.attn_1
     hook = attn.register_forward_pre_hook(
