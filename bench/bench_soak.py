@@ -37,7 +37,6 @@ and a table.
   python3 bench/bench_soak.py --smoke          # CPU: tiny UNet, 64/96/128 px, 2 steps, 9 prompts
 """
 import argparse
-import ctypes
 import datetime
 import gc
 import json
@@ -90,31 +89,8 @@ def load():
         return nodes.CheckpointLoaderSimple().load_checkpoint(name)[:3]
 
 
-_CUDART = []
-
-
 def graph_mem_bytes():
-    """cudaDeviceGetGraphMemAttribute(dev, cudaGraphMemAttrReservedMemCurrent): memory the driver holds for
-    CUDA graphs' allocation nodes (where captured allocations go under cudaMallocAsync). None if unreachable."""
-    if not ENV.cuda:
-        return None
-    if not _CUDART:
-        lib = None
-        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-            try:
-                lib = ctypes.CDLL(name)
-                lib.cudaDeviceGetGraphMemAttribute
-                break
-            except (OSError, AttributeError):
-                lib = None
-        _CUDART.append(lib)
-    lib = _CUDART[0]
-    if lib is None:
-        return None
-    val = ctypes.c_uint64(0)
-    rc = lib.cudaDeviceGetGraphMemAttribute(ctypes.c_int(torch.cuda.current_device()), ctypes.c_int(2),
-                                            ctypes.byref(val))
-    return int(val.value) if rc == 0 else None
+    return cb.graph_mem_bytes(ENV.cuda)
 
 
 def memory():

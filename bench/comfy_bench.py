@@ -194,3 +194,12 @@ def append_record(opt, rec):
     with open(os.path.join(opt.out, "results.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
     say("RESULT", json.dumps(rec))
+
+
+def graph_mem_bytes(cuda=True):
+    """The driver's memory for CUDA graphs (where captured allocations go under cudaMallocAsync), in use or
+    not; None off CUDA or where the runtime cannot be reached."""
+    if not cuda:
+        return None
+    from sd_accel.engine.graphs import graph_memory
+    return graph_memory.reserved_bytes()

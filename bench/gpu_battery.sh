@@ -29,10 +29,11 @@
 # in one call, so only it builds the SDXL checkpoint. server_nodefer (the A/B of the previews' deferral: server's
 # latent2rgb server with SDACCEL_DEFERRED_PREVIEWS=0, SD1.5 512² b1 and b4; ~2 min, killed at 300 s),
 # tests_previews (tests/gpu/test_deferred_preview_gpu.py and test_previews_gpu.py alone, a GPU server with
-# previews; ~1 min, killed at 200 s), stepcache (bench_step_cache.py: SD1.5 512² b1 and b4, stock vs our fp16 vs step_cache interval 2, interval 3, non-uniform 3, LOSSY modes; deadline 250 s, killed at
-# 300 s), stepcache_sdxl (the same at SDXL 1024² b1, its random checkpoint built first; deadline 230 s, killed at
+# previews; ~1 min, killed at 200 s), stepcache (bench_step_cache.py: SD1.5 512² b1 and b4, stock vs our fp16
+# vs step_cache interval 2, interval 3, non-uniform 3, LOSSY modes; deadline 250 s, killed at 300 s), stepcache_sdxl (the same at SDXL 1024² b1, its random checkpoint built first; deadline 230 s, killed at
 # 300 s), stepcache_error (step_cache_error.py: per-block / whole-UNet / final-latent error of the step cache on the
-# full-size SD1.5 UNet in fp16 at 512², random weights and random weights with outlier channels, ~1.5 min).
+# full-size SD1.5 UNet in fp16 at 512², random weights and random weights with outlier channels, ~1.5 min), vae (bench_vae.py: VAE decode and encode, stock vs ours vs ours
+# without graphs, SD1.5 512² b1/b4, SDXL 1024² whole and tiled; deadline 200 s, killed at 240 s, ~2-3 min).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -104,6 +105,7 @@ for p in "$@"; do
       --deadline 230 ;;
     stepcache_error) part stepcache_error 240 python3 bench/step_cache_error.py --comfy-dir $COMFY --preset sd15 \
       --size 512 --gpu --branches 0,1,2 ;;
+    vae) part vae 240 python3 bench/bench_vae.py --comfy-dir $COMFY --deadline 200 ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
@@ -114,6 +116,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error vae)"; exit 2 ;;
   esac
 done

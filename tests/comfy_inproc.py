@@ -87,3 +87,35 @@ class TaggedModule(torch.nn.Module):
     def forward(self, *a, **k):
         self.calls += 1
         return self.inner(*a, **k)
+
+
+TINY_VAE = {"double_z": True, "z_channels": 4, "resolution": 64, "in_channels": 3, "out_ch": 3, "ch": 32,
+            "ch_mult": [1, 2], "num_res_blocks": 1, "attn_resolutions": [], "dropout": 0.0}
+
+
+def tiny_autoencoder(seed=0):
+    """ComfyUI's real AutoencoderKL (SD's VAE classes) at 32/64 channels, 2x down/up, seeded random weights (its
+    ops leave them uninitialised): fan-in-scaled convs, norm scales near 1, small biases."""
+    fixtures_module()
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+    model = AutoencoderKL(ddconfig=dict(TINY_VAE), embed_dim=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) / (p[0].numel() ** 0.5))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def tiny_vae(seed=0):
+    """A real comfy.sd.VAE (its patcher, memory estimates, tiled decode) holding `tiny_autoencoder`'s weights,
+    with its scale ratios set to the tiny model's 2x."""
+    sd = tiny_autoencoder(seed).state_dict()
+    import comfy.sd
+    vae = comfy.sd.VAE(sd=sd, config={"params": {"ddconfig": dict(TINY_VAE), "embed_dim": 4}})
+    vae.upscale_ratio = vae.downscale_ratio = 2
+    return vae

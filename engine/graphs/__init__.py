@@ -8,7 +8,8 @@
   rng           the generators a step may draw from
   capture       capturing so that a failure leaves torch's state intact
   eager         warm-up calls (compiling kernels ahead) and the faster eager path of a refused call
-  graphed_forward  a module's whole forward replayed from graphs (ControlNets)
+  graphed_forward  a module's whole forward replayed from graphs (ControlNets, the VAE's decoder and encoder)
+  graph_memory  the driver's memory for graphs under cudaMallocAsync, and giving back what no graph uses
 May import kernels/ and engine modules outside graphs (kernel_report, stock_path, patching); never a host.
 Import the submodules; this package imports nothing itself (engine modules import fingerprint early).
 """

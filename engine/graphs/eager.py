@@ -59,6 +59,11 @@ def under_vram_budget():
         _under_budget[0] -= 1
 
 
+def budgeted():
+    """True inside an `under_vram_budget` scope."""
+    return _under_budget[0] > 0
+
+
 def autotune_now():
     return CUDNN_AUTOTUNE and not _under_budget[0]
 

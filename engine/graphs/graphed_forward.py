@@ -14,7 +14,16 @@ next; `StepGraphs` does the keying, static buffers and stale-weight checks (see 
 
 channels_last: the module's conv weights are converted in place before its first capture (values unchanged),
 as the UNet's are, so its convolutions need no layout transforms inside the graphs either.
+
+A `Policy` says what differs from a ControlNet's (a VAE's decoder and encoder use one): the host's word on which
+calls may replay (a decode's graph keeps its working memory reserved between calls, which the host bounds), how
+many shapes are kept (a tiled decode has several), and whether the weights go to channels_last before the first
+GPU call, graphed or not (a VAE decode is GPU-bound either way). Calls the policy refuses take the faster of the
+fused and the stock modules (eager.EagerPaths).
 """
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import logging
 
 from ..patches import patching
@@ -24,12 +33,20 @@ log = logging.getLogger("sd_accel")
 _ATTR = "_sd_accel_forwards"
 
 
+@dataclass(frozen=True)
+class Policy:
+    refuse: Optional[Callable] = None   # (args, kwargs) -> why this call may not replay, or None
+    max_graphs: int = 4                 # shapes kept before the module's graphs are dropped
+    layout_first_call: bool = False     # channels_last before the first GPU call, not the first capture
+
+
 class GraphedForward:
-    def __init__(self, module, name, cuda_graph=True, channels_last=True):
+    def __init__(self, module, name, cuda_graph=True, channels_last=True, policy=Policy()):
         self.module = module
         self.forward = type(module).forward
         self.cuda_graph, self.channels_last = cuda_graph, channels_last
-        self.graphs = _graphs_of(module, name)
+        self.policy = policy
+        self.graphs = _graphs_of(module, name, policy.max_graphs)
         self.epoch = None
         self.channels_last_done = False
 
@@ -48,9 +65,14 @@ class GraphedForward:
         self.epoch = object()
 
     def __call__(self, *args, **kwargs):
-        if self.cuda_graph:
-            return self.graphs.run(self._eager, args, kwargs, epoch=self.epoch, before_capture=self._to_channels_last)
-        return self._eager(*args, **kwargs)
+        if self.policy.layout_first_call and _on_gpu(args):
+            self._to_channels_last()
+        if not self.cuda_graph:
+            return self._eager(*args, **kwargs)
+        why = self.policy.refuse(args, kwargs) if self.policy.refuse is not None else None
+        if why is not None:
+            return self.graphs.run_eager(self._eager, args, kwargs, why)
+        return self.graphs.run(self._eager, args, kwargs, epoch=self.epoch, before_capture=self._to_channels_last)
 
     def _to_channels_last(self):
         """Before the first capture (see hosts/comfyui/accelerate.py): conv weights to channels_last, values unchanged."""
@@ -64,9 +86,14 @@ class GraphedForward:
     def _eager(self, *args, **kwargs):
         return self.forward(self.module, *args, **kwargs)
 
-def _graphs_of(module, name):
+
+def _on_gpu(args):
+    return any(getattr(a, "is_cuda", False) for a in args)
+
+
+def _graphs_of(module, name, max_graphs=4):
     # one StepGraphs per module, shared by its stand-ins: graph memory is bounded per module
     g = module.__dict__.get("_sd_accel_graphs")
     if g is None:
-        g = module.__dict__["_sd_accel_graphs"] = StepGraphs(module, name=name)
+        g = module.__dict__["_sd_accel_graphs"] = StepGraphs(module, name=name, max_graphs=max_graphs)
     return g

@@ -60,14 +60,14 @@ class FusedResBlock:
         kernel_report.record("resblock_add_norm", group_norm_silu.last_call)
         drop, conv = out[2], out[3]
         h = drop(h)
-        if not _identity_in_this_mode(drop):
+        if not identity_in_this_mode(drop):
             return self.skip_connection(x) + conv(h)
         # the last conv without its bias; bias (and a 1x1 skip conv's bias) + residual add in one pass
         w, b = fm.weights_of(conv, h)
         h = conv._conv_forward(h, w, None)
         skip = self.skip_connection
         rb = None
-        if _plain_conv(skip):
+        if plain_conv(skip):
             sw, rb = fm.weights_of(skip, x)
             r = skip._conv_forward(x, sw, None)
         else:
@@ -77,7 +77,7 @@ class FusedResBlock:
         return h
 
 
-def _identity_in_this_mode(m):
+def identity_in_this_mode(m):
     """Dropout in eval mode (or with p = 0) and Identity pass h through unchanged: only then is the fold
     the host block's arithmetic (a training-mode Dropout runs the host's own steps)."""
     if isinstance(m, nn.Identity):
@@ -85,7 +85,7 @@ def _identity_in_this_mode(m):
     return isinstance(m, nn.Dropout) and (not m.training or m.p == 0)
 
 
-def _plain_conv(m):
+def plain_conv(m):
     """A Conv2d whose forward is torch's or ComfyUI's casting one (so `_conv_forward` with the weights of
     `weights_of` is what it computes); Forge's manual-cast modules are left to their own forward."""
     return isinstance(m, nn.Conv2d) and not getattr(m, "parameters_manual_cast", False)

@@ -180,7 +180,7 @@ class _Converter:
                 patcher.add_object_patch(path, module)
             object_patches.keep_restore_order(patcher, patches)
             new.control_model_wrapped = patcher
-            _free_graphs_on_unload(patcher, patches)
+            object_patches.free_graphs_on_unload(patcher, patches)
             new.set_previous_controlnet(new_prev)
             if self.options.cond_only:
                 set_cond_only(new, self.info["cond_only"], self.cond_only_depth)
@@ -199,20 +199,6 @@ class _Converter:
                 self.info["skipped"].append("chain below %s left stock" % type(cn).__name__)
         self.memo[id(cn)] = (cn, new)
         return new
-
-
-def _free_graphs_on_unload(patcher, patches):
-    """Current ComfyUI: when it detaches the ControlNet's patcher and the weights left the GPU, free the
-    graph memory (older ComfyUI has no callbacks: the graphs go when the weights change or the model dies)."""
-    forwards = [gf for gf in patches.values() if isinstance(gf, GraphedForward)]
-    if not forwards or not hasattr(patcher, "add_callback_with_key"):
-        return
-    import comfy.patcher_extension as pe
-
-    def on_detach(p, unpatch_all=True, _forwards=tuple(forwards)):
-        for gf in _forwards:
-            gf.graphs.clear_if_offloaded()
-    patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "sd_accel", on_detach)
 
 
 def accelerate_controlnet(cn, options=ControlNetOptions()):

@@ -23,12 +23,15 @@ ControlNet's patcher is made by Accelerated KSampler right before sampling, so n
 folded on both.
 """
 import contextlib
+import functools
 import logging
 
 import torch
 
 from ...engine.patches import layout_modules, patch_folding, patching
 from ...engine.patches import fused_modules as fm
+from ...engine.graphs import graph_memory
+from ...engine.graphs.graphed_forward import GraphedForward
 
 log = logging.getLogger("sd_accel")
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
@@ -70,7 +73,7 @@ def is_folded(module):
 
 
 def _is_ours(module):
-    return (fm.is_fused(module) or isinstance(module, fm.SiLUFolded) or is_folded(module)
+    return (fm.is_fused(module) or isinstance(module, (fm.SiLUFolded, GraphedForward)) or is_folded(module)
             or getattr(module, "__dict__", {}).get(_DEVICE_COPY) is not None)
 
 
@@ -103,14 +106,17 @@ def drop_ours(clone):
             del clone.object_patches[k]
 
 
-def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True):
+def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True, planner=None):
     """(ordered {path: module} to add as object patches, counts per op) for the
     UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
-    one patch per module, as the plan has them. Planned with other loaded clones' injections ejected."""
+    one patch per module, as the plan has them. Planned with other loaded clones' injections ejected.
+    `planner(view, prefix, live) -> (patches, counts)`: what to plan instead of a UNet's module swaps (a VAE's)."""
+    if planner is None:
+        planner = functools.partial(_unet_planner, fused_kernels, channels_last)
     with contextlib.ExitStack() as ejected:
         for other in _injected_clones(clone):
             ejected.enter_context(other.use_ejected())
-        return _plan(clone, fused_kernels, channels_last, root, fold)
+        return _plan(clone, planner, root, fold)
 
 
 def _injected_clones(clone):
@@ -138,7 +144,7 @@ def foreign_modules_reason(clone, root="diffusion_model"):
     with contextlib.ExitStack() as ejected:
         for other in _injected_clones(clone):
             ejected.enter_context(other.use_ejected())
-        live = patching.get_attr(clone.model, root)
+        live = patching.get_attr(clone.model, root) if root else clone.model
         found = sorted({type(m).__name__ for _, m in live.named_modules() if _foreign_class(m)})
     if not found:
         return None
@@ -152,17 +158,7 @@ def _foreign_class(m):
     return top not in ("comfy", "comfy_extras", "torch") and not _is_ours(m)
 
 
-def _plan(clone, fused_kernels, channels_last, root, fold):
-    prefix = root + "." if root else ""
-    live = patching.get_attr(clone.model, root) if root else clone.model
-    foreign = [k for k, _ in foreign_patches(clone)]
-    if root and any(_touches(k, root) and not k.startswith(prefix) for k in foreign):
-        view, groups = live, {}      # the module itself replaced by another pack: planned on it, unfolded
-    else:
-        view = patch_folding.own_copy(live)
-        groups = {}
-        for name in list(view._modules):
-            groups[prefix + name] = view._modules[name] = _unpatched(clone, prefix + name)
+def _unet_planner(fused_kernels, channels_last, view, prefix, live):
     patches, counts = {}, {}
     if channels_last:
         # before the fused modules: a SpatialTransformer stand-in must be in place before its children's
@@ -175,6 +171,21 @@ def _plan(clone, fused_kernels, channels_last, root, fold):
         p = patching.plan_patches(view, patching.COMFY_OPS, prefix=prefix, owner=live)
         patches.update(p.patches)
         counts.update(p.counts)
+    return patches, counts
+
+
+def _plan(clone, planner, root, fold):
+    prefix = root + "." if root else ""
+    live = patching.get_attr(clone.model, root) if root else clone.model
+    foreign = [k for k, _ in foreign_patches(clone)]
+    if root and any(_touches(k, root) and not k.startswith(prefix) for k in foreign):
+        view, groups = live, {}      # the module itself replaced by another pack: planned on it, unfolded
+    else:
+        view = patch_folding.own_copy(live)
+        groups = {}
+        for name in list(view._modules):
+            groups[prefix + name] = view._modules[name] = _unpatched(clone, prefix + name)
+    patches, counts = planner(view, prefix, live)
     exclude = {g for g in groups if not fold or any(_touches(k, g) for k in foreign)}
     out, folded = patch_folding.fold(patches, groups, prefix, exclude)
     for g in folded:
@@ -225,3 +236,23 @@ def keep_restore_order(clone, patches):
         return
     import comfy.patcher_extension as pe
     clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [_restore_ours_last]
+
+
+def free_graphs_on_unload(patcher, patches):
+    """Current ComfyUI: when it detaches `patcher` and the weights have left the GPU, the graph memory of the
+    GraphedForwards among `patches` is freed and given back to the device (older ComfyUI has no callbacks: the graphs go when the weights change
+    or the model dies)."""
+    forwards = [gf for gf in patches.values() if isinstance(gf, GraphedForward)]
+    if not forwards or not hasattr(patcher, "add_callback_with_key"):
+        return
+    import comfy.patcher_extension as pe
+
+    def on_detach(p, unpatch_all=True, _forwards=tuple(forwards)):
+        held = [gf for gf in _forwards if gf.graphs.entries]
+        for gf in _forwards:
+            gf.graphs.clear_if_offloaded()
+        if held and not any(gf.graphs.entries for gf in held):
+            # under cudaMallocAsync the freed graphs' memory stays the driver's until trimmed, and ComfyUI
+            # unloaded this model to have that memory
+            graph_memory.trim(getattr(p, "load_device", None))
+    patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "sd_accel", on_detach)

@@ -1,16 +1,21 @@
-"""ComfyUI host, VAE side: a VAE decode planned for memory (the VAE Decode (SD Accel) node's work).
+"""ComfyUI host, VAE side: the VAE Decode (SD Accel) and VAE Encode (SD Accel) nodes' work.
 
 Stock ComfyUI tries a whole decode and falls back to fixed 512 px tiles only after an out-of-memory error;
 under a VRAM budget (a small card, the VRAM Pool's budget, another program on the card) the decode is planned
 first (engine/memory/vae_plan.py) from ComfyUI's own estimate of the decode's memory and the VAE's weights,
-and the stage's peak memory is reported.
+and the stage's peak memory is reported. Both nodes run on the VAE's accelerated copy (hosts/comfyui/vae_accel.py:
+fused kernels, channels_last, CUDA graphs) and report what ran and what fell back; under an explicit budget
+no graph is kept (its memory would stay reserved past the decode).
 """
+import contextlib
 import logging
 
 import torch
 
+from ...engine.graphs import eager
 from ...engine.memory import vae_plan
 from ...engine.reports import vram_report
+from . import vae_accel
 
 log = logging.getLogger("sd_accel")
 GIB = 2 ** 30
@@ -55,27 +60,47 @@ def _plan(mm, vae, lat, budget_gib, notes):
         raise ValueError("VAE Decode (SD Accel): %s (%s). Raise budget_gib, or free the GPU." % (e, why)) from e
 
 
-def decode(vae, samples, budget_gib=0.0, release_cache="after_decode"):
-    """(images, one-line report, ui dict) of a planned decode."""
+def decode(vae, samples, budget_gib=0.0, release_cache="after_decode", options=vae_accel.VAEOptions()):
+    """(images, one-line report, ui dict) of a planned decode, on the VAE's accelerated copy."""
     if budget_gib < 0:
         raise ValueError("VAE Decode (SD Accel): budget_gib must be >= 0 (0 = the GPU's free memory)")
     mm = _mm()
     lat = samples["samples"]
-    report, notes = vram_report.MemoryReport(), []
+    report, notes, accel = vram_report.MemoryReport(), [], {}
     plan = _plan(mm, vae, lat, budget_gib, notes)
-    with report.stage("VAE decode", getattr(vae, "device", None)):
+    acc, info = vae_accel.accelerate_vae(vae, options)
+    with report.stage("VAE decode", getattr(vae, "device", None)), _budget_scope(budget_gib), \
+            vae_accel.measured(info, accel):
         if plan is not None and plan.mode == "tiled":
-            images = vae.decode_tiled(lat, tile_x=plan.tile, tile_y=plan.tile, overlap=plan.overlap)
+            images = acc.decode_tiled(lat, tile_x=plan.tile, tile_y=plan.tile, overlap=plan.overlap)
         else:
-            images = vae.decode(lat)
+            images = acc.decode(lat)
     if images.dim() == 5:   # video VAEs: frames into the batch, as VAE Decode does
         images = images.reshape(-1, *images.shape[-3:])
     if release_cache == "after_decode":
         mm.soft_empty_cache()
         notes.append("cache released")
-    line = "%s | %s%s" % (plan.summary() if plan else "VAE decode whole", report.summary(),
-                          " | " + "; ".join(notes) if notes else "")
+    line = "%s | %s | %s%s" % (plan.summary() if plan else "VAE decode whole", report.summary(), accel["line"],
+                               " | " + "; ".join(notes) if notes else "")
     log.info("[SD Accel] %s", line)
     ui = {"mode": plan.mode if plan else "whole", "tile_px": plan.tile * 8 if plan else 0,
-          "memory": report.to_dict(), "notes": notes}
+          "memory": report.to_dict(), "notes": notes, "accel": accel}
     return images, line, ui
+
+
+def _budget_scope(budget_gib):
+    """An explicit budget: nothing may stay allocated past the decode (no graph memory), nothing allocated beyond
+    the plan (no cuDNN autotuning, no compiling ahead)."""
+    return eager.under_vram_budget() if budget_gib and budget_gib > 0 else contextlib.nullcontext()
+
+
+def encode(vae, pixels, options=vae_accel.VAEOptions()):
+    """(latent dict, one-line report, ui dict): VAE Encode's work (the image's first three channels) on the
+    VAE's accelerated copy."""
+    report, accel = vram_report.MemoryReport(), {}
+    acc, info = vae_accel.accelerate_vae(vae, options)
+    with report.stage("VAE encode", getattr(vae, "device", None)), vae_accel.measured(info, accel):
+        latent = acc.encode(pixels[:, :, :, :3])
+    line = "VAE encode | %s | %s" % (report.summary(), accel["line"])
+    log.info("[SD Accel] %s", line)
+    return {"samples": latent}, line, {"memory": report.to_dict(), "accel": accel}

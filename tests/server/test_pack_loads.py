@@ -5,7 +5,8 @@ import os
 from workflow_util import WORKFLOWS
 
 OUR_NODES = {"SDAccelKSampler": "SD Accel/sampling", "SDAccelApply": "SD Accel/patches",
-             "SDAccelVRAMPool": "SD Accel/memory", "SDAccelVAEDecode": "SD Accel/memory",
+             "SDAccelVRAMPool": "SD Accel/memory", "SDAccelVAEDecode": "SD Accel/vae",
+             "SDAccelVAEEncode": "SD Accel/vae", "SDAccelApplyVAE": "SD Accel/patches",
              "SDAccelCannyMap": "SD Accel/controlnet", "SDAccelDepthMap": "SD Accel/controlnet",
              "SDAccelPoseMap": "SD Accel/controlnet", "SDAccelConditionCache": "SD Accel/controlnet"}
 
