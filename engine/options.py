@@ -8,6 +8,8 @@ class AccelOptions:
     cuda_graph: bool = True        # each step replayed from a CUDA graph where it can be
     channels_last: bool = True     # conv weights in channels_last before the first capture
     attention: str = "auto"        # "auto" keeps the host's own attention
+    precision: str = "fp16"        # "fp8": LOSSY, opt-in: FP8 transformer Linears on sm_89/sm_90 (engine/fp8)
 
     def any(self):
-        return self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"
+        return (self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"
+                or self.precision != "fp16")

@@ -50,20 +50,30 @@ ATTENTION_INPUTS = {
 }
 
 
+PRECISION_INPUTS = {
+    "precision": (["fp16", "fp8"], {"default": "fp16", "tooltip":
+                  "fp16 (default) is lossless. fp8 is LOSSY, opt-in: the transformers' Linear layers run in FP8 "
+                  "e4m3 (per-channel weight scales, per-token activation scales computed on the GPU, fp32 "
+                  "accumulation): faster on Ada and Hopper GPUs (sm_89/sm_90), the image changes slightly. "
+                  "Convolutions, embeddings and attention's softmax stay fp16. Elsewhere it runs fp16 and the "
+                  "report says why. Weights are re-quantized after every LoRA or weight patch."}),
+}
+
+
 def _comfy_nodes():
     # ComfyUI's own top-level nodes.py (never our package's nodes/: we import relatively)
     return importlib.import_module("nodes")
 
 
-def _options(fused_kernels, cuda_graph, channels_last, attention="auto"):
-    return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last), attention)
+def _options(fused_kernels, cuda_graph, channels_last, attention="auto", precision="fp16"):
+    return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last), attention, precision)
 
 
 class SDAccelKSampler:
     DESCRIPTION = ("KSampler with SD Accel's lossless accelerations: fused kernels, CUDA-graph replay and "
                    "channels_last convolutions, on the model and on the ControlNets in the conditioning. Same "
                    "inputs and the same LATENT output as KSampler; with every option off it is exactly "
-                   "KSampler. One opt-in lossy option: controlnet_cond_only. Reports it/s, seconds, peak VRAM "
+                   "KSampler. Opt-in lossy options (LOSSY in their tooltips): controlnet_cond_only, precision fp8. Reports it/s, seconds, peak VRAM "
                    "and what ran or fell back (and why) after each run.")
     CATEGORY = "SD Accel/sampling"
     RETURN_TYPES = ("LATENT", "STRING")
@@ -78,13 +88,14 @@ class SDAccelKSampler:
         req = dict(base["required"])
         req.update(ACCEL_INPUTS)
         # optional, so prompts and workflows saved before it existed still load
-        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS}}
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS, **PRECISION_INPUTS}}
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto",
-               controlnet_cond_only=False):
+               controlnet_cond_only=False, precision="fp16"):
         common_ksampler = _comfy_nodes().common_ksampler
-        run = host_run.prepare(model, positive, negative, _options(fused_kernels, cuda_graph, channels_last, attention),
+        run = host_run.prepare(model, positive, negative,
+                               _options(fused_kernels, cuda_graph, channels_last, attention, precision),
                                controlnet=controlnet, cond_only=controlnet_cond_only)
         out = run.sample(lambda m, pos, neg: common_ksampler(m, seed, steps, cfg, sampler_name, scheduler, pos, neg,
                                                              latent_image, denoise=denoise))
@@ -107,13 +118,16 @@ class SDAccelApply:
     def INPUT_TYPES(cls):
         req = {"model": ("MODEL", {"tooltip": "The model to accelerate (a UNet: SD1.5, SDXL and relatives)."})}
         req.update(ACCEL_INPUTS)
-        return {"required": req, "optional": dict(ATTENTION_INPUTS)}
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **PRECISION_INPUTS}}
 
-    def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True, attention="auto"):
-        opts = _options(fused_kernels, cuda_graph, channels_last, attention)
+    def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True, attention="auto",
+              precision="fp16"):
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention, precision)
         patched, info = host.accelerate(model, opts)
         parts = ["%s x%d" % kv for kv in sorted(info.get("patched", {}).items())]
         line = "patched: %s; step wrapper: %s" % (", ".join(parts) or "nothing", info.get("wrapper") or "none")
+        if info.get("reasons", {}).get("precision fp8"):
+            line += "; precision fp8 (LOSSY) not used: " + info["reasons"]["precision fp8"]
         log.info("[SD Accel] Apply: %s", line)
         return {"ui": {"text": [line]}, "result": (patched,)}
 
