@@ -4,14 +4,14 @@
 #
 #   bash bench/gpu_battery.sh tests unet vram        # $OUT must be set (the device tool sets it)
 #
-# Parts: tests (tests/gpu, ~70 s before the patch-node tests, which add an estimated 2 min, and the previews tests
-# an estimated 1 min; killed at 400 s), unet
-# (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min), cn (bench_controlnet.py, cn1 cn2 SDXL cn1, ~3 min), vram (bench_vram.py stock+ours, ~2 min), lowvram_baseline
+# Parts: tests (tests/gpu, ~70 s before the patch-node tests, which add an estimated 2 min, and the previews tests an
+# estimated 1 min; killed at 400 s), unet (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min), cn
+# (bench_controlnet.py, cn1 cn2 SDXL cn1, ~3 min), vram (bench_vram.py stock+ours, ~2 min), lowvram_baseline
 # (bench_vram.py with ComfyUI's own partial loading too, ~5 min), soak (bench_soak.py, ~3 min), a1111
 # (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min), profile
 # (profile_step.py: where an Accelerated KSampler run's time goes, SD1.5 and SDXL at 4 GiB, ~2.5 min; a diagnosis,
-# nothing for results.jsonl), first_run (bench_first_run.py: SD1.5 768² on a cold Triton cache, kernels compiled
-# one by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
+# nothing for results.jsonl), first_run (bench_first_run.py: SD1.5 768² on a cold Triton cache, kernels compiled one
+# by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
 # constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl), forge
 # (bench_forge.py: Forge's own UNet and sampling code, stock vs SD Accel, SD1.5 512² and SDXL 1024², ~3 min; needs
 # vendor/forge from `bench_forge.py --vendor-from <Forge tree>`, carried, with Forge's diffusers/huggingface_hub
@@ -20,20 +20,23 @@
 # patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
 # configs, stock vs ours; deadline 200 s, killed at 240 s), server (bench_server.py, the headline: a real ComfyUI
 # server, stock vs SD Accel graphs, SD1.5 512² b1 and b4, previews none then latent2rgb in a second server process;
-# estimated 3-4 min with the SD1.5 build; no config starts after 200 s, killed at 300 s), server_more (SD1.5 512² b1
-# + ControlNet and img2img, previews none then latent2rgb; the same limits), server_sdxl and server_sdxl_preview
-# (SDXL 1024² b1/b4 with previews none / latent2rgb, one server each; estimated 4-5 min with the SDXL build, 3 min
-# without; no config starts after 150 s, killed at 300 s), server_taesd (SD1.5 512² b1 and SDXL 1024² b1 with taesd
-# previews on random-weight TAESD decoders; estimated 3 min; no config after 180 s, killed at 300 s). bench_server's
-# parts share their random checkpoints in /tmp/sdaccel_bench_server: run server_sdxl before the other SDXL parts
-# in one call, so only it builds the SDXL checkpoint. server_nodefer (the A/B of the previews' deferral: server's
-# latent2rgb server with SDACCEL_DEFERRED_PREVIEWS=0, SD1.5 512² b1 and b4; ~2 min, killed at 300 s),
-# tests_previews (tests/gpu/test_deferred_preview_gpu.py and test_previews_gpu.py alone, a GPU server with
-# previews; ~1 min, killed at 200 s), stepcache (bench_step_cache.py: SD1.5 512² b1 and b4, stock vs our fp16
-# vs step_cache interval 2, interval 3, non-uniform 3, LOSSY modes; deadline 250 s, killed at 300 s), stepcache_sdxl (the same at SDXL 1024² b1, its random checkpoint built first; deadline 230 s, killed at
-# 300 s), stepcache_error (step_cache_error.py: per-block / whole-UNet / final-latent error of the step cache on the
-# full-size SD1.5 UNet in fp16 at 512², random weights and random weights with outlier channels, ~1.5 min), vae (bench_vae.py: VAE decode and encode, stock vs ours vs ours
-# without graphs, SD1.5 512² b1/b4, SDXL 1024² whole and tiled; deadline 200 s, killed at 240 s, ~2-3 min).
+# estimated 3-4 min with the SD1.5 build; no config starts after 200 s, killed at 300 s), server_more (SD1.5 512² b1 +
+# ControlNet and img2img, previews none then latent2rgb; the same limits), server_sdxl and server_sdxl_preview (SDXL
+# 1024² b1/b4 with previews none / latent2rgb, one server each; estimated 4-5 min with the SDXL build, 3 min without;
+# no config starts after 150 s, killed at 300 s), server_taesd (SD1.5 512² b1 and SDXL 1024² b1 with taesd previews on
+# random-weight TAESD decoders; estimated 3 min; no config after 180 s, killed at 300 s). bench_server's parts share
+# their random checkpoints in /tmp/sdaccel_bench_server: run server_sdxl before the other SDXL parts in one call, so
+# only it builds the SDXL checkpoint. server_nodefer (the A/B of the previews' deferral: server's latent2rgb server
+# with SDACCEL_DEFERRED_PREVIEWS=0, SD1.5 512² b1 and b4; ~2 min, killed at 300 s), tests_previews
+# (tests/gpu/test_deferred_preview_gpu.py and test_previews_gpu.py alone, a GPU server with previews; ~1 min, killed
+# at 200 s), stepcache (bench_step_cache.py: SD1.5 512² b1 and b4, stock vs our fp16 vs step_cache interval 2,
+# interval 3, non-uniform 3, LOSSY modes; deadline 250 s, killed at 300 s), stepcache_sdxl (the same at SDXL 1024² b1,
+# its random checkpoint built first; deadline 230 s, killed at 300 s), stepcache_error (step_cache_error.py: per-block
+# / whole-UNet / final-latent error of the step cache on the full-size SD1.5 UNet in fp16 at 512², random weights and
+# random weights with outlier channels, ~1.5 min), vae (bench_vae.py: VAE decode and encode, stock vs ours vs ours
+# without graphs, SD1.5 512² b1/b4, SDXL 1024² whole and tiled; deadline 200 s, killed at 240 s, ~2-3 min), fp8
+# (bench_fp8.py: stock vs ours fp16 vs ours fp8 (LOSSY), SD1.5 512² b1/b4, SDXL 1024² b1, plus per-layer FP8 errors;
+# deadline 240 s, killed at 300 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -77,6 +80,11 @@ for p in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
         vendor/forge/wheels/*.whl
       PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge 420 python3 bench/bench_forge.py ;;
+    fp8) part fp8 300 python3 bench/bench_fp8.py --comfy-dir $COMFY --deadline 240 ;;
+    fp8_tests)
+      mkdir -p "$OUT/fp8_tests"
+      timeout 240 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rA > "$OUT/fp8_tests/log.txt" 2>&1
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/fp8_tests/log.txt" | tail -12 | cut -c1-300 ;;
     patches) part patches 360 python3 bench/bench_patches.py --comfy-dir $COMFY --passes fresh --deadline 320 ;;
     patches_after_refused)
       part patches_after_refused 240 python3 bench/bench_patches.py --comfy-dir $COMFY --passes after_refused \
@@ -116,6 +124,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error vae)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_tests)"; exit 2 ;;
   esac
 done

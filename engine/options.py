@@ -10,7 +10,8 @@ class AccelOptions:
     attention: str = "auto"        # "auto" keeps the host's own attention
     step_cache: str = "off"        # LOSSY, opt-in: DeepCache's schedule (engine/step_cache/schedule.MODES)
     step_cache_branch: int = 0     # the skip branch: input blocks 0..branch run on cached steps
+    precision: str = "fp16"        # "fp8": LOSSY, opt-in: FP8 transformer Linears on sm_89/sm_90 (engine/fp8)
 
     def any(self):
         return (self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"
-                or self.step_cache != "off")
+                or self.step_cache != "off" or self.precision != "fp16")

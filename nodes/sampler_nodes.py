@@ -64,21 +64,33 @@ STEP_CACHE_INPUTS = {
 }
 
 
+PRECISION_INPUTS = {
+    "precision": (["fp16", "fp8"], {"default": "fp16", "tooltip":
+                  "fp16 (default) is lossless. fp8 is LOSSY, opt-in: the transformers' Linear layers run in FP8 "
+                  "e4m3 (per-channel weight scales, per-token activation scales computed on the GPU, fp32 "
+                  "accumulation): faster on Ada and Hopper GPUs (sm_89/sm_90), the image changes slightly. "
+                  "Convolutions, embeddings and attention's softmax stay fp16. Elsewhere it runs fp16 and the "
+                  "report says why. Weights are re-quantized after every LoRA or weight patch."}),
+}
+
+
 def _comfy_nodes():
     # ComfyUI's own top-level nodes.py (never our package's nodes/: we import relatively)
     return importlib.import_module("nodes")
 
 
-def _options(fused_kernels, cuda_graph, channels_last, attention="auto", step_cache="off", step_cache_branch=0):
+def _options(fused_kernels, cuda_graph, channels_last, attention="auto", step_cache="off", step_cache_branch=0,
+             precision="fp16"):
     return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last), attention,
-                             step_cache=step_cache, step_cache_branch=int(step_cache_branch))
+                             step_cache=step_cache, step_cache_branch=int(step_cache_branch), precision=precision)
 
 
 class SDAccelKSampler:
     DESCRIPTION = ("KSampler with SD Accel's lossless accelerations: fused kernels, CUDA-graph replay and "
                    "channels_last convolutions, on the model and on the ControlNets in the conditioning. Same "
                    "inputs and the same LATENT output as KSampler; with every option off it is exactly "
-                   "KSampler. Two opt-in lossy options: controlnet_cond_only and step_cache. Reports it/s, seconds, peak VRAM "
+                   "KSampler. Opt-in lossy options (LOSSY in their tooltips): controlnet_cond_only, step_cache, "
+                   "precision fp8. Reports it/s, seconds, peak VRAM "
                    "and what ran or fell back (and why) after each run.")
     CATEGORY = "SD Accel/sampling"
     RETURN_TYPES = ("LATENT", "STRING")
@@ -93,13 +105,14 @@ class SDAccelKSampler:
         req = dict(base["required"])
         req.update(ACCEL_INPUTS)
         # optional, so prompts and workflows saved before it existed still load
-        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS, **STEP_CACHE_INPUTS}}
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS, **STEP_CACHE_INPUTS,
+                                              **PRECISION_INPUTS}}
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto",
-               controlnet_cond_only=False, step_cache="off", step_cache_branch=0):
+               controlnet_cond_only=False, step_cache="off", step_cache_branch=0, precision="fp16"):
         common_ksampler = _comfy_nodes().common_ksampler
-        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch)
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch, precision)
         run = host_run.prepare(model, positive, negative, opts, controlnet=controlnet, cond_only=controlnet_cond_only)
         out = run.sample(lambda m, pos, neg: common_ksampler(m, seed, steps, cfg, sampler_name, scheduler, pos, neg,
                                                              latent_image, denoise=denoise))
@@ -123,11 +136,11 @@ class SDAccelApply:
     def INPUT_TYPES(cls):
         req = {"model": ("MODEL", {"tooltip": "The model to accelerate (a UNet: SD1.5, SDXL and relatives)."})}
         req.update(ACCEL_INPUTS)
-        return {"required": req, "optional": {**ATTENTION_INPUTS, **STEP_CACHE_INPUTS}}
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **STEP_CACHE_INPUTS, **PRECISION_INPUTS}}
 
     def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True, attention="auto",
-              step_cache="off", step_cache_branch=0):
-        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch)
+              step_cache="off", step_cache_branch=0, precision="fp16"):
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch, precision)
         patched, info = host.accelerate(model, opts)
         parts = ["%s x%d" % kv for kv in sorted(info.get("patched", {}).items())]
         line = "patched: %s; step wrapper: %s" % (", ".join(parts) or "nothing", info.get("wrapper") or "none")
@@ -135,6 +148,8 @@ class SDAccelApply:
             why = info.get("reasons", {}).get("step_cache")
             line += "; step_cache %s: %s" % (step_cache, "refused: " + why if why else
                                               "LOSSY, branch %d (each run's count in the log)" % opts.step_cache_branch)
+        if info.get("reasons", {}).get("precision fp8"):
+            line += "; precision fp8 (LOSSY) not used: " + info["reasons"]["precision fp8"]
         log.info("[SD Accel] Apply: %s", line)
         return {"ui": {"text": [line]}, "result": (patched,)}
 

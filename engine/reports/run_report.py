@@ -4,6 +4,9 @@ import time
 import torch
 
 from ...kernels import _launch
+from ..fp8.support import LOSSY_NOTE
+
+LOSSY_OPS = ("fp8_linear",)   # ops that change the image: labelled LOSSY wherever they are listed
 
 
 class RunTimer:
@@ -45,10 +48,10 @@ def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None, s
     `host_reasons`: {what: why} the host knows better than the counts (why the attention backend could act in
     no block, why nothing was fused); each replaces the generic reason of a `fell_back` entry of that name.
     `step_cache`: the run's step-cache summary (engine/step_cache/run_state.summary), None where none ran."""
-    ran, fell_back = [], {}
+    ran, fell_back, notes = [], {}, list(notes)
     for op, e in sorted(kernels.items()):
         if e["fused"]:
-            ran.append("%s x%d" % (op, e["fused"]))
+            ran.append("%s%s x%d" % (op, " (LOSSY)" if op in LOSSY_OPS else "", e["fused"]))
         if e["fallback"]:
             fell_back[op] = "; ".join(e["reasons"]) or "not eligible"
     stock_calls = (graphs or {}).get("stock_path", 0)
@@ -69,6 +72,11 @@ def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None, s
     backend = options.get("attention", "auto")
     if backend != "auto" and "attention_" + backend not in kernels:   # "auto" is the host's own attention
         fell_back["attention_" + backend] = "no attention call went through it"
+    if options.get("precision") == "fp8":
+        if (kernels.get("fp8_linear") or {}).get("fused"):
+            notes.append(LOSSY_NOTE)
+        else:
+            fell_back["precision fp8"] = "no FP8 layer was called"
     if options.get("channels_last"):
         # conv weights go to channels_last before a model's first capture, on a GPU only: eager steps keep
         # the layout stock's modules are fastest on
@@ -89,7 +97,7 @@ def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None, s
             "seconds": round(timer.seconds, 4),
             "steps": steps,
             "peak_vram_gib": round(timer.peak_bytes / 2 ** 30, 3) if timer.peak_bytes is not None else None,
-            "ran": ran, "fell_back": fell_back, "graphs": graphs, "notes": list(notes),
+            "ran": ran, "fell_back": fell_back, "graphs": graphs, "notes": notes,
             "step_cache": step_cache}
 
 

@@ -17,6 +17,8 @@ import logging
 import torch
 
 from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
+from ...engine.fp8 import support as fp8_support
+from ...engine.fp8 import weights as fp8_weights
 from ...engine.patches import attention, fused_modules, patching
 from ...engine.graphs.step_graphs import StepGraphs
 from ..attached import state_on
@@ -60,7 +62,7 @@ def _state(base_model):
 def _inert(fn, options, role):
     """Marks one of our callables for graph keys: it computes what its options say, whichever object it is."""
     fn.sd_accel_inert = (role, options.fused_kernels, options.cuda_graph, options.channels_last, options.attention,
-                         options.step_cache, options.step_cache_branch)
+                         options.step_cache, options.step_cache_branch, options.precision)
     return fn
 
 
@@ -79,15 +81,17 @@ def _make_step(st, options, base_model):
     def step(call, args, kwargs, transformer_options=None):
         x = args[0]
         fn, args, kwargs = _with_deferred_control(call, args, kwargs)
-        if options.cuda_graph:
-            _model_sampling_on(base_model, x.device)
-            # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
-            epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
-            return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
-                                 host_state=getattr(base_model, "current_weight_patches_uuid", None))
-        # graphs off: the faster of the fused and the stock modules, measured per shape
-        key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
-        return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
+        host_state = getattr(base_model, "current_weight_patches_uuid", None)
+        with fp8_weights.host_state(host_state):   # derived weight copies are keyed on it too
+            if options.cuda_graph:
+                _model_sampling_on(base_model, x.device)
+                # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
+                epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
+                return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
+                                     host_state=host_state)
+            # graphs off: the faster of the fused and the stock modules, measured per shape
+            key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
+            return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
     return step
 
 
@@ -271,6 +275,7 @@ def _install_keyed(clone, st, options, step):
             # ComfyUI also detaches a clone when another clone of the same model is loaded;
             # the graphs are freed only once the weights have left the GPU
             st.graphs.clear_if_offloaded()
+            fp8_weights.drop_off_device()
         _inert(on_detach, options, "on_detach")
         clone.callbacks.setdefault(pe.CallbacksMP.ON_DETACH, {})[WRAPPER_KEY] = [on_detach]
 
@@ -305,15 +310,18 @@ def _accelerate(model, options):
     base_model = clone.model
     layout = options.channels_last and _loads_on_cuda(clone)
     object_patches.drop_ours(clone)
-    if options.fused_kernels or layout:
+    fp8 = _fp8_planned(clone, options, info)
+    if options.fused_kernels or layout or fp8:
         # folded only where the restore order can be kept (current ComfyUI, which re-applies patches per prompt)
         why = object_patches.foreign_modules_reason(clone)
         if why:
             info["reasons"]["fused kernels"] = why
+            if fp8:
+                info["reasons"]["precision fp8"] = why
             patches, counts = {}, {}
         else:
             patches, counts = object_patches.plan(clone, options.fused_kernels, layout,
-                                                  fold=object_patches.can_keep_restore_order(clone))
+                                                  fold=object_patches.can_keep_restore_order(clone), fp8=fp8)
         for path, module in patches.items():
             clone.add_object_patch(path, module)
         info["patched"].update(counts)
@@ -328,7 +336,7 @@ def _accelerate(model, options):
             object_patches.model_sampling_on_device(clone, clone.load_device):
         info["patched"]["model_sampling_on_gpu"] = 1
     cache = step_cache.install(clone, options, info)
-    if options.fused_kernels or options.cuda_graph or options.channels_last or cache is not None:
+    if options.fused_kernels or options.cuda_graph or options.channels_last or fp8 or cache is not None:
         # also with fused kernels alone: where a step runs eagerly it takes the faster of fused and stock
         st = _state(base_model)
         if cache is not None:   # each kind of call is its own key: room for both kinds of each shape
@@ -336,6 +344,19 @@ def _accelerate(model, options):
         info["wrapper"] = _install_wrapper(clone, st, options, cache)
         info["graph_state"] = st
     return clone, info
+
+
+def _fp8_planned(clone, options, info):
+    """True when the transformers' Linears are to run in FP8 (precision "fp8" on an sm_89/sm_90 GPU); else
+    False, with the one-line reason in `info` where fp8 was asked for."""
+    if options.precision != "fp8":
+        return False
+    why = fp8_support.refusal(getattr(clone, "load_device", None))
+    if why:
+        info["reasons"]["precision fp8"] = why
+        log.info("[SD Accel] precision fp8: %s", why)
+        return False
+    return True
 
 
 def _loads_on_cuda(patcher):

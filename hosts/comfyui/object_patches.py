@@ -32,6 +32,7 @@ from ...engine.patches import layout_modules, patch_folding, patching
 from ...engine.patches import fused_modules as fm
 from ...engine.graphs import graph_memory
 from ...engine.graphs.graphed_forward import GraphedForward
+from ...engine.fp8.plan import plan_fp8
 
 log = logging.getLogger("sd_accel")
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
@@ -106,13 +107,14 @@ def drop_ours(clone):
             del clone.object_patches[k]
 
 
-def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True, planner=None):
+def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True, planner=None, fp8=False):
     """(ordered {path: module} to add as object patches, counts per op) for the
     UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
-    one patch per module, as the plan has them. Planned with other loaded clones' injections ejected.
+    one patch per module, as the plan has them; `fp8`: the transformers' Linears in FP8 (LOSSY, engine/fp8).
+    Planned with other loaded clones' injections ejected.
     `planner(view, prefix, live) -> (patches, counts)`: what to plan instead of a UNet's module swaps (a VAE's)."""
     if planner is None:
-        planner = functools.partial(_unet_planner, fused_kernels, channels_last)
+        planner = functools.partial(_unet_planner, fused_kernels, channels_last, fp8)
     with contextlib.ExitStack() as ejected:
         for other in _injected_clones(clone):
             ejected.enter_context(other.use_ejected())
@@ -158,7 +160,7 @@ def _foreign_class(m):
     return top not in ("comfy", "comfy_extras", "torch") and not _is_ours(m)
 
 
-def _unet_planner(fused_kernels, channels_last, view, prefix, live):
+def _unet_planner(fused_kernels, channels_last, fp8, view, prefix, live):
     patches, counts = {}, {}
     if channels_last:
         # before the fused modules: a SpatialTransformer stand-in must be in place before its children's
@@ -171,6 +173,12 @@ def _unet_planner(fused_kernels, channels_last, view, prefix, live):
         p = patching.plan_patches(view, patching.COMFY_OPS, prefix=prefix, owner=live)
         patches.update(p.patches)
         counts.update(p.counts)
+    if fp8:
+        # after the fused modules: a Linear under a stand-in (GEGLU's proj) is set through it
+        linears = plan_fp8(view, prefix)
+        patches.update(linears)
+        if linears:
+            counts["fp8_linear"] = len(linears)
     return patches, counts
 
 

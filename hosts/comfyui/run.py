@@ -15,6 +15,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from ...engine.fp8 import weights as fp8_weights
 from ...engine.reports import kernel_report, run_report, vram_report
 from ...kernels.errors import first_line
 from . import accelerate as host
@@ -109,6 +110,9 @@ class AcceleratedRun:
         if compiled:
             self.notes.append(compiled)
         graphs = host.graph_delta(g0, host.graph_counts(self.info))
+        derived = fp8_weights.bytes_on()
+        if derived:
+            self.notes.append("derived weight copies (FP8 / upcast) in VRAM: %.2f GiB" % (derived / 2 ** 30))
         pool = host_memory.pool_settings(self.model)
         if pool is not None and pool.last_report is not None:
             # the VRAM Pool's own measurement of this run (and of its text encode)

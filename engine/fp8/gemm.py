@@ -1,0 +1,83 @@
+"""One FP8 Linear: `x @ w.T + bias` with x quantized per token (kernels/fp8_quant.py), w quantized per output
+channel once per load, `torch._scaled_mm` accumulating in fp32, the bias added in its epilogue.
+
+Which `_scaled_mm` recipe a device takes varies with the torch version (some accept rowwise scales only with a
+bfloat16 output), so the first call on a device tries the recipes on a tiny problem, fastest first, and keeps
+the first that runs and agrees with an fp32 reference:
+  * "rowwise_fp16": per-token activation scales and per-channel weight scales in `_scaled_mm`, fp16 out, bias
+    fused;
+  * "rowwise_bf16": the same with a bfloat16 output, cast to fp16, bias added after (in fp16);
+  * "tensorwise": one activation scale per call, fp32 out, the per-channel weight scale and the bias applied
+    after (one fused multiply-add).
+"""
+import torch
+
+from ...kernels.fp8_quant import quantize_rows, quantize_tensor_reference, quantize_weight_per_channel
+
+RECIPES = ("rowwise_fp16", "rowwise_bf16", "tensorwise")
+_PROBE_TOL = 6e-2
+_chosen = {}      # (device type, index) -> recipe name, or None when none runs
+
+
+def _rowwise_fp16(x, wq, ws, bias):
+    xq, xs = quantize_rows(x)
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.float16)
+
+
+def _rowwise_bf16(x, wq, ws, bias):
+    xq, xs = quantize_rows(x)
+    out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16).to(torch.float16)
+    return out if bias is None else out.add_(bias)
+
+
+def _tensorwise(x, wq, ws, bias):
+    xq, xs = quantize_tensor_reference(x)
+    one = torch.ones((), device=x.device, dtype=torch.float32)
+    out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=one, out_dtype=torch.float32)
+    out = out.mul_(ws) if bias is None else torch.addcmul(bias.float(), out, ws)
+    return out.to(torch.float16)
+
+
+_RECIPE_FNS = {"rowwise_fp16": _rowwise_fp16, "rowwise_bf16": _rowwise_bf16, "tensorwise": _tensorwise}
+
+
+def _key(device):
+    return device.type, device.index
+
+
+def probe(device):
+    """The recipe `device` runs (see the module doc), tried once per device; None when none runs."""
+    key = _key(device)
+    if key not in _chosen:
+        _chosen[key] = _first_working(device)
+    return _chosen[key]
+
+
+def _first_working(device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g).to(device, torch.float16)
+    w = torch.randn(48, 64, generator=g).to(device, torch.float16)
+    bias = torch.randn(48, generator=g).to(device, torch.float16)
+    ref = torch.addmm(bias.float(), x.float(), w.float().t())
+    wq, ws = quantize_weight_per_channel(w)
+    for name in RECIPES:
+        try:
+            out = _RECIPE_FNS[name](x, wq, ws, bias)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            continue
+        if out.dtype == torch.float16 and out.shape == ref.shape and \
+                float((out.float() - ref).norm() / ref.norm()) < _PROBE_TOL:
+            return name
+    return None
+
+
+def fp8_linear(x, wq, ws, bias, recipe):
+    """fp16 [M, N] = x [M, K] fp16 @ dequant(wq [N, K] fp8, ws [1, N] fp32).T + bias [N] fp16 (or None)."""
+    return _RECIPE_FNS[recipe](x, wq, ws, bias)
+
+
+def shapes_refusal(in_features, out_features):
+    """None when `_scaled_mm` takes a Linear of these sizes (both multiples of 16), else why not."""
+    if in_features % 16 or out_features % 16:
+        return "features %dx%d not multiples of 16" % (in_features, out_features)
+    return None

@@ -1,0 +1,23 @@
+"""Where FP8 compute may run: GPUs with e4m3 tensor cores (Ada sm_89, Hopper sm_90) and a torch with
+`torch._scaled_mm`. Anything else gets one line saying why, and the model runs in fp16."""
+import torch
+
+from ...kernels import _device
+
+FP8_CAPABILITIES = ((8, 9), (9, 0))
+LOSSY_NOTE = ("precision fp8: LOSSY (FP8 e4m3 transformer Linear layers, per-channel weight and per-token "
+              "activation scales; the image changes slightly)")
+
+
+def refusal(device):
+    """None when FP8 compute can run on `device` (a torch.device or its string), else why not."""
+    device = torch.device(device) if device is not None else None
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return "this torch has no torch._scaled_mm / float8_e4m3fn: fp16"
+    if device is None or device.type != "cuda":
+        return "FP8 compute needs an Ada or Hopper GPU (sm_89/sm_90); this model runs on %s: fp16" % (
+            device.type if device is not None else "no device")
+    major, minor = _device.capability(device)
+    if (major, minor) not in FP8_CAPABILITIES:
+        return "FP8 compute needs an Ada or Hopper GPU (sm_89/sm_90); this GPU is sm_%d%d: fp16" % (major, minor)
+    return None

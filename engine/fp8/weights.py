@@ -1,0 +1,111 @@
+"""Derived copies of weights (FP8 e4m3 with per-channel scales; fp16 upcasts of fp8-stored weights), made once
+per weight and never stale.
+
+A copy is keyed on the weight tensor itself, as engine/graphs/fingerprint.py keys graphs: its identity (a weak
+reference, never an `id()`, which a new tensor can reuse), its storage address, its version counter (bumped
+by an in-place write; inference tensors have none) and the host's patch state of the current step (ComfyUI's
+`current_weight_patches_uuid`, which changes when a LoRA is patched in place into an inference tensor). A LoRA
+or weight patch replaces the Parameter or writes into it, so the next call finds no valid copy and makes a new
+one from the patched weight. A copy dies with its weight, and `drop_off_device` frees the copies of weights
+that left the GPU (a model unloaded or offloaded), so derived copies never hold VRAM for a model not there.
+
+The copies are real VRAM: `bytes_on(device)` is counted in the run report.
+"""
+import threading
+import weakref
+
+import torch
+
+from ...kernels.fp8_quant import quantize_weight_per_channel
+
+_lock = threading.Lock()
+_copies = {}            # (kind, id(weight)) -> _Entry
+_state = threading.local()
+
+
+class _Entry:
+    __slots__ = ("ref", "ptr", "version", "host_state", "value", "nbytes", "device")
+
+    def valid_for(self, w, host_state):
+        return (self.ref() is w and self.ptr == w.data_ptr() and self.version == _version(w)
+                and self.host_state == host_state)
+
+
+def _version(t):
+    return None if t.is_inference() else t._version
+
+
+class host_state:
+    """`with host_state(value):` the host's weight-patch state for the calls inside (per thread)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        self.prev = getattr(_state, "value", None)
+        _state.value = self.value
+
+    def __exit__(self, *exc):
+        _state.value = self.prev
+
+
+def _current_host_state():
+    return getattr(_state, "value", None)
+
+
+def _derived(kind, w, make):
+    key = (kind, id(w))
+    hs = _current_host_state()
+    entry = _copies.get(key)
+    if entry is not None and entry.valid_for(w, hs):
+        return entry.value
+    with torch.no_grad():
+        value = make(w)
+    entry = _Entry()
+    entry.ref = weakref.ref(w, lambda _r, key=key: _forget(key))
+    entry.ptr, entry.version, entry.host_state, entry.value = w.data_ptr(), _version(w), hs, value
+    entry.nbytes = sum(t.numel() * t.element_size() for t in value)
+    entry.device = w.device
+    with _lock:
+        _copies[key] = entry
+    return value
+
+
+def _forget(key):
+    with _lock:
+        _copies.pop(key, None)
+
+
+def fp8_of(w):
+    """(q float8_e4m3fn [N, K] contiguous, scale fp32 [1, N]) of weight `w` [N, K] (per output channel)."""
+    return _derived("fp8", w, lambda t: quantize_weight_per_channel(t.detach()))
+
+
+def fp8_stored(w, scale_weight=None):
+    """(w [N, K], scale fp32 [1, N]) of a weight already stored as float8_e4m3fn (an fp8 checkpoint): used as it
+    is, with its checkpoint's `scale_weight` (one scale, or one per channel) or 1."""
+    def make(t):
+        s = torch.ones((), device=t.device) if scale_weight is None else scale_weight.detach().float()
+        return t.detach().reshape(t.shape[0], -1).contiguous(), s.expand(1, t.shape[0]).contiguous()
+    return _derived("fp8_stored", w, make)
+
+
+def upcast_of(w, dtype):
+    """(`w` cast to `dtype`,) kept, layout kept (channels_last stays channels_last): what ComfyUI's manual cast
+    computes on every call for an fp8-stored weight, computed once."""
+    return _derived(("upcast", dtype), w, lambda t: (t.detach().to(dtype),))
+
+
+def bytes_on(device=None):
+    """VRAM held by the derived copies (on `device`, or all)."""
+    with _lock:
+        return sum(e.nbytes for e in _copies.values() if device is None or e.device == torch.device(device))
+
+
+def drop_off_device():
+    """Frees the copies whose weight is gone or no longer on the copy's device."""
+    with _lock:
+        stale = [k for k, e in _copies.items() if e.ref() is None or e.ref().device != e.device]
+        for k in stale:
+            del _copies[k]
+    return len(stale)

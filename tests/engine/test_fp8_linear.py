@@ -1,0 +1,166 @@
+"""The FP8 Linear stand-in and its GEMM recipes on the CPU (torch._scaled_mm runs there; the per-token
+quantization in Triton's interpreter): against an fp32 reference, on random weights and on weights and
+activations with heavy-tailed outlier channels; the FP8 copy of a weight follows every change of it."""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from sd_accel.engine.fp8 import gemm, weights  # noqa: E402
+from sd_accel.engine.fp8.linear import Fp8Linear, make_fp8_linear  # noqa: E402
+from sd_accel.engine.fp8.plan import plan_fp8  # noqa: E402
+from sd_accel.engine.patches import stock_path  # noqa: E402
+from sd_accel.kernels.fp8_quant import quantize_weight_per_channel  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# e4m3 keeps 3 mantissa bits: each operand's rounding error is ~2**-4 / sqrt(3) rms, so a product of two
+# quantized operands is off by ~3.5% rms; a wrong scale or layout is off by 100%
+REL_TOL = 6e-2
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _linear(k, n, seed=0, outliers=False):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n).to(DEVICE, torch.float16)
+    if outliers:
+        with torch.no_grad():
+            lin.weight[:3] *= torch.tensor([10.0, 40.0, 100.0], device=DEVICE, dtype=torch.float16)[:, None]
+            lin.weight[:, :2] *= 30
+    return lin.eval()
+
+
+def _x(m, k, seed=1, outliers=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    if outliers:
+        x[:, 5] *= 60
+        x[:, 9] *= 15
+    return x.to(DEVICE, torch.float16)
+
+
+@pytest.mark.parametrize("recipe", gemm.RECIPES)
+@pytest.mark.parametrize("outliers", [False, True], ids=["random", "outlier-channels"])
+def test_recipes_match_fp32_reference(recipe, outliers):
+    lin, x = _linear(320, 640, outliers=outliers), _x(77, 320, outliers=outliers)
+    wq, ws = quantize_weight_per_channel(lin.weight.detach())
+    try:
+        with torch.no_grad():
+            out = gemm.fp8_linear(x, wq, ws, lin.bias, recipe)
+    except RuntimeError as e:
+        pytest.skip("this torch build's _scaled_mm refuses the %s recipe (%s); the probe skips it too" % (recipe, e))
+    ref = torch.addmm(lin.bias.detach().float(), x.float(), lin.weight.detach().float().t())
+    assert out.dtype == torch.float16 and out.shape == (77, 640)
+    assert _rel(out, ref) < REL_TOL
+
+
+def test_probe_picks_a_recipe_that_runs():
+    recipe = gemm.probe(torch.device(DEVICE))
+    assert recipe in gemm.RECIPES
+    assert gemm.probe(torch.device(DEVICE)) == recipe
+
+
+def test_standin_is_the_host_class_and_matches_fp16():
+    lin = _linear(320, 1280)
+    new = make_fp8_linear(lin)
+    assert type(new) is nn.Linear and new.weight is lin.weight and new.bias is lin.bias
+    x = _x(4 * 16, 320).reshape(4, 16, 320)
+    with torch.no_grad():
+        out, ref = new(x), lin(x)
+    assert out.shape == ref.shape and out.dtype == torch.float16
+    assert 0 < _rel(out, ref) < REL_TOL      # lossy, but close
+
+
+def test_stock_scope_runs_the_host_forward():
+    lin = _linear(64, 32)
+    new = make_fp8_linear(lin)
+    x = _x(8, 64)
+    with torch.no_grad(), stock_path.stock_modules():
+        assert torch.equal(new(x), lin(x))
+
+
+def test_fp32_activations_run_the_host_forward():
+    lin = nn.Linear(64, 32).to(DEVICE)
+    new = make_fp8_linear(lin)
+    x = torch.randn(8, 64, device=DEVICE)
+    with torch.no_grad():
+        assert torch.equal(new(x), lin(x))
+
+
+def test_fp8_copy_follows_weight_changes():
+    lin = _linear(64, 32)
+    new = make_fp8_linear(lin)
+    x = _x(8, 64)
+    with torch.no_grad():
+        first = new(x)
+        assert torch.equal(new(x), first)
+        lin.weight.mul_(2)                      # in place: the version counter moves
+        ref = lin(x)
+        assert _rel(new(x), ref) < REL_TOL and _rel(new(x), first) > 0.5
+        lin.weight = nn.Parameter(lin.weight * -1, requires_grad=False)    # replaced: a new tensor
+        new.__dict__["_parameters"]["weight"] = lin.weight
+        assert _rel(new(x), lin(x)) < REL_TOL
+
+
+def test_inference_weight_follows_host_state():
+    with torch.inference_mode():
+        lin = _linear(64, 32)
+        new = make_fp8_linear(lin)
+        x = _x(8, 64)
+        with weights.host_state("a"):
+            before = new(x)
+        lin.weight.mul_(3)                      # an inference tensor: no version counter, only the host state
+        with weights.host_state("b"):
+            after = new(x)
+        assert _rel(after, lin(x)) < REL_TOL and _rel(after, before) > 1.0
+
+
+def test_copies_are_counted_and_die_with_their_weight():
+    import gc
+    gc.collect()
+    lin = _linear(64, 48)
+    new = make_fp8_linear(lin)
+    base = weights.bytes_on()
+    with torch.no_grad():
+        new(_x(8, 64))
+    assert weights.bytes_on() - base == 64 * 48 + 48 * 4
+    del new, lin
+    gc.collect()
+    assert weights.bytes_on() == base
+
+
+def test_fp8_stored_weight_used_as_stored():
+    lin = _linear(64, 32)
+    with torch.no_grad():
+        lin.weight.data = lin.weight.data.to(torch.float8_e4m3fn)
+    new = make_fp8_linear(lin)
+    x = _x(8, 64)
+    with torch.no_grad():
+        ref = torch.addmm(lin.bias.float(), x.float(), lin.weight.float().t())
+        out = new(x)
+    assert _rel(out, ref) < REL_TOL
+
+
+def test_plan_takes_transformer_linears_only():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_q, self.odd = nn.Linear(32, 32), nn.Linear(30, 32)
+
+    class Transformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj_in, self.transformer_blocks = nn.Linear(16, 32), nn.ModuleList([Block()])
+
+    root = nn.Module()
+    root.time_embed = nn.Sequential(nn.Linear(32, 64))
+    root.st = Transformer()
+    plan = plan_fp8(root, "diffusion_model.")
+    assert sorted(plan) == ["diffusion_model.st.proj_in", "diffusion_model.st.transformer_blocks.0.to_q"]
+    assert all(m.__dict__["sdaccel_mixin"] is Fp8Linear for m in plan.values())

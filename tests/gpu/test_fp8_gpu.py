@@ -1,0 +1,64 @@
+"""precision fp8 (LOSSY) on the GPU machine, in process on current ComfyUI: FP8 engages only on sm_89/sm_90,
+stays near fp16, replays CUDA graphs, never replays FP8 weights of an earlier LoRA, and is not slower than fp16.
+`python3 -m pytest tests/gpu/test_fp8_gpu.py -q`."""
+import time
+
+import pytest
+import torch
+
+from test_graphs_gpu import _lora, _rel, _sample, comfy_env  # noqa: F401  (the shared module fixture)
+
+FP8_GPU = torch.cuda.get_device_capability() in ((8, 9), (9, 0))
+FP8_TOL = 0.15     # the small random checkpoint's final latent after 6 steps, fp8 vs fp16
+
+
+def _sample_fp8(env, model, size=256, seed=5, steps=6):
+    with torch.inference_mode():
+        lat = env.nodes.EmptyLatentImage().generate(size, size, 1)[0]
+        res = env.ours.sample(model, seed, steps, 7.0, "euler", "normal", env.pos, env.neg, lat, precision="fp8")
+    return res["result"][0]["samples"].float(), res["ui"]["sdaccel_report"][0]
+
+
+def test_fp8_engages_only_where_supported(comfy_env):
+    out, rep = _sample_fp8(comfy_env, comfy_env.model)
+    ran_fp8 = any(r.startswith("fp8_linear (LOSSY)") for r in rep["ran"])
+    assert ran_fp8 == FP8_GPU, rep
+    if not FP8_GPU:
+        assert "sm_89/sm_90" in rep["fell_back"]["precision fp8"], rep
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90; the refusal is tested above")
+def test_fp8_near_fp16_and_replays_graphs(comfy_env):
+    ref, _ = _sample(comfy_env, comfy_env.model)
+    out, rep = _sample_fp8(comfy_env, comfy_env.model)
+    out2, rep2 = _sample_fp8(comfy_env, comfy_env.model)
+    assert 0 < _rel(out, ref) < FP8_TOL, _rel(out, ref)
+    assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
+    assert torch.equal(out, out2)
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90")
+def test_lora_changes_never_replay_stale_fp8_weights(comfy_env):
+    base, _ = _sample_fp8(comfy_env, comfy_env.model)
+    for strength in (1.0, -0.7):
+        m = _lora(comfy_env, strength)
+        ref, _ = _sample(comfy_env, m)
+        out, rep = _sample_fp8(comfy_env, m)
+        assert _rel(out, ref) < FP8_TOL < _rel(ref, base), (strength, _rel(out, ref), _rel(ref, base))
+    again, _ = _sample_fp8(comfy_env, comfy_env.model)
+    assert torch.equal(again, base)
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90")
+def test_fp8_not_slower_than_fp16(comfy_env):
+    def seconds(fn):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    fp16 = seconds(lambda: _sample(comfy_env, comfy_env.model, size=512, steps=10))
+    fp8 = seconds(lambda: _sample_fp8(comfy_env, comfy_env.model, size=512, steps=10))
+    assert fp8 <= fp16 * 1.05, (fp8, fp16)
