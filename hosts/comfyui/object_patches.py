@@ -30,6 +30,7 @@ import torch
 from ...engine.patches import layout_modules, patch_folding, patching
 from ...engine.patches import fused_modules as fm
 from ...engine.fp8.plan import plan_fp8
+from ...engine.fp8.upcast import plan_upcast
 
 log = logging.getLogger("sd_accel")
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
@@ -104,15 +105,16 @@ def drop_ours(clone):
             del clone.object_patches[k]
 
 
-def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True, fp8=False):
+def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True, fp8=False, upcast=False):
     """(ordered {path: module} to add as object patches, counts per op) for the
     UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
-    one patch per module, as the plan has them; `fp8`: the transformers' Linears in FP8 (LOSSY, engine/fp8).
+    one patch per module, as the plan has them; `fp8`: the transformers' Linears in FP8 (LOSSY, engine/fp8);
+    `upcast`: fp8-stored weights kept upcast (lossless, engine/fp8/upcast.py).
     Planned with other loaded clones' injections ejected."""
     with contextlib.ExitStack() as ejected:
         for other in _injected_clones(clone):
             ejected.enter_context(other.use_ejected())
-        return _plan(clone, fused_kernels, channels_last, root, fold, fp8)
+        return _plan(clone, fused_kernels, channels_last, root, fold, fp8, upcast)
 
 
 def _injected_clones(clone):
@@ -154,7 +156,7 @@ def _foreign_class(m):
     return top not in ("comfy", "comfy_extras", "torch") and not _is_ours(m)
 
 
-def _plan(clone, fused_kernels, channels_last, root, fold, fp8):
+def _plan(clone, fused_kernels, channels_last, root, fold, fp8, upcast):
     prefix = root + "." if root else ""
     live = patching.get_attr(clone.model, root) if root else clone.model
     foreign = [k for k, _ in foreign_patches(clone)]
@@ -177,6 +179,11 @@ def _plan(clone, fused_kernels, channels_last, root, fold, fp8):
         p = patching.plan_patches(view, patching.COMFY_OPS, prefix=prefix, owner=live)
         patches.update(p.patches)
         counts.update(p.counts)
+    if upcast:
+        kept, _ = plan_upcast(view, prefix)
+        patches.update(kept)
+        if kept:
+            counts["fp8_upcast"] = len(kept)
     if fp8:
         # after the fused modules: a Linear under a stand-in (GEGLU's proj) is set through it
         linears = plan_fp8(view, prefix)
