@@ -19,10 +19,10 @@ from ._launch import launch
 from ._tiling import next_pow2, num_warps_for
 from ._triton import device_dtype_ineligible, forward_only_ineligible, get_triton
 
-E4M3_MAX = 448.0
-MIN_SCALE = 1e-12     # a row of zeros: any positive scale quantizes it to zeros
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_BLOCK_K = 4096
+_MAX_BLOCK_K = 4096   # columns per chunk of the row walk
+E4M3_MAX = 448.0      # float8_e4m3fn's largest finite value
+MIN_SCALE = 1e-12     # a row of zeros: any positive scale quantizes it to zeros
 
 _tt = get_triton()
 if _tt is not None:
@@ -88,9 +88,7 @@ def eligible(x):
     if x.stride(1) != 1:
         return False, "rows not unit-stride"
     why = forward_only_ineligible(x)
-    if why:
-        return False, why
-    return True, ""
+    return (False, why) if why else (True, "")
 
 
 @fused_op(eligible=eligible, launch=_launch)

@@ -18,6 +18,7 @@ import torch
 
 from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
 from ...engine.fp8 import support as fp8_support
+from ...engine.fp8 import upcast as fp8_upcast
 from ...engine.fp8 import weights as fp8_weights
 from ...engine.patches import attention, fused_modules, patching
 from ...engine.graphs.step_graphs import StepGraphs
@@ -311,7 +312,8 @@ def _accelerate(model, options):
     layout = options.channels_last and _loads_on_cuda(clone)
     object_patches.drop_ours(clone)
     fp8 = _fp8_planned(clone, options, info)
-    if options.fused_kernels or layout or fp8:
+    upcast = _upcast_planned(clone, info)
+    if options.fused_kernels or layout or fp8 or upcast:
         # folded only where the restore order can be kept (current ComfyUI, which re-applies patches per prompt)
         why = object_patches.foreign_modules_reason(clone)
         if why:
@@ -321,7 +323,8 @@ def _accelerate(model, options):
             patches, counts = {}, {}
         else:
             patches, counts = object_patches.plan(clone, options.fused_kernels, layout,
-                                                  fold=object_patches.can_keep_restore_order(clone), fp8=fp8)
+                                                  fold=object_patches.can_keep_restore_order(clone), fp8=fp8,
+                                                  upcast=upcast)
         for path, module in patches.items():
             clone.add_object_patch(path, module)
         info["patched"].update(counts)
@@ -336,7 +339,7 @@ def _accelerate(model, options):
             object_patches.model_sampling_on_device(clone, clone.load_device):
         info["patched"]["model_sampling_on_gpu"] = 1
     cache = step_cache.install(clone, options, info)
-    if options.fused_kernels or options.cuda_graph or options.channels_last or fp8 or cache is not None:
+    if options.fused_kernels or options.cuda_graph or options.channels_last or fp8 or upcast or cache is not None:
         # also with fused kernels alone: where a step runs eagerly it takes the faster of fused and stock
         st = _state(base_model)
         if cache is not None:   # each kind of call is its own key: room for both kinds of each shape
@@ -355,6 +358,26 @@ def _fp8_planned(clone, options, info):
     if why:
         info["reasons"]["precision fp8"] = why
         log.info("[SD Accel] precision fp8: %s", why)
+        return False
+    return True
+
+
+# what the kept fp16 copies of fp8-stored weights may leave of the GPU's memory for everything else, at least
+_UPCAST_HEADROOM = 0.25
+
+
+def _upcast_planned(clone, info):
+    """True when the model has fp8-stored weights (manual cast) and their fp16 copies fit on its GPU, leaving
+    _UPCAST_HEADROOM of it for the activations; else False (with the reason where it has such weights)."""
+    modules = [m for m in clone.model.diffusion_model.modules() if fp8_upcast.is_fp8_stored(m)]
+    if not modules or not _loads_on_cuda(clone):
+        return False
+    import comfy.model_management as mm
+    need = sum(m.weight.numel() * 2 for m in modules)
+    total = mm.get_total_memory(clone.load_device)
+    if total - clone.model_size() - need < _UPCAST_HEADROOM * total:
+        info["reasons"]["fp8-stored weights"] = ("their fp16 copies (%.1f GiB) do not fit next to the model: "
+                                                 "cast per call, as ComfyUI does" % (need / 2 ** 30))
         return False
     return True
 

@@ -33,6 +33,7 @@ from ...engine.patches import fused_modules as fm
 from ...engine.graphs import graph_memory
 from ...engine.graphs.graphed_forward import GraphedForward
 from ...engine.fp8.plan import plan_fp8
+from ...engine.fp8.upcast import plan_upcast
 
 log = logging.getLogger("sd_accel")
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
@@ -107,14 +108,16 @@ def drop_ours(clone):
             del clone.object_patches[k]
 
 
-def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True, planner=None, fp8=False):
+def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True, planner=None, fp8=False,
+         upcast=False):
     """(ordered {path: module} to add as object patches, counts per op) for the
     UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
-    one patch per module, as the plan has them; `fp8`: the transformers' Linears in FP8 (LOSSY, engine/fp8).
+    one patch per module, as the plan has them; `fp8`: the transformers' Linears in FP8 (LOSSY, engine/fp8);
+    `upcast`: fp8-stored weights kept upcast (lossless, engine/fp8/upcast.py).
     Planned with other loaded clones' injections ejected.
     `planner(view, prefix, live) -> (patches, counts)`: what to plan instead of a UNet's module swaps (a VAE's)."""
     if planner is None:
-        planner = functools.partial(_unet_planner, fused_kernels, channels_last, fp8)
+        planner = functools.partial(_unet_planner, fused_kernels, channels_last, fp8, upcast)
     with contextlib.ExitStack() as ejected:
         for other in _injected_clones(clone):
             ejected.enter_context(other.use_ejected())
@@ -160,7 +163,7 @@ def _foreign_class(m):
     return top not in ("comfy", "comfy_extras", "torch") and not _is_ours(m)
 
 
-def _unet_planner(fused_kernels, channels_last, fp8, view, prefix, live):
+def _unet_planner(fused_kernels, channels_last, fp8, upcast, view, prefix, live):
     patches, counts = {}, {}
     if channels_last:
         # before the fused modules: a SpatialTransformer stand-in must be in place before its children's
@@ -173,6 +176,11 @@ def _unet_planner(fused_kernels, channels_last, fp8, view, prefix, live):
         p = patching.plan_patches(view, patching.COMFY_OPS, prefix=prefix, owner=live)
         patches.update(p.patches)
         counts.update(p.counts)
+    if upcast:
+        kept, _ = plan_upcast(view, prefix)
+        patches.update(kept)
+        if kept:
+            counts["fp8_upcast"] = len(kept)
     if fp8:
         # after the fused modules: a Linear under a stand-in (GEGLU's proj) is set through it
         linears = plan_fp8(view, prefix)

@@ -1,0 +1,57 @@
+"""fp8-stored checkpoints at precision fp16 (lossless): ComfyUI computes with manual cast, upcasting every fp8
+weight to fp16 at every call, which costs each step a read of the fp8 weights and a write and read of fp16 ones.
+The stand-in here keeps the upcast fp16 copy (engine/fp8/weights.py: keyed on the weight tensor, so a LoRA or
+weight patch makes a new one) and computes with it: the same values ComfyUI's cast gives, without the per-step
+cast. Planned only where the copies fit in free VRAM (the host decides); the copies are counted in the report.
+Where the host computes the weight per call (`weight_function`, `bias_function`: LoRA on a low-VRAM model) or
+the weight is elsewhere than the input, the host's own forward runs.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..patches import fused_modules as fm
+from ..patches import stock_path
+from . import weights
+
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+class UpcastWeights:
+    sdaccel_kind = "fp8_upcast"
+
+    def forward(self, x, *args, **kwargs):
+        wb = None if (stock_path.active() or fm.host_replaced(self) or args or kwargs) else self.sdaccel_weights(x)
+        if wb is None:
+            return fm.original_class(self).forward(self, x, *args, **kwargs)
+        if isinstance(self, nn.Conv2d):
+            return self._conv_forward(x, *wb)
+        return F.linear(x, *wb)
+
+    def sdaccel_weights(self, x):
+        """(fp16 weight, bias) in x's dtype from the kept copy, or None where the host's cast must run."""
+        w, b = self.weight, self.bias
+        if getattr(self, "weight_function", None) or getattr(self, "bias_function", None) or \
+                w.device != x.device or getattr(self, "scale_weight", None) is not None:
+            return None
+        w = weights.upcast_of(w, x.dtype)[0] if w.dtype != x.dtype else w
+        if b is not None and b.dtype != x.dtype:
+            b = weights.upcast_of(b, x.dtype)[0]
+        return w, b
+
+
+def is_fp8_stored(m):
+    """A host Linear/Conv2d whose weight is stored in fp8 and cast per call by the host (manual cast)."""
+    w = getattr(m, "weight", None)
+    return isinstance(m, (nn.Linear, nn.Conv2d)) and w is not None and w.dtype in FP8_DTYPES and \
+        bool(getattr(m, "comfy_cast_weights", False))
+
+
+def plan_upcast(root, prefix=""):
+    """({prefix + path: stand-in} for every fp8-stored Linear/Conv2d under `root`, bytes their fp16 copies take)."""
+    out, nbytes = {}, 0
+    for name, mod in root.named_modules():
+        if name and is_fp8_stored(mod):
+            out[prefix + name] = fm.clone_as(UpcastWeights, mod)
+            nbytes += mod.weight.numel() * 2
+    return out, nbytes

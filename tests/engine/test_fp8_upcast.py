@@ -1,0 +1,56 @@
+"""fp8-stored weights at precision fp16: the upcast stand-ins compute exactly what ComfyUI's manual cast computes
+(bit for bit, on ComfyUI's real UNet with fp8 weights, CPU), and a replaced weight is upcast anew."""
+import pytest
+import torch
+
+import comfy_inproc
+
+
+@pytest.fixture(scope="module")
+def fp8_unet():
+    comfy_inproc.fixtures_module()     # ComfyUI importable
+    import comfy.ops
+    unet = comfy_inproc.tiny_unet(operations=comfy.ops.manual_cast)
+    with torch.no_grad():
+        for m in unet.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+                m.weight.data = m.weight.data.to(torch.float8_e4m3fn)
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.half()
+            elif getattr(m, "weight", None) is not None and isinstance(m.weight, torch.nn.Parameter):
+                m.weight.data, m.bias.data = m.weight.data.half(), m.bias.data.half()
+    return unet
+
+
+def _inputs(unet):
+    x, t, ctx = comfy_inproc.unet_inputs(unet)
+    return x.half(), t, ctx.half()
+
+
+def test_upcast_standins_equal_manual_cast(fp8_unet):
+    from sd_accel.engine.fp8.upcast import plan_upcast
+    from sd_accel.engine.patches import patching
+    x, t, ctx = _inputs(fp8_unet)
+    plan, nbytes = plan_upcast(fp8_unet)
+    n = sum(1 for m in fp8_unet.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
+    assert len(plan) == n and nbytes == 2 * sum(m.weight.numel() for m in fp8_unet.modules()
+                                                if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)))
+    with torch.no_grad():
+        ref = fp8_unet(x, t, context=ctx)
+        backup = patching.apply_patches(fp8_unet, plan)
+        try:
+            out = fp8_unet(x, t, context=ctx)
+            # a patched weight (a LoRA replaces the Parameter) is upcast anew, as the host would cast it
+            lin = fp8_unet.input_blocks[1][1].transformer_blocks[0].attn1.to_q
+            new_w = torch.nn.Parameter((lin.weight.float() * 1.5).to(torch.float8_e4m3fn), requires_grad=False)
+            lin.weight = new_w
+            out_patched = fp8_unet(x, t, context=ctx)
+        finally:
+            patching.restore(fp8_unet, backup)
+        orig = backup["input_blocks.1.1.transformer_blocks.0.attn1.to_q"]
+        old_w = orig.weight
+        orig.weight = new_w
+        ref_patched = fp8_unet(x, t, context=ctx)
+        orig.weight = old_w
+    assert torch.equal(out, ref)
+    assert torch.equal(out_patched, ref_patched) and not torch.equal(out_patched, ref)
