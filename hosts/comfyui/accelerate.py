@@ -17,14 +17,13 @@ import logging
 import torch
 
 from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
-from ...engine.fp8 import support as fp8_support
-from ...engine.fp8 import upcast as fp8_upcast
 from ...engine.fp8 import weights as fp8_weights
 from ...engine.patches import attention, fused_modules, patching
 from ...engine.graphs.step_graphs import StepGraphs
 from ..attached import state_on
 from . import control_graph
 from . import object_patches
+from . import precision
 from . import step_cache
 
 log = logging.getLogger("sd_accel")
@@ -311,8 +310,8 @@ def _accelerate(model, options):
     base_model = clone.model
     layout = options.channels_last and _loads_on_cuda(clone)
     object_patches.drop_ours(clone)
-    fp8 = _fp8_planned(clone, options, info)
-    upcast = _upcast_planned(clone, info)
+    fp8 = precision.fp8_planned(clone, options, info)
+    upcast = precision.upcast_planned(clone, info, _loads_on_cuda(clone))
     if options.fused_kernels or layout or fp8 or upcast:
         # folded only where the restore order can be kept (current ComfyUI, which re-applies patches per prompt)
         why = object_patches.foreign_modules_reason(clone)
@@ -347,39 +346,6 @@ def _accelerate(model, options):
         info["wrapper"] = _install_wrapper(clone, st, options, cache)
         info["graph_state"] = st
     return clone, info
-
-
-def _fp8_planned(clone, options, info):
-    """True when the transformers' Linears are to run in FP8 (precision "fp8" on an sm_89/sm_90 GPU); else
-    False, with the one-line reason in `info` where fp8 was asked for."""
-    if options.precision != "fp8":
-        return False
-    why = fp8_support.refusal(getattr(clone, "load_device", None))
-    if why:
-        info["reasons"]["precision fp8"] = why
-        log.info("[SD Accel] precision fp8: %s", why)
-        return False
-    return True
-
-
-# what the kept fp16 copies of fp8-stored weights may leave of the GPU's memory for everything else, at least
-_UPCAST_HEADROOM = 0.25
-
-
-def _upcast_planned(clone, info):
-    """True when the model has fp8-stored weights (manual cast) and their fp16 copies fit on its GPU, leaving
-    _UPCAST_HEADROOM of it for the activations; else False (with the reason where it has such weights)."""
-    modules = [m for m in clone.model.diffusion_model.modules() if fp8_upcast.is_fp8_stored(m)]
-    if not modules or not _loads_on_cuda(clone):
-        return False
-    import comfy.model_management as mm
-    need = sum(m.weight.numel() * 2 for m in modules)
-    total = mm.get_total_memory(clone.load_device)
-    if total - clone.model_size() - need < _UPCAST_HEADROOM * total:
-        info["reasons"]["fp8-stored weights"] = ("their fp16 copies (%.1f GiB) do not fit next to the model: "
-                                                 "cast per call, as ComfyUI does" % (need / 2 ** 30))
-        return False
-    return True
 
 
 def _loads_on_cuda(patcher):

@@ -1,0 +1,42 @@
+"""Which precision paths a ComfyUI model clone gets: FP8 compute for the transformers' Linears (precision "fp8",
+LOSSY, sm_89/sm_90 only) and, for checkpoints stored in fp8, one upcast fp16 copy per weight where the GPU has room
+(lossless: what ComfyUI's manual cast computes at every call, computed once). Each says why where it refuses."""
+import logging
+
+from ...engine.fp8 import support as fp8_support
+from ...engine.fp8 import upcast as fp8_upcast
+
+log = logging.getLogger("sd_accel")
+
+
+def fp8_planned(clone, options, info):
+    """True when the transformers' Linears are to run in FP8 (precision "fp8" on an sm_89/sm_90 GPU); else
+    False, with the one-line reason in `info` where fp8 was asked for."""
+    if options.precision != "fp8":
+        return False
+    why = fp8_support.refusal(getattr(clone, "load_device", None))
+    if why:
+        info["reasons"]["precision fp8"] = why
+        log.info("[SD Accel] precision fp8: %s", why)
+        return False
+    return True
+
+
+# what the kept fp16 copies of fp8-stored weights may leave of the GPU's memory for everything else, at least
+_UPCAST_HEADROOM = 0.25
+
+
+def upcast_planned(clone, info, on_cuda):
+    """True when the model has fp8-stored weights (manual cast) and their fp16 copies fit on its GPU, leaving
+    _UPCAST_HEADROOM of it for the activations; else False (with the reason where it has such weights)."""
+    modules = [m for m in clone.model.diffusion_model.modules() if fp8_upcast.is_fp8_stored(m)]
+    if not modules or not on_cuda:
+        return False
+    import comfy.model_management as mm
+    need = sum(m.weight.numel() * 2 for m in modules)
+    total = mm.get_total_memory(clone.load_device)
+    if total - clone.model_size() - need < _UPCAST_HEADROOM * total:
+        info["reasons"]["fp8-stored weights"] = ("their fp16 copies (%.1f GiB) do not fit next to the model: "
+                                                 "cast per call, as ComfyUI does" % (need / 2 ** 30))
+        return False
+    return True
