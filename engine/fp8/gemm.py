@@ -1,4 +1,4 @@
-"""One FP8 Linear: `x @ w.T + bias` with x quantized per token (kernels/fp8_quant.py), w quantized per output
+"""One FP8 Linear: `x @ w.T + bias` with x quantized per token (kernels/quantize_rows.py), w quantized per output
 channel once per load, `torch._scaled_mm` accumulating in fp32, the bias added in its epilogue.
 
 Which `_scaled_mm` recipe a device takes varies with the torch version (some accept rowwise scales only with a
@@ -12,7 +12,7 @@ the first that runs and agrees with an fp32 reference:
 """
 import torch
 
-from ...kernels.fp8_quant import quantize_rows, quantize_tensor_reference, quantize_weight_per_channel
+from ...kernels.quantize_rows import quantize_rows, quantize_tensor_reference, quantize_weight_per_channel
 
 RECIPES = ("rowwise_fp16", "rowwise_bf16", "tensorwise")
 _PROBE_TOL = 6e-2

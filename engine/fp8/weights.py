@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ...kernels.fp8_quant import quantize_weight_per_channel
+from ...kernels.quantize_rows import quantize_weight_per_channel
 
 _lock = threading.Lock()
 _copies = {}            # (kind, id(weight)) -> _Entry

@@ -14,7 +14,7 @@ from sd_accel.engine.fp8 import gemm, weights  # noqa: E402
 from sd_accel.engine.fp8.linear import Fp8Linear, make_fp8_linear  # noqa: E402
 from sd_accel.engine.fp8.plan import plan_fp8  # noqa: E402
 from sd_accel.engine.patches import stock_path  # noqa: E402
-from sd_accel.kernels.fp8_quant import quantize_weight_per_channel  # noqa: E402
+from sd_accel.kernels.quantize_rows import quantize_weight_per_channel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # e4m3 keeps 3 mantissa bits: each operand's rounding error is ~2**-4 / sqrt(3) rms, so a product of two

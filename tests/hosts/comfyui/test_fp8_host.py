@@ -97,7 +97,7 @@ def test_fp8_close_to_fp16_on_comfyui_model(model):
 
 def _simulated_fp8(x, wq, ws, bias, recipe):
     """The FP8 Linear's math in fp32 torch: dequantized per-token activations times dequantized weights."""
-    from sd_accel.kernels.fp8_quant import quantize_rows_reference
+    from sd_accel.kernels.quantize_rows import quantize_rows_reference
     q, s = quantize_rows_reference(x)
     out = (q.float() * s) @ (wq.float() * ws.reshape(-1, 1)).t()
     return (out if bias is None else out + bias.float()).half()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sd_accel.kernels import _triton
-from sd_accel.kernels.fp8_quant import (E4M3_MAX, eligible, quantize_rows, quantize_rows_reference,
+from sd_accel.kernels.quantize_rows import (E4M3_MAX, eligible, quantize_rows, quantize_rows_reference,
                                         quantize_weight_per_channel)
 
 # (tokens, features): SD1.5 / SDXL transformer widths with the token count scaled down, plus odd sizes
