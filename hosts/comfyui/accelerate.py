@@ -12,6 +12,7 @@
   before the step, and its own wrappers run the kind.
 Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
 """
+import contextlib
 import logging
 
 import torch
@@ -50,6 +51,7 @@ class _ModelState:
                                  token_module=base_model.diffusion_model)
         self.channels_last_done = False
         self.epoch = None      # set per sampling run by Accelerated KSampler
+        self.sampling_placed = None   # the run whose model_sampling placement was checked
 
 
 _STATE_ATTR = "_sd_accel_state"
@@ -66,7 +68,7 @@ def _inert(fn, options, role):
     return fn
 
 
-def _make_step(st, options, base_model):
+def _make_step(st, options, base_model, derived_copies=False):
     """The function that runs one apply_model (or diffusion model) call the accelerated way."""
     def to_channels_last():
         """Before the model's first capture: conv weights to channels_last (values unchanged). Only for graphs:
@@ -82,11 +84,15 @@ def _make_step(st, options, base_model):
         x = args[0]
         fn, args, kwargs = _with_deferred_control(call, args, kwargs)
         host_state = getattr(base_model, "current_weight_patches_uuid", None)
-        with fp8_weights.host_state(host_state):   # derived weight copies are keyed on it too
+        # derived weight copies (FP8, upcast fp8-stored weights) are keyed on the host's patch state too
+        scope = fp8_weights.host_state(host_state) if derived_copies else contextlib.nullcontext()
+        with scope:
             if options.cuda_graph:
-                _model_sampling_on(base_model, x.device)
                 # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
                 epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
+                if epoch is None or epoch is not st.sampling_placed:   # loads happen between runs only
+                    _model_sampling_on(base_model, x.device)
+                    st.sampling_placed = epoch
                 return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
                                      host_state=host_state)
             # graphs off: the faster of the fused and the stock modules, measured per shape
@@ -99,7 +105,9 @@ def _model_sampling_on(base_model, device):
     """ComfyUI's partial loads move only the modules that hold weights: after the model was unloaded and loaded
     again, its model_sampling buffers (sigmas, log_sigmas) stay on the CPU, and each step converts its sigma
     there and back through host syncs that no graph can hold. A first load puts them on the GPU with the rest;
-    they are put there again, where the UNet runs (the same values: the conversion is an exact lookup)."""
+    they are put there again, where the UNet runs (the same values: the conversion is an exact lookup). A node's
+    ModelSampling object patch gets a device copy when the clone is planned
+    (object_patches.model_sampling_on_device); this covers the model's own, which loads move between runs."""
     sampling = getattr(base_model, "model_sampling", None)
     if device.type != "cuda" or not isinstance(sampling, torch.nn.Module):
         return
@@ -224,9 +232,9 @@ def _attention_override(attend):
     return override
 
 
-def _install_wrapper(clone, st, options, cache=None):
+def _install_wrapper(clone, st, options, cache=None, derived_copies=False):
     base_model = clone.model
-    step = _make_step(st, options, base_model)
+    step = _make_step(st, options, base_model, derived_copies)
     if cache is not None:   # the step cache decides each call's kind before the step (hosts/comfyui/step_cache.py)
         step = cache.wrap(step, foreign_diffusion_wrappers)
     if hasattr(clone, "add_wrapper_with_key"):
@@ -343,7 +351,7 @@ def _accelerate(model, options):
         st = _state(base_model)
         if cache is not None:   # each kind of call is its own key: room for both kinds of each shape
             st.graphs.max_graphs = max(st.graphs.max_graphs, 2 * STEP_CACHE_KEYS)
-        info["wrapper"] = _install_wrapper(clone, st, options, cache)
+        info["wrapper"] = _install_wrapper(clone, st, options, cache, derived_copies=fp8 or upcast)
         info["graph_state"] = st
     return clone, info
 
