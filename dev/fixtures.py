@@ -135,9 +135,10 @@ def build_checkpoint(comfy_dir, kind, preset, path, seed=0, dtype="fp16"):
                  {"sd_accel_fixture": kind, "preset": preset, "seed": seed})
 
 
-def random_vae(comfy_dir, seed=0, ddconfig=None):
+def random_vae(comfy_dir, seed=0, ddconfig=None, dtype=None):
     """A comfy.sd.VAE of random weights: SD's full-size AutoencoderKL (SD1.5's and SDXL's VAEs are this one
-    architecture) read from a state dict as ComfyUI reads a VAE file, or `ddconfig`'s smaller one (8x still)."""
+    architecture) read from a state dict as ComfyUI reads a VAE file, or `ddconfig`'s smaller one (8x still).
+    `dtype`: the VAE's compute dtype (None: ComfyUI's choice for the device, as for a user's VAE)."""
     comfy = _import_comfy(comfy_dir)
     import torch
     import comfy.ldm.models.autoencoder as ae
@@ -148,7 +149,9 @@ def random_vae(comfy_dir, seed=0, ddconfig=None):
     gen = torch.Generator().manual_seed(seed)
     sd = {k: _random(k, meta[k], gen) for k in sorted(meta)}
     config = None if ddconfig is None else {"params": {"ddconfig": cfg, "embed_dim": 4}}
-    return comfy.sd.VAE(sd=sd, config=config)
+    if dtype is None:
+        return comfy.sd.VAE(sd=sd, config=config)
+    return comfy.sd.VAE(sd=sd, config=config, dtype=dtype)
 
 
 def build_controlnet(comfy_dir, preset, path, seed=0, kind="sd15"):

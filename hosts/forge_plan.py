@@ -97,6 +97,11 @@ def _share_tables(rep, src):
         rep.__dict__[d] = src.__dict__[d]
     for k in ("parameters_manual_cast", "prev_parameters_manual_cast"):
         rep.__dict__.pop(k, None)
+    if fm.kind_of(rep) in NORM_OPS:
+        # Forge's norm forwards read `parameters_manual_cast`, which the replacement lacks: where the stock path
+        # is wanted it runs torch's forward, Forge's own computation for a module it does not cast
+        rep.__dict__["sdaccel_stock_forward"] = next(c.forward for c in type(src).__mro__
+                                                     if c.__module__.startswith("torch.nn"))
 
 
 def plan_for(st, unet):

@@ -100,7 +100,16 @@ def recover(pool):
         keep_until_exit(empty)
     except RuntimeError as e:
         log.warning("[SD Accel] could not reset the CUDA generator after a failed capture: %s", e)
-    torch.cuda.synchronize()
+    for attempt in (1, 2):
+        # the call that invalidated the capture may have left its error as CUDA's last error: the first wait can
+        # report it (and clears it); a second error is a real one
+        try:
+            torch.cuda.synchronize()
+            return
+        except RuntimeError as e:
+            if attempt == 2:
+                raise
+            log.debug("[SD Accel] CUDA's last error after a failed capture: %s", e)
 
 
 def keep_until_exit(item):

@@ -56,7 +56,7 @@ class FusedGroupNorm:
 
     def forward(self, x):
         if stock_path.active() or host_replaced(self):
-            out = original_class(self).forward(self, x)
+            out = stock_forward(self)(self, x)
             return F.silu(out) if self.sdaccel_act == "silu" else out
         w, b = weights_of(self, x)
         out = group_norm_silu(x, self.num_groups, w, b, self.eps, activation=self.sdaccel_act)
@@ -69,7 +69,7 @@ class FusedLayerNorm:
 
     def forward(self, x):
         if stock_path.active() or host_replaced(self):
-            return original_class(self).forward(self, x)
+            return stock_forward(self)(self, x)
         w, b = weights_of(self, x) if self.weight is not None else (None, None)
         out = layer_norm(x, self.normalized_shape, w, b, self.eps)
         kernel_report.record("layer_norm", layer_norm.last_call)
@@ -115,6 +115,15 @@ def class_forward_replaced(cls):
     transformer block's norm2/norm3), by its class: call `host_forwards(cls)` when planning the stand-in, so
     the forwards compared against are the ones of that time."""
     return any(c.__dict__.get(name) is not fn for c, name, fn in host_forwards(cls))
+
+
+def stock_forward(m):
+    """The forward a norm stand-in runs where stock's computation is wanted: the host class's, whatever it is
+    now (another pack's included), unless the planner named a plainer one (`sdaccel_stock_forward`: Forge's
+    norms, whose replacements carry no `parameters_manual_cast`, name torch's own, which is what Forge's
+    forward runs for a module it does not cast) and no pack has replaced the host's since."""
+    own = m.__dict__.get("sdaccel_stock_forward")
+    return own if own is not None and not host_replaced(m) else original_class(m).forward
 
 
 def kind_of(m):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRELUDE = textwrap.dedent("""
@@ -45,13 +47,14 @@ PRELUDE = textwrap.dedent("""
 
 
 def _run(body, expect_in_stderr=None, allocator="backend:cudaMallocAsync"):
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=allocator)
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=allocator, SDACCEL_DIAG="1")   # DIAG: where a capture failed
     env.pop("TRITON_INTERPRET", None)
     prelude = PRELUDE if allocator else PRELUDE.replace('assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"',
                                                         'assert torch.cuda.get_allocator_backend() == "native"')
     script = prelude + textwrap.dedent(body) + "\nstill_healthy()\nprint('OK', graphs.stats, dict(graphs.refused))\n"
     p = subprocess.run([sys.executable, "-c", script, REPO], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "OK" in p.stdout, (p.returncode, p.stdout[-2000:] + p.stderr[-4000:])
+    if p.returncode != 0 or "OK" not in p.stdout:   # pytest.fail: the whole stderr in the report, not cut
+        pytest.fail("exit %d\nstdout:\n%s\nstderr:\n%s" % (p.returncode, p.stdout[-3000:], p.stderr[-6000:]))
     if expect_in_stderr:
         assert expect_in_stderr in p.stderr + p.stdout, (p.stdout[-2000:], p.stderr[-3000:])
     return p.stdout

@@ -40,11 +40,14 @@ def test_fp8_near_fp16_and_replays_graphs(comfy_env):
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90")
 def test_lora_changes_never_replay_stale_fp8_weights(comfy_env):
     base, _ = _sample_fp8(comfy_env, comfy_env.model)
-    for strength in (1.0, -0.7):
+    # strengths well above a user's usual 1.0: the small test LoRA must move the image by more than FP8's own
+    # error, or a stale replay (the base image) could not be told from a fresh one
+    for strength in (3.0, -2.5):
         m = _lora(comfy_env, strength)
         ref, _ = _sample(comfy_env, m)
         out, rep = _sample_fp8(comfy_env, m)
         assert _rel(out, ref) < FP8_TOL < _rel(ref, base), (strength, _rel(out, ref), _rel(ref, base))
+        assert _rel(out, ref) < _rel(out, base), (strength, _rel(out, ref), _rel(out, base))
     again, _ = _sample_fp8(comfy_env, comfy_env.model)
     assert torch.equal(again, base)
 

@@ -122,10 +122,17 @@ def test_encode_equals_stock_and_replays(vaes):
     def encode(v):
         torch.manual_seed(0)   # ComfyUI 2024 samples the latent from the global generator
         return v.encode(pixels)
+    import fixtures
+    exact = fixtures.random_vae(COMFY, seed=31, dtype=torch.float32)
     with torch.inference_mode():
         ref = encode(stock)
+        ref32 = encode(exact)
+    del exact
     out, rep = _calls(acc, info, encode, 4)
-    assert _rel(out, ref) < 1e-2, (_rel(out, ref), rep["line"])
+    # the encoder's latent moves with the VAE's own low-precision rounding (bf16 on recent GPUs: ~2e-2 on random
+    # weights), so ours is held to stock's own distance from an fp32 encode, not to a fixed bound
+    stock_err, ours_err = _rel(ref, ref32), _rel(out, ref32)
+    assert ours_err <= 1.5 * stock_err + 1e-3, (ours_err, stock_err, _rel(out, ref), stock.vae_dtype, rep["line"])
     _expect(rep, "encode", 2, 1)
 
 

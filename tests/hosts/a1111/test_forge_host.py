@@ -258,3 +258,20 @@ def test_a_group_norm_wrapper_set_after_the_plan_gets_forges_norm(fake_forge, st
     assert fused.sdaccel_act == "silu"
     torch.testing.assert_close(shim(fused, x, {}), torch.nn.functional.silu(theirs(stock, x, {})))
     assert seen[0] is stock
+
+
+def test_the_stock_path_of_forges_replacements_runs_forges_computation(fake_forge, stock_kernels):
+    """Where the engine picks the stock modules (eager steps at shapes where the fused kernels do not pay), the
+    replacements run stock's computation; they carry no `parameters_manual_cast`, which Forge's own norm forwards
+    read (the real Forge raised AttributeError here), so they run torch's forward, Forge's for an uncast module."""
+    from sd_accel.engine.patches import stock_path
+    base = make_patcher()
+    ref = denoise(base)
+    clone, _ = forge.accelerate(base, ON)
+    norms = [m for m in clone.object_patches.values() if fused_modules.kind_of(m) in ("group_norm", "layer_norm")]
+    assert norms and all("parameters_manual_cast" not in m.__dict__ for m in norms)
+    before = kernel_report.snapshot()
+    with stock_path.stock_modules():
+        out = denoise(clone)
+    assert not webui.kernel_summary(before), "the fused kernels ran on the stock path"
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
