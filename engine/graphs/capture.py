@@ -63,8 +63,7 @@ def _on_side_stream(graph, pool):
     with torch.cuda.stream(stream):
         try:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        except RuntimeError as e:     # an allocator refused to begin: undo what it began
-            recover(pool)
+        except RuntimeError as e:     # an allocator refused to begin: `capturing` undoes what it began
             raise CaptureInvalidated(str(e)) from e
         try:
             yield
@@ -72,16 +71,20 @@ def _on_side_stream(graph, pool):
             try:
                 graph.capture_end()
             except RuntimeError as e:
-                recover(pool)
                 raise CaptureInvalidated(str(e)) from e
     current.wait_stream(stream)
 
 
 @contextlib.contextmanager
 def capturing(graph, pool, inputs=(), host_values=None):
-    with gc_paused(), HostReads(inputs, host_values or {}), Waits(raise_=True), sync_debug(2), \
-            _on_side_stream(graph, pool):
-        yield
+    with gc_paused():
+        try:
+            with HostReads(inputs, host_values or {}), Waits(raise_=True), sync_debug(2), \
+                    _on_side_stream(graph, pool):
+                yield
+        except CaptureInvalidated:
+            recover(pool)   # outside the guards: its own wait for the device must not be refused
+            raise
 
 
 def recover(pool):
@@ -100,16 +103,7 @@ def recover(pool):
         keep_until_exit(empty)
     except RuntimeError as e:
         log.warning("[SD Accel] could not reset the CUDA generator after a failed capture: %s", e)
-    for attempt in (1, 2):
-        # the call that invalidated the capture may have left its error as CUDA's last error: the first wait can
-        # report it (and clears it); a second error is a real one
-        try:
-            torch.cuda.synchronize()
-            return
-        except RuntimeError as e:
-            if attempt == 2:
-                raise
-            log.debug("[SD Accel] CUDA's last error after a failed capture: %s", e)
+    torch.cuda.synchronize()
 
 
 def keep_until_exit(item):
