@@ -53,12 +53,21 @@ def _current_host_state():
     return getattr(_state, "value", None)
 
 
+class CopyInsideCapture(RuntimeError):
+    """A derived copy asked for inside a CUDA graph capture: made there, it would live in the graph's memory (only
+    valid once replayed, and freed under the graph when replaced). The capture fails cleanly instead; the host
+    runs a key's first step after a weight change eagerly (StepGraphs' `warm_after_change`) so this stays a
+    safety net."""
+
+
 def _derived(kind, w, make):
     key = (kind, id(w))
     hs = _current_host_state()
     entry = _copies.get(key)
     if entry is not None and entry.valid_for(w, hs):
         return entry.value
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise CopyInsideCapture("a %s copy of a %s weight made inside a capture" % (kind, tuple(w.shape)))
     with torch.no_grad():
         value = make(w)
     entry = _Entry()

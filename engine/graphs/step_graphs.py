@@ -70,6 +70,7 @@ class StepGraphs:
         self.refused = Counter()          # one-line reason -> calls that ran eagerly for it
         self.last_eager_reason = None
         self._new_in_a_row = []           # keys first seen since the last replay
+        self._warm = set()                # keys that ran eagerly since the weights last changed
 
     def clear(self, why=None):
         log.log(DIAG_LEVEL, "[SD Accel] clear graphs of %s: %s (%d entries)", self.name, why, len(self.entries))
@@ -93,12 +94,16 @@ class StepGraphs:
             return fn(*args, **kwargs)
         return self.eager_paths.run(key, fn, args, kwargs, device)
 
-    def run(self, fn, args, kwargs, epoch=None, host_state=None, before_capture=None):
+    def run(self, fn, args, kwargs, epoch=None, host_state=None, before_capture=None, warm_after_change=False):
         """`epoch`: an object that stays the same for all steps of one sampling run (None: unknown, re-read
         the module tree on every call). `host_state`: the host's own word for which weight patches are applied
         (ComfyUI: `current_weight_patches_uuid`); a change drops the graphs. `before_capture()`: called before
         a capture; True when it changed the weights' layout (channels_last, kept for graphs: eager steps run
-        faster on the layout stock uses), and this call then runs eagerly to compile for the new layout."""
+        faster on the layout stock uses), and this call then runs eagerly to compile for the new layout.
+        `warm_after_change`: the step makes things from the weights on its first call after they change (derived
+        weight copies: FP8, upcast fp8-stored weights); each key's first call after a change then runs eagerly, so
+        they are made outside a capture (made inside one, they would live in the graph's memory and be freed
+        under it)."""
         if _RUNNING.active():
             return self._eager(fn, args, kwargs, "inside another model's step")
         if not torch.cuda.is_available():
@@ -120,6 +125,7 @@ class StepGraphs:
             if self.last_fp is not None:
                 self.clear("weights changed (LoRA/patch, reload or device move)")
             self.last_fp = fp
+            self._warm.clear()
         tensors, key, soft = keys.flatten((args, kwargs))
         device = next((t.device for t in tensors if t.is_cuda), None)
         if device is None:
@@ -136,7 +142,8 @@ class StepGraphs:
         if not verdict.result.capturable:
             self.refused[verdict.result.reason] += 1
             return self._eager(fn, args, kwargs, verdict.result.reason, key=key, device=device)
-        return self._replay(fn, args, kwargs, tensors, soft, key, verdict.result, device, before_capture)
+        return self._replay(fn, args, kwargs, tensors, soft, key, verdict.result, device, before_capture,
+                            warm_after_change)
 
     def run_eager(self, fn, args, kwargs, reason):
         """A call the host keeps out of graphs for `reason` (counted in `refused`, as a refused key's calls are):
@@ -171,6 +178,7 @@ class StepGraphs:
         with eager.cudnn_autotuned(eager.autotune_now()), _step_running():
             out, result = probe.probe(fn, g_args, g_kwargs, moved)
         verdict.probed += 1
+        self._warm.add(key)
         verdict.result = result
         if not result.capturable and verdict.probed >= PROBES:
             self.refused[result.reason] += 1
@@ -181,7 +189,8 @@ class StepGraphs:
             log.log(level, "[SD Accel] %s: no CUDA graph for this call: %s", self.name, result.reason)
         return out
 
-    def _replay(self, fn, args, kwargs, tensors, soft, key, result, device, before_capture=None):
+    def _replay(self, fn, args, kwargs, tensors, soft, key, result, device, before_capture=None,
+                warm_after_change=False):
         host_values = {i: tensors[i].detach().cpu() for i in result.input_reads}
         full = (key, tuple(tuple(v.reshape(-1).tolist()) for v in host_values.values()))
         entry = self.entries.get(full)
@@ -190,10 +199,16 @@ class StepGraphs:
             if entry is False:
                 return self._eager(fn, args, kwargs, self.verdicts[key].result.reason, key=key, device=device)
         fresh = entry is None
+        warm_up = None
         if fresh and before_capture is not None and before_capture():
+            warm_up = "warm-up call for the graph's memory layout"
+        elif fresh and warm_after_change and key not in self._warm:
+            warm_up = "warm-up call after the weights changed (their derived copies made outside the capture)"
+        if warm_up:
+            self._warm.add(key)
             with eager.cudnn_autotuned(eager.autotune_now()), _step_running():
                 self.stats["eager"] += 1
-                self.last_eager_reason = "warm-up call for the graph's memory layout"
+                self.last_eager_reason = warm_up
                 return eager.eager_call(fn, args, kwargs)
         if fresh:
             entry = self._capture(fn, args, kwargs, tensors, key, full, device, host_values)

@@ -94,7 +94,7 @@ def _make_step(st, options, base_model, derived_copies=False):
                     _model_sampling_on(base_model, x.device)
                     st.sampling_placed = epoch
                 return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
-                                     host_state=host_state)
+                                     host_state=host_state, warm_after_change=derived_copies)
             # graphs off: the faster of the fused and the stock modules, measured per shape
             key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
             return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)

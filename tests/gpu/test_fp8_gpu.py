@@ -70,3 +70,26 @@ def test_fp8_not_slower_than_fp16(comfy_env):
     fp16 = seconds(lambda: _sample(comfy_env, comfy_env.model, size=512, steps=10))
     fp8 = seconds(lambda: _sample_fp8(comfy_env, comfy_env.model, size=512, steps=10))
     assert fp8 <= fp16 * 1.05, (fp8, fp16)
+
+
+def test_an_fp8_stored_unet_through_lora_changes_equals_stock_and_replays(comfy_env):
+    """An fp8-stored UNet (UNETLoader fp8_e4m3fn) at precision fp16 computes with kept fp16 copies of its weights
+    (engine/fp8/upcast.py). A LoRA patches new fp8 weights in: their copies are made on the first step after the
+    change, outside the capture (copies made inside one live in the graph's memory and were freed under it: the
+    replay failed with CUDA "invalid argument"), and each strength's image is stock's."""
+    import os
+    import folder_paths
+    import patch_nodes
+    from test_graphs_gpu import WORK
+    folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
+    unet = patch_nodes.load_fp8_unet("gpu_small.safetensors")
+    for strength in (1.0, -0.7, 1.0):
+        with torch.inference_mode():
+            m = comfy_env.nodes.LoraLoaderModelOnly().load_lora_model_only(unet, "gpu_small_lora.safetensors",
+                                                                           strength)[0]
+        ref, _ = _sample(comfy_env, m, ours=False)
+        out, rep = _sample(comfy_env, m)
+        again, rep2 = _sample(comfy_env, m)
+        assert "fp8-stored weights" not in rep["fell_back"], rep["fell_back"]
+        assert _rel(out, ref) < 2e-2 and _rel(again, ref) < 2e-2, (strength, _rel(out, ref), _rel(again, ref))
+        assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, (strength, rep2["graphs"])
