@@ -68,4 +68,4 @@ def fp8_refusal(m, x):
 
 
 def make_fp8_linear(orig):
-    return fm.clone_as(Fp8Linear, orig)
+    return fm.clone_sharing_weights(Fp8Linear, orig)

@@ -52,6 +52,6 @@ def plan_upcast(root, prefix=""):
     out, nbytes = {}, 0
     for name, mod in root.named_modules():
         if name and is_fp8_stored(mod):
-            out[prefix + name] = fm.clone_as(UpcastWeights, mod)
+            out[prefix + name] = fm.clone_sharing_weights(UpcastWeights, mod)
             nbytes += mod.weight.numel() * 2
     return out, nbytes

@@ -201,6 +201,28 @@ def clone_as(mixin, orig):
     return bind_methods(new)
 
 
+def clone_sharing_weights(mixin, orig):
+    """`clone_as` for a stand-in of a module whose own weights a host patches (a Linear/Conv2d: LoRA, fp8 storage),
+    sharing orig's parameter and buffer tables, not copies: whatever the host puts at either object (a LoRA's
+    weights, the originals it restores, another clone's patches taken out) is what both compute with, whichever of
+    them stood at the path then. A copy would keep the tensors of its planning time: planned while another clone
+    had its LoRA patched in, the stand-in would compute with that LoRA. The host's per-load state copied with the
+    instance dict is reset to that of a module not loaded (ComfyUI: `comfy_patched_weights` would make the next
+    load skip patching it, `prev_comfy_cast_weights` skip setting it up, `weight_function` run another clone's
+    low-VRAM patches)."""
+    new = clone_as(mixin, orig)
+    d = new.__dict__
+    for k in ("_parameters", "_buffers"):
+        d[k] = orig.__dict__[k]
+    d.pop("comfy_patched_weights", None)
+    if "prev_comfy_cast_weights" in d:
+        d["comfy_cast_weights"] = d.pop("prev_comfy_cast_weights")
+    for k in ("weight_function", "bias_function"):
+        if k in d:
+            d[k] = [] if isinstance(d[k], list) else None
+    return new
+
+
 def bind_methods(m):
     """`m` with its stand-in methods bound to `m` itself: call it on a shallow copy of a stand-in, whose
     dict still holds the methods bound to the module it was copied from."""

@@ -54,3 +54,34 @@ def test_upcast_standins_equal_manual_cast(fp8_unet):
         orig.weight = old_w
     assert torch.equal(out, ref)
     assert torch.equal(out_patched, ref_patched) and not torch.equal(out_patched, ref)
+
+
+def test_a_standin_computes_with_what_the_host_puts_on_either_object_and_starts_unloaded(fp8_unet):
+    """Planned while another clone's LoRA is patched into the module (and the module marked loaded, patched and
+    low-VRAM by ComfyUI), the stand-in must compute with whatever the host restores on the original, and carry
+    none of that load's marks (a copied `comfy_patched_weights` makes ComfyUI's next load skip patching it)."""
+    from sd_accel.engine.fp8.upcast import plan_upcast
+    lin = fp8_unet.input_blocks[1][1].transformer_blocks[0].attn1.to_q
+    original = lin.weight
+    x = torch.randn(2, 5, lin.in_features, dtype=torch.float16)
+    other_lora = torch.nn.Parameter((original.float() * 1.5).to(torch.float8_e4m3fn), requires_grad=False)
+    lin.weight = other_lora
+    lin.comfy_patched_weights = True
+    function_before = lin.__dict__.get("weight_function")
+    lin.prev_comfy_cast_weights, lin.weight_function = lin.comfy_cast_weights, [lambda w: w * 2]
+    try:
+        stand_in = plan_upcast(fp8_unet)[0]["input_blocks.1.1.transformer_blocks.0.attn1.to_q"]
+        assert not hasattr(stand_in, "comfy_patched_weights") and not hasattr(stand_in, "prev_comfy_cast_weights")
+        assert not stand_in.weight_function and stand_in.comfy_cast_weights
+        lin.weight = original                   # the host takes the other clone's LoRA out, on the original
+        with torch.no_grad():
+            ref = torch.nn.functional.linear(x, original.to(torch.float16), lin.bias)
+            assert torch.equal(stand_in(x), ref)
+        new_w = torch.nn.Parameter((original.float() * 0.5).to(torch.float8_e4m3fn), requires_grad=False)
+        stand_in.weight = new_w                 # and what it patches through the stand-in reaches the original
+        assert lin.weight is new_w
+    finally:
+        lin.weight = original
+        for k in ("comfy_patched_weights", "prev_comfy_cast_weights"):
+            lin.__dict__.pop(k, None)
+        lin.weight_function = function_before

@@ -83,10 +83,20 @@ def test_an_fp8_stored_unet_through_lora_changes_equals_stock_and_replays(comfy_
     from test_graphs_gpu import WORK
     folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
     unet = patch_nodes.load_fp8_unet("gpu_small.safetensors")
-    for strength in (1.0, -0.7, 1.0):
+
+    def with_lora(strength):
         with torch.inference_mode():
-            m = comfy_env.nodes.LoraLoaderModelOnly().load_lora_model_only(unet, "gpu_small_lora.safetensors",
-                                                                           strength)[0]
+            return comfy_env.nodes.LoraLoaderModelOnly().load_lora_model_only(unet, "gpu_small_lora.safetensors",
+                                                                              strength)[0]
+    # planned while a stock clone with a LoRA is loaded (its patched weights in the shared model): the stand-ins
+    # must compute with the originals ComfyUI restores, not the LoRA's weights they saw at planning
+    plain_ref, _ = _sample(comfy_env, unet, ours=False)
+    lora_ref, _ = _sample(comfy_env, with_lora(1.0), ours=False)
+    plain, _ = _sample(comfy_env, unet)
+    assert _rel(lora_ref, plain_ref) > 5e-2 and _rel(plain, plain_ref) < 2e-2, (_rel(lora_ref, plain_ref),
+                                                                               _rel(plain, plain_ref))
+    for strength in (1.0, -0.7, 1.0):
+        m = with_lora(strength)
         ref, _ = _sample(comfy_env, m, ours=False)
         out, rep = _sample(comfy_env, m)
         again, rep2 = _sample(comfy_env, m)
