@@ -1,5 +1,5 @@
-"""The FP8 Linear stand-in (precision "fp8", LOSSY): an instance of the host's own Linear class (see
-engine/patches/fused_modules.py) whose forward quantizes the activations per token on the GPU, multiplies
+"""The FP8 Linear forward (precision "fp8", LOSSY): set as the host Linear's own forward (a forward patch:
+engine/patches/forward_patches.py), it quantizes the activations per token on the GPU, multiplies
 with the weight's FP8 copy (per output channel scales, made once per weight: engine/fp8/weights.py) in
 `torch._scaled_mm` with fp32 accumulation, and adds the bias in the GEMM's epilogue.
 
@@ -12,26 +12,24 @@ A weight already stored as float8_e4m3fn (an fp8 checkpoint) is used as stored, 
 import torch
 
 from ...kernels._dispatch import REFERENCE, Outcome
-from ..patches import fused_modules as fm
-from ..patches import stock_path
+from ..patches.forward_patches import ForwardPatch
 from ..reports import kernel_report
 from . import gemm, weights
 
 OP = "fp8_linear"
 
 
-class Fp8Linear:
+class Fp8Forward(ForwardPatch):
     sdaccel_kind = "fp8_linear"
 
-    def forward(self, x, *args, **kwargs):
-        if stock_path.active() or fm.host_replaced(self) or args or kwargs:
-            return fm.original_class(self).forward(self, x, *args, **kwargs)
-        why, recipe = fp8_refusal(self, x)
+    def compute(self, x):
+        m = self.module
+        why, recipe = fp8_refusal(m, x)
         if why:
             kernel_report.record(OP, Outcome(REFERENCE, why))
-            return fm.original_class(self).forward(self, x)
-        wq, ws = fp8_weights(self)
-        bias = self.bias
+            return None
+        wq, ws = fp8_weights(m)
+        bias = m.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         out = gemm.fp8_linear(x.reshape(-1, x.shape[-1]), wq, ws, bias, recipe)
@@ -68,4 +66,5 @@ def fp8_refusal(m, x):
 
 
 def make_fp8_linear(orig):
-    return fm.clone_sharing_weights(Fp8Linear, orig)
+    """The FP8 forward patch for Linear `orig` (set as `orig.forward`: engine/patches/forward_patches.py)."""
+    return Fp8Forward(orig)

@@ -7,7 +7,7 @@ attention's softmax path (its q/k/v are fp16 outputs of the FP8 projections) and
 """
 from torch import nn
 
-from ..patches import fused_modules as fm
+from ..patches.forward_patches import path_of
 from . import gemm
 from .linear import make_fp8_linear
 
@@ -20,12 +20,13 @@ def _in_transformer(name):
 
 
 def plan_fp8(root, prefix=""):
-    """{prefix + path: FP8 stand-in} for the eligible Linear layers under `root` (never modified)."""
+    """{prefix + path + ".forward": FP8 forward patch} for the eligible Linear layers under `root` (never
+    modified)."""
     out = {}
     for name, mod in root.named_modules():
         if not name or not isinstance(mod, nn.Linear) or not _in_transformer(name):
             continue
         if gemm.shapes_refusal(mod.in_features, mod.out_features):
             continue
-        out[prefix + name] = make_fp8_linear(mod)
+        out[path_of(prefix + name)] = make_fp8_linear(mod)
     return out

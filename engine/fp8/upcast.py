@@ -1,8 +1,8 @@
 """fp8-stored checkpoints at precision fp16 (lossless): ComfyUI computes with manual cast, upcasting every fp8
 weight to fp16 at every call, which costs each step a read of the fp8 weights and a write and read of fp16 ones.
-The stand-in here keeps the upcast fp16 copy (engine/fp8/weights.py: keyed on the weight tensor, so a LoRA or
-weight patch makes a new one) and computes with it: the same values ComfyUI's cast gives, without the per-step
-cast. Planned only where the copies fit in free VRAM (the host decides); the copies are counted in the report.
+The forward patch here (set as the layer's own forward: engine/patches/forward_patches.py) keeps the upcast fp16
+copy (engine/fp8/weights.py: keyed on the weight tensor, so a LoRA or weight patch makes a new one) and computes
+with it: the same values ComfyUI's cast gives, without the per-step cast. Planned only where the copies fit in free VRAM (the host decides); the copies are counted in the report.
 Where the host computes the weight per call (`weight_function`, `bias_function`: LoRA on a low-VRAM model) or
 the weight is elsewhere than the input, the host's own forward runs.
 """
@@ -10,29 +10,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..patches import fused_modules as fm
-from ..patches import stock_path
+from ..patches.forward_patches import ForwardPatch, path_of
 from . import weights
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
-class UpcastWeights:
+class UpcastForward(ForwardPatch):
     sdaccel_kind = "fp8_upcast"
 
-    def forward(self, x, *args, **kwargs):
-        wb = None if (stock_path.active() or fm.host_replaced(self) or args or kwargs) else self.sdaccel_weights(x)
+    def compute(self, x):
+        wb = self.sdaccel_weights(x)
         if wb is None:
-            return fm.original_class(self).forward(self, x, *args, **kwargs)
-        if isinstance(self, nn.Conv2d):
-            return self._conv_forward(x, *wb)
+            return None
+        if isinstance(self.module, nn.Conv2d):
+            return self.module._conv_forward(x, *wb)
         return F.linear(x, *wb)
 
     def sdaccel_weights(self, x):
         """(fp16 weight, bias) in x's dtype from the kept copy, or None where the host's cast must run."""
-        w, b = self.weight, self.bias
-        if getattr(self, "weight_function", None) or getattr(self, "bias_function", None) or \
-                w.device != x.device or getattr(self, "scale_weight", None) is not None:
+        m = self.module
+        w, b = m.weight, m.bias
+        if getattr(m, "weight_function", None) or getattr(m, "bias_function", None) or \
+                w.device != x.device or getattr(m, "scale_weight", None) is not None:
             return None
         w = weights.upcast_of(w, x.dtype)[0] if w.dtype != x.dtype else w
         if b is not None and b.dtype != x.dtype:
@@ -48,10 +48,11 @@ def is_fp8_stored(m):
 
 
 def plan_upcast(root, prefix=""):
-    """({prefix + path: stand-in} for every fp8-stored Linear/Conv2d under `root`, bytes their fp16 copies take)."""
+    """({prefix + path + ".forward": forward patch} for every fp8-stored Linear/Conv2d under `root`, bytes their
+    fp16 copies take)."""
     out, nbytes = {}, 0
     for name, mod in root.named_modules():
         if name and is_fp8_stored(mod):
-            out[prefix + name] = fm.clone_sharing_weights(UpcastWeights, mod)
+            out[path_of(prefix + name)] = UpcastForward(mod)
             nbytes += mod.weight.numel() * 2
     return out, nbytes

@@ -40,8 +40,8 @@ def _needs_host_cast(m):
 
 
 def weights_of(m, x):
-    own = m.__dict__.get("sdaccel_weights")    # a stand-in that keeps its own copy (engine/fp8/upcast.py)
-    if own is not None:
+    own = getattr(m.__dict__.get("forward"), "sdaccel_weights", None)   # a forward patch that keeps its own copy
+    if own is not None:                                                  # (engine/fp8/upcast.py)
         wb = own(x)
         if wb is not None:
             return wb
@@ -199,28 +199,6 @@ def clone_as(mixin, orig):
     new.__dict__["sdaccel_mixin"] = mixin
     new.__dict__["_sdaccel_host_impl"] = host_forwards(base)
     return bind_methods(new)
-
-
-def clone_sharing_weights(mixin, orig):
-    """`clone_as` for a stand-in of a module whose own weights a host patches (a Linear/Conv2d: LoRA, fp8 storage),
-    sharing orig's parameter and buffer tables, not copies: whatever the host puts at either object (a LoRA's
-    weights, the originals it restores, another clone's patches taken out) is what both compute with, whichever of
-    them stood at the path then. A copy would keep the tensors of its planning time: planned while another clone
-    had its LoRA patched in, the stand-in would compute with that LoRA. The host's per-load state copied with the
-    instance dict is reset to that of a module not loaded (ComfyUI: `comfy_patched_weights` would make the next
-    load skip patching it, `prev_comfy_cast_weights` skip setting it up, `weight_function` run another clone's
-    low-VRAM patches)."""
-    new = clone_as(mixin, orig)
-    d = new.__dict__
-    for k in ("_parameters", "_buffers"):
-        d[k] = orig.__dict__[k]
-    d.pop("comfy_patched_weights", None)
-    if "prev_comfy_cast_weights" in d:
-        d["comfy_cast_weights"] = d.pop("prev_comfy_cast_weights")
-    for k in ("weight_function", "bias_function"):
-        if k in d:
-            d[k] = [] if isinstance(d[k], list) else None
-    return new
 
 
 def bind_methods(m):

@@ -34,6 +34,7 @@ from ...engine.graphs import graph_memory
 from ...engine.graphs.graphed_forward import GraphedForward
 from ...engine.fp8.plan import plan_fp8
 from ...engine.fp8.upcast import plan_upcast
+from ...engine.patches.forward_patches import is_forward_patch
 
 log = logging.getLogger("sd_accel")
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
@@ -202,8 +203,13 @@ def _plan(clone, planner, root, fold):
         for name in list(view._modules):
             groups[prefix + name] = view._modules[name] = _unpatched(clone, prefix + name)
     patches, counts = planner(view, prefix, live)
+    # forward patches are set on the host's own modules, through whatever stands above them: never folded, and
+    # after the module patches (ComfyUI applies object patches in insertion order)
+    forwards = {k: v for k, v in patches.items() if is_forward_patch(v)}
+    patches = {k: v for k, v in patches.items() if k not in forwards}
     exclude = {g for g in groups if not fold or any(_touches(k, g) for k in foreign)}
     out, folded = patch_folding.fold(patches, groups, prefix, exclude)
+    out.update(forwards)
     for g in folded:
         out[g].__dict__[_BASE] = groups[g]
     if exclude and fold:

@@ -11,7 +11,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from sd_accel.engine.fp8 import gemm, weights  # noqa: E402
-from sd_accel.engine.fp8.linear import Fp8Linear, make_fp8_linear  # noqa: E402
+from sd_accel.engine.fp8.linear import Fp8Forward, make_fp8_linear  # noqa: E402
 from sd_accel.engine.fp8.plan import plan_fp8  # noqa: E402
 from sd_accel.engine.patches import stock_path  # noqa: E402
 from sd_accel.kernels.quantize_rows import quantize_weight_per_channel  # noqa: E402
@@ -66,14 +66,19 @@ def test_probe_picks_a_recipe_that_runs():
     assert gemm.probe(torch.device(DEVICE)) == recipe
 
 
-def test_standin_is_the_host_class_and_matches_fp16():
+def test_the_forward_patch_set_on_the_host_linear_matches_fp16():
+    """Set as the Linear's own forward (as ComfyUI sets an object patch at `<path>.forward`), the module stays the
+    host's, with its own parameters, and calls run FP8; taken off, the host's forward runs again."""
     lin = _linear(320, 1280)
-    new = make_fp8_linear(lin)
-    assert type(new) is nn.Linear and new.weight is lin.weight and new.bias is lin.bias
     x = _x(4 * 16, 320).reshape(4, 16, 320)
     with torch.no_grad():
-        out, ref = new(x), lin(x)
-    assert out.shape == ref.shape and out.dtype == torch.float16
+        ref = lin(x)
+        old = lin.forward
+        lin.forward = make_fp8_linear(lin)
+        out = lin(x)
+        lin.forward = old
+        assert torch.equal(lin(x), ref)
+    assert type(lin) is nn.Linear and out.shape == ref.shape and out.dtype == torch.float16
     assert 0 < _rel(out, ref) < REL_TOL      # lossy, but close
 
 
@@ -104,7 +109,6 @@ def test_fp8_copy_follows_weight_changes():
         ref = lin(x)
         assert _rel(new(x), ref) < REL_TOL and _rel(new(x), first) > 0.5
         lin.weight = nn.Parameter(lin.weight * -1, requires_grad=False)    # replaced: a new tensor
-        new.__dict__["_parameters"]["weight"] = lin.weight
         assert _rel(new(x), lin(x)) < REL_TOL
 
 
@@ -162,5 +166,6 @@ def test_plan_takes_transformer_linears_only():
     root.time_embed = nn.Sequential(nn.Linear(32, 64))
     root.st = Transformer()
     plan = plan_fp8(root, "diffusion_model.")
-    assert sorted(plan) == ["diffusion_model.st.proj_in", "diffusion_model.st.transformer_blocks.0.to_q"]
-    assert all(m.__dict__["sdaccel_mixin"] is Fp8Linear for m in plan.values())
+    assert sorted(plan) == ["diffusion_model.st.proj_in.forward", "diffusion_model.st.transformer_blocks.0.to_q.forward"]
+    assert all(isinstance(p, Fp8Forward) for p in plan.values())
+    assert plan["diffusion_model.st.proj_in.forward"].module is root.st.proj_in

@@ -47,7 +47,7 @@ def test_upcast_standins_equal_manual_cast(fp8_unet):
             out_patched = fp8_unet(x, t, context=ctx)
         finally:
             patching.restore(fp8_unet, backup)
-        orig = backup["input_blocks.1.1.transformer_blocks.0.attn1.to_q"]
+        orig = fp8_unet.input_blocks[1][1].transformer_blocks[0].attn1.to_q
         old_w = orig.weight
         orig.weight = new_w
         ref_patched = fp8_unet(x, t, context=ctx)
@@ -56,32 +56,27 @@ def test_upcast_standins_equal_manual_cast(fp8_unet):
     assert torch.equal(out_patched, ref_patched) and not torch.equal(out_patched, ref)
 
 
-def test_a_standin_computes_with_what_the_host_puts_on_either_object_and_starts_unloaded(fp8_unet):
-    """Planned while another clone's LoRA is patched into the module (and the module marked loaded, patched and
-    low-VRAM by ComfyUI), the stand-in must compute with whatever the host restores on the original, and carry
-    none of that load's marks (a copied `comfy_patched_weights` makes ComfyUI's next load skip patching it)."""
+def test_the_patch_computes_with_what_the_host_puts_on_its_module_and_leaves_its_marks_alone(fp8_unet):
+    """Planned while another clone's LoRA is patched into the layer (and the layer marked loaded and patched by
+    ComfyUI), the forward patch is set on the layer itself: it computes with whatever the host restores there, and
+    the marks ComfyUI's next load reads (`comfy_patched_weights`) stay on the one object ComfyUI manages."""
     from sd_accel.engine.fp8.upcast import plan_upcast
+    from sd_accel.engine.patches import patching
     lin = fp8_unet.input_blocks[1][1].transformer_blocks[0].attn1.to_q
     original = lin.weight
     x = torch.randn(2, 5, lin.in_features, dtype=torch.float16)
-    other_lora = torch.nn.Parameter((original.float() * 1.5).to(torch.float8_e4m3fn), requires_grad=False)
-    lin.weight = other_lora
+    lin.weight = torch.nn.Parameter((original.float() * 1.5).to(torch.float8_e4m3fn), requires_grad=False)
     lin.comfy_patched_weights = True
-    function_before = lin.__dict__.get("weight_function")
-    lin.prev_comfy_cast_weights, lin.weight_function = lin.comfy_cast_weights, [lambda w: w * 2]
+    plan = plan_upcast(fp8_unet)[0]
+    backup = patching.apply_patches(fp8_unet, plan)
     try:
-        stand_in = plan_upcast(fp8_unet)[0]["input_blocks.1.1.transformer_blocks.0.attn1.to_q"]
-        assert not hasattr(stand_in, "comfy_patched_weights") and not hasattr(stand_in, "prev_comfy_cast_weights")
-        assert not stand_in.weight_function and stand_in.comfy_cast_weights
-        lin.weight = original                   # the host takes the other clone's LoRA out, on the original
+        assert patching.get_attr(fp8_unet, "input_blocks.1.1.transformer_blocks.0.attn1.to_q") is lin
+        lin.weight = original                   # the host takes the other clone's LoRA out
+        del lin.comfy_patched_weights           # and unmarks the module, as its unpatch does
         with torch.no_grad():
             ref = torch.nn.functional.linear(x, original.to(torch.float16), lin.bias)
-            assert torch.equal(stand_in(x), ref)
-        new_w = torch.nn.Parameter((original.float() * 0.5).to(torch.float8_e4m3fn), requires_grad=False)
-        stand_in.weight = new_w                 # and what it patches through the stand-in reaches the original
-        assert lin.weight is new_w
+            assert torch.equal(lin(x), ref)
     finally:
+        patching.restore(fp8_unet, backup)
         lin.weight = original
-        for k in ("comfy_patched_weights", "prev_comfy_cast_weights"):
-            lin.__dict__.pop(k, None)
-        lin.weight_function = function_before
+        lin.__dict__.pop("comfy_patched_weights", None)
