@@ -59,6 +59,8 @@ def test_lora_changes_never_replay_stale_fp8_weights(comfy_env):
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90")
+@pytest.mark.xfail(strict=True, reason="FP8 compute is slower than fp16 on the H200 (bench/RESULTS.md, issue #20), "
+                   "which is why the nodes do not offer it; strict: this fails once FP8 is faster, to offer it then")
 def test_fp8_not_slower_than_fp16(comfy_env):
     def seconds(fn):
         fn()
