@@ -46,6 +46,7 @@ class ForgeState:
         self.layout = {}        # path -> channels_last SpatialTransformer stand-in
         self.keys_ok = True     # every replacement has its original's state_dict keys
         self.graphs = None
+        self.eager_paths = None  # steps run without graphs: the faster of the fused and the stock modules
         self.epoch = None       # one object per sampling run
         self.channels_last_epoch = None
         self.channels_last = False

@@ -275,3 +275,19 @@ def test_the_stock_path_of_forges_replacements_runs_forges_computation(fake_forg
         out = denoise(clone)
     assert not webui.kernel_summary(before), "the fused kernels ran on the stock path"
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_without_graphs_the_step_runs_the_eager_path_the_engine_chooses(fake_forge, stock_kernels, monkeypatch):
+    """With CUDA graphs off, Forge's step runs whichever of the fused and Forge's own modules the engine's eager
+    choice picks (on a GPU: the faster, measured per shape), not always the fused ones; either gives stock's
+    result. Forced both ways here (a CPU has no timing to choose by)."""
+    from sd_accel.engine.graphs import eager
+    base = make_patcher()
+    ref = denoise(base)
+    clone, _ = forge.accelerate(base, webui.WebUIOptions(cuda_graph=False, channels_last=False))
+    for path, fused_calls in (("stock", False), ("fused", True)):
+        monkeypatch.setattr(eager, "FORCED_PATH", path)
+        before = kernel_report.snapshot()
+        out = denoise(clone)
+        assert bool(webui.kernel_summary(before)) == fused_calls, path
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
