@@ -149,8 +149,6 @@ def random_vae(comfy_dir, seed=0, ddconfig=None, dtype=None):
     gen = torch.Generator().manual_seed(seed)
     sd = {k: _random(k, meta[k], gen) for k in sorted(meta)}
     config = None if ddconfig is None else {"params": {"ddconfig": cfg, "embed_dim": 4}}
-    if dtype is None:
-        return comfy.sd.VAE(sd=sd, config=config)
     return comfy.sd.VAE(sd=sd, config=config, dtype=dtype)
 
 

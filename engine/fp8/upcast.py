@@ -2,7 +2,8 @@
 weight to fp16 at every call, which costs each step a read of the fp8 weights and a write and read of fp16 ones.
 The forward patch here (set as the layer's own forward: engine/patches/forward_patches.py) keeps the upcast fp16
 copy (engine/fp8/weights.py: keyed on the weight tensor, so a LoRA or weight patch makes a new one) and computes
-with it: the same values ComfyUI's cast gives, without the per-step cast. Planned only where the copies fit in free VRAM (the host decides); the copies are counted in the report.
+with it: the same values ComfyUI's cast gives, without the per-step cast. Planned only where the copies fit in free
+VRAM (the host decides); the copies are counted in the report.
 Where the host computes the weight per call (`weight_function`, `bias_function`: LoRA on a low-VRAM model) or
 the weight is elsewhere than the input, the host's own forward runs.
 """

@@ -45,9 +45,3 @@ def is_forward_patch(value):
 def path_of(module_path):
     """The object-patch path of a forward patch for the module at `module_path`."""
     return module_path + "." + ATTR
-
-
-def forward_patch_of(m):
-    """The forward patch set on module `m`, or None."""
-    value = getattr(m, "__dict__", {}).get(ATTR)
-    return value if is_forward_patch(value) else None

@@ -166,6 +166,7 @@ def test_plan_takes_transformer_linears_only():
     root.time_embed = nn.Sequential(nn.Linear(32, 64))
     root.st = Transformer()
     plan = plan_fp8(root, "diffusion_model.")
-    assert sorted(plan) == ["diffusion_model.st.proj_in.forward", "diffusion_model.st.transformer_blocks.0.to_q.forward"]
+    assert sorted(plan) == ["diffusion_model.st.proj_in.forward",
+                            "diffusion_model.st.transformer_blocks.0.to_q.forward"]
     assert all(isinstance(p, Fp8Forward) for p in plan.values())
     assert plan["diffusion_model.st.proj_in.forward"].module is root.st.proj_in
