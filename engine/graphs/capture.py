@@ -10,7 +10,12 @@ Inside `capturing(graph, pool, inputs, host_values)`:
   * torch's sync debug mode is "error", and explicit waits (waits.py) raise: an operation that would wait for
     the GPU (which a capture forbids and which invalidates it) raises before it reaches CUDA, so the capture can
     still be ended cleanly;
-  * reads of graph inputs on the host are answered from host copies (host_reads.py).
+  * reads of graph inputs on the host are answered from host copies (host_reads.py);
+  * the libraries' per-stream state is made before the capture begins (`warm_libraries`): cuBLAS allocates a
+    workspace for each (handle, stream) the first time it runs there and keeps it. Allocated inside a capture,
+    that workspace is the capture's memory; after a failed capture (never replayed) every later GEMM on the
+    side stream, in the next key's graph, uses memory that was never there ("unspecified launch failure",
+    then an abort).
 If the capture is invalidated anyway (a wait issued from C code, out of reach of both), `recover` ends what
 torch left open: the allocator's capture pool and the CUDA generator's capture mode; what the capture allocated
 is kept alive (`keep_until_exit`: freeing it aborts under cudaMallocAsync). Under cudaMallocAsync that is not a
@@ -55,12 +60,27 @@ def _side_stream():
     return stream
 
 
+# (dtype, bias): plain GEMMs (cuBLAS) and GEMMs with a bias epilogue (cuBLASLt), each library's workspace
+_WARM_GEMMS = ((torch.float16, False), (torch.float16, True), (torch.bfloat16, True), (torch.float32, False),
+               (torch.float32, True))
+
+
+def warm_libraries():
+    """Tiny GEMMs on the current stream, outside any capture, so that cuBLAS and cuBLASLt have this thread's
+    handle and this stream's workspace before a capture begins (torch's documented side-stream warm-up,
+    reduced to what persists). A few microseconds per capture."""
+    for dtype, bias in _WARM_GEMMS:
+        a = torch.ones(16, 16, device="cuda", dtype=dtype)
+        torch.nn.functional.linear(a, a, a[0] if bias else None)
+
+
 @contextlib.contextmanager
 def _on_side_stream(graph, pool):
     stream = _side_stream()
     current = torch.cuda.current_stream()
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
+        warm_libraries()
         try:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         except RuntimeError as e:     # an allocator refused to begin: `capturing` undoes what it began
