@@ -291,6 +291,9 @@ def measure(name, cfg, latent):
     res["unet_rel_err"] = float((one_call(clone, x, cond, uncond) - ref_call).norm() / ref_call.norm())
     st = forge_plan.state_of(base.model)
     res["graphs"] = dict(st.graphs.stats) if st.graphs is not None else {}
+    blocks = [m for m in st.variants[True].values() if getattr(m, "sdaccel_kind", None) == "resblock"]
+    shared = blocks[0].sdaccel_emb_projections.blocks if blocks else []
+    res["emb_batched"] = "%d of %d ResBlocks" % (len(shared), len(blocks))
     say(name, "ours  first run s: %.4f" % first, "run s:", ["%.4f" % s for s in times])
     if name == "sd15_512_b1":
         res["lora"] = lora_check(base, x, cond, uncond, ref)
@@ -309,9 +312,10 @@ def record(name, r, env):
     fell = {op: e["reasons"] for op, e in k.items() if e["fallback"]}
     info = r["info"]
     notes = ("Forge's UNet and sampling code, random weights; psnr over the final latent; patched %s (%s); "
-             "wrapper %s; ran: %s; fell back: %s; graphs: %s; ours without graphs %.2f it/s (PSNR %.1f dB)%s" % (
+             "timestep projections in one GEMM: %s; wrapper %s; ran: %s; fell back: %s; graphs: %s; ours without graphs "
+             "%.2f it/s (PSNR %.1f dB)%s" % (
                  json.dumps(info["counts"]), "SiLU folded" if info["fold_silu"] else "SiLU not folded",
-                 info["wrapper"], ran or "-", json.dumps(fell), json.dumps(r["graphs"]), r["ours_eager_its"],
+                 r["emb_batched"], info["wrapper"], ran or "-", json.dumps(fell), json.dumps(r["graphs"]), r["ours_eager_its"],
                  r["eager_psnr_db"], "; Forge LoRA check %s" % json.dumps(r["lora"]) if "lora" in r else ""))
     return dict(env, date=datetime.date.today().isoformat(), config="forge_" + name, steps=OPT.steps,
                 sampler="euler", scheduler="predictor sigmas, uniform", cfg=7.0,

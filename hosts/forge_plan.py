@@ -9,6 +9,11 @@ The plan (`plan_for`) is made on the unpatched UNet the first time a model is se
   GEGLU rule does not see it; planned here for Forge's GEGLU whose forward is the one the kernel
   reproduces (proj, chunk in two, exact GELU). The fused GEGLU calls Forge's Linear itself (its casting,
   its LoRA);
+* the ResBlock and transformer-block stand-ins (engine/patches/fused_resblock.py, fused_transformer_block.py:
+  the timestep embedding and biases folded into the norms, the residual adds into the LayerNorms), in the
+  variant with folded SiLUs only (with a `group_norm_wrapper` a ResBlock hands its norms to the wrapper, and
+  the stand-in then runs Forge's own `_forward`). The ResBlocks' timestep projections run as one GEMM over
+  Forge's Linear where its forward is `F.linear` of its weight and bias as read (`_register_linear`);
 * channels_last stand-ins of the SpatialTransformers (engine/layout_modules.py).
 Only Forge's own classes are planned (torch's, backend.operations', the UNet's package's): a module
 another extension put in is left alone.
@@ -22,19 +27,24 @@ instead of asking them to cast per call, which their forward does not do.
 
 Per run (`run_patches`), left to Forge: modules it casts on the fly (`parameters_manual_cast`: low-precision
 storage, or the lowvram swap), with an fp8 `scale_weight`, under an online LoRA (merged in Forge's own
-forward), at or around a path another extension patches, or no longer where the plan found them.
+forward), at or around a path another extension patches, or no longer where the plan found them. A block
+stand-in reads its children's weights itself, so it is left to Forge where any module inside it is.
 """
 from torch import nn
 
+from ..engine.patches import emb_projections
 from ..engine.patches import fused_modules as fm
 from ..engine.patches import layout_modules, patching
 from . import webui
 from .attached import state_on
 
 NORM_OPS = ("group_norm", "layer_norm")
+BLOCK_OPS = ("resblock_add_norm", "transformer_add_norm")
+BLOCK_KINDS = ("resblock", "transformer_block")
 PREFIX = "diffusion_model."          # object patch paths are relative to the KModel
 _HOST_PACKAGES = ("backend", "torch")   # Forge's operations (backend.operations) and torch's own modules
 _GEGLU_STEPS = ("self.proj(x)", "chunk(2", "gelu(gate)")
+_LINEAR_STEPS = ("get_weight_and_bias(self)", "functional.linear(x, weight, bias)")
 
 
 class ForgeState:
@@ -91,6 +101,19 @@ def _plan_geglu(unet):
     return out
 
 
+def _register_linear(unet):
+    """Forge's own Linear (an nn.Module, not an nn.Linear) counts as a Linear for the ResBlocks' batched
+    timestep projection where its forward, when it does not cast, is F.linear of its weight and bias as
+    `get_weight_and_bias` returns them (those are `weight` and `bias` themselves unless the module casts on the
+    fly, scales or merges an online LoRA: run_patches leaves such blocks to Forge)."""
+    for mod in unet.modules():
+        cls = type(mod)
+        if cls.__name__ == "Linear" and not isinstance(mod, nn.Linear) and _forge_class(mod, unet):
+            src = fm.host_source(cls, "forward", ("self", "x"))
+            if src is not None and all(step in src for step in _LINEAR_STEPS):
+                emb_projections.register_linear(cls)
+
+
 def _share_tables(rep, src):
     if isinstance(rep, fm.SiLUFolded):
         return
@@ -112,7 +135,8 @@ def plan_for(st, unet):
         return True
     if webui.count_fused(unet):
         return False
-    fold = patching.plan_patches(unet, ("group_norm_silu",) + NORM_OPS).patches
+    _register_linear(unet)
+    fold = patching.plan_patches(unet, ("group_norm_silu",) + NORM_OPS + BLOCK_OPS, owner=unet).patches
     plain = patching.plan_patches(unet, NORM_OPS).patches
     geglu = _plan_geglu(unet)
     layout = layout_modules.plan_layout_patches(unet)
@@ -139,6 +163,18 @@ def plan_for(st, unet):
     st.sources, st.variants, st.layout, st.keys_ok = sources, {True: fold, False: plain}, layout, keys_ok
     st.unfused = {rep: sources[path] for path, rep in fold.items() if getattr(rep, "sdaccel_act", None)}
     return True
+
+
+def _inside(path, paths):
+    return any(p == path or p.startswith(path + ".") for p in paths)
+
+
+def _reads_weights_on_the_fly(rep, src):
+    """Forge computes weights this replacement reads in its own forward: the module's own, or for a block
+    stand-in any module's inside it."""
+    if fm.kind_of(rep) in BLOCK_KINDS:
+        return any(casts_on_the_fly(m) for m in src.modules())
+    return casts_on_the_fly(src)
 
 
 def casts_on_the_fly(m):
@@ -182,9 +218,9 @@ def run_patches(st, patcher, unet, fold, layout):
             why = "changed since the plan"
         elif _conflicts(path, foreign):
             why = "another extension's object patch"
-        elif path in online:
+        elif path in online or (fm.kind_of(rep) in BLOCK_KINDS and _inside(path, online)):
             why = "online LoRA"
-        elif casts_on_the_fly(src):
+        elif _reads_weights_on_the_fly(rep, src):
             why = "Forge casts it on the fly"
         if why:
             skipped.setdefault(why, []).append(path)

@@ -29,14 +29,25 @@ from . import fused_modules as fm
 from ..memory import residency
 
 
+# Classes computing F.linear(x, weight, bias) from their `weight` and `bias` as `weights_of` reads them: torch's,
+# and a host's own that is not an nn.Linear (Forge's, added by hosts/forge_plan.py after reading its forward)
+LINEAR_CLASSES = [nn.Linear]
+
+
+def register_linear(cls):
+    if cls not in LINEAR_CLASSES:
+        LINEAR_CLASSES.append(cls)
+
+
 def batchable(block):
     """A ResBlock whose `emb_layers` is exactly [SiLU, Linear] and whose first conv is the last of `in_layers`."""
     emb_layers = getattr(block, "emb_layers", None)
     if not (isinstance(emb_layers, nn.Sequential) and len(emb_layers) == 2):
         return False
     act, lin = emb_layers[0], emb_layers[1]
-    return (isinstance(act, nn.SiLU) and not isinstance(act, fm.SiLUFolded) and isinstance(lin, nn.Linear)
-            and isinstance(block.in_layers[len(block.in_layers) - 1], nn.Conv2d))
+    conv = block.in_layers[len(block.in_layers) - 1]
+    return (isinstance(act, nn.SiLU) and not isinstance(act, fm.SiLUFolded)
+            and isinstance(lin, tuple(LINEAR_CLASSES)) and isinstance(conv, nn.Conv2d))
 
 
 class EmbProjections:

@@ -7,7 +7,8 @@ norm's statistics: two full passes over the activation fewer per ResBlock (22 Re
 UNet). The arithmetic is the block's own, with the two adds done in fp32 instead of fp16.
 
 The stand-in is a subclass clone (same children and parameter names, `isinstance` holds) overriding
-`_forward`, planned only where it reproduces the host's `_forward` exactly: a plain ResBlock (no up/down
+`_forward` (ComfyUI's and ldm's `(x, emb)`, Forge's `(x, emb, transformer_options)`), planned only where it
+reproduces the host's `_forward` exactly: a plain ResBlock (no up/down
 sampling, no scale-shift norm, timestep embedding used, no exchanged dims), `in_layers` ending in a
 Conv2d, `out_layers` = [GroupNorm, SiLU, Dropout (or Identity), Conv2d], and a host `_forward` whose
 source has the expected steps. The convolution's weights are read through the host's casting (`weights_of`).
@@ -32,14 +33,20 @@ from . import stock_path
 
 _STEPS = ("self.in_layers(x)", "self.emb_layers(emb)", "h = h + emb_out", "self.out_layers(h)",
           "self.skip_connection(x) + h", "use_scale_shift_norm")
+# ComfyUI's and ldm's `_forward(x, emb)`; Forge's takes transformer_options too (its group_norm_wrapper branches
+# run only with that wrapper set, and the stand-in then calls Forge's own)
+_PARAMS = (("self", "x", "emb"), ("self", "x", "emb", "transformer_options"))
 
 
 class FusedResBlock:
     sdaccel_kind = "resblock"
 
-    def _forward(self, x, emb):
-        if stock_path.active() or fm.host_replaced(self) or fm.class_forward_replaced(type(self.out_layers[0])):
-            return fm.original_class(self)._forward(self, x, emb)
+    def _forward(self, x, emb, transformer_options=None):
+        # transformer_options: Forge's ResBlock takes them, and hands its norms to a `group_norm_wrapper` in them
+        if (stock_path.active() or fm.host_replaced(self) or fm.class_forward_replaced(type(self.out_layers[0]))
+                or (transformer_options and "group_norm_wrapper" in transformer_options)):
+            more = () if transformer_options is None else (transformer_options,)
+            return fm.original_class(self)._forward(self, x, emb, *more)
         layers = self.in_layers
         h = x
         for i in range(len(layers) - 1):
@@ -94,7 +101,9 @@ def plain_conv(m):
 def eligible(m):
     """The module is a plain ResBlock whose `_forward` the stand-in reproduces."""
     cls = fm.original_class(m)
-    src = fm.host_source(cls, "_forward", ("self", "x", "emb")) if cls.__name__ == "ResBlock" else None
+    src = None
+    if cls.__name__ == "ResBlock":
+        src = next(filter(None, (fm.host_source(cls, "_forward", params) for params in _PARAMS)), None)
     if src is None or not all(step in src for step in _STEPS):
         return False
     if getattr(m, "updown", True) or getattr(m, "use_scale_shift_norm", True):

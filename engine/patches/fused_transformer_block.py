@@ -105,7 +105,8 @@ def eligible(m):
         return False
     if getattr(m, "ff_in", True) or not getattr(m, "is_res", False) or getattr(m, "attn2", None) is None:
         return False
-    if getattr(m, "disable_self_attn", True) or getattr(m, "switch_temporal_ca_to_sa", True):
+    # Forge's block has no temporal switch (nor reads one): absent, it is off
+    if getattr(m, "disable_self_attn", True) or getattr(m, "switch_temporal_ca_to_sa", False):
         return False
     return all(isinstance(getattr(m, n, None), nn.LayerNorm) and len(getattr(m, n).normalized_shape) == 1
                for n in ("norm2", "norm3"))

@@ -51,19 +51,20 @@ def test_forge_status_options_and_a_run(fake_a1111, fake_forge, stock_kernels, c
     assert {k: shared.api_get_options(api_model).get(k, "MISSING") for k in KEYS} == {k: True for k in KEYS}
     loaded = status()
     assert loaded["model"] == "UNetModel" and loaded["runs"] == 0
-    assert loaded["patched"] == sum(loaded["counts"].values()) == 42 and loaded["counts"]["geglu"] == 4
+    assert loaded["patched"] == sum(loaded["counts"].values()) == 47 and loaded["counts"]["geglu"] == 4
     base = sd_model.forge_objects.unet
     k0 = loaded["kernels"]
     out = run_generation(ext, sd_model)
     assert sd_model.forge_objects.unet is not base and base.object_patches == {}
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     s = status()
-    assert s["runs"] == 1 and s["patched"] == 42 and s["graphs"]["eager"] == 1
+    assert s["runs"] == 1 and s["patched"] == 47 and s["graphs"]["eager"] == 1
     calls = {op: e["fused"] + e["fallback"] - k0.get(op, {}).get("fused", 0) - k0.get(op, {}).get("fallback", 0)
              for op, e in s["kernels"].items()}
-    assert calls == {"group_norm_silu": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}
+    assert calls == {"group_norm_silu": 6, "group_norm": 4, "layer_norm": 12, "geglu": 4, "resblock_add_norm": 5,
+                     "resblock_bias_residual": 5}
     printed = capsys.readouterr().out
-    assert "[SD Accel] model loaded (Forge): each generation patches 42 modules" in printed
+    assert "[SD Accel] model loaded (Forge): each generation patches 47 modules" in printed
     assert "None" not in "".join(ln for ln in printed.splitlines() if "SD Accel" in ln)
 
 
@@ -76,4 +77,4 @@ def test_forge_disabled_gives_forge_its_own_patcher(fake_a1111, fake_forge, stoc
     assert sd_model.forge_objects.unet is base and status()["patched"] == 0
     shared.opts.set("sd_accel_enabled", True, is_api=True)
     run_generation(ext, sd_model)
-    assert status()["patched"] == 42
+    assert status()["patched"] == 47

@@ -7,12 +7,12 @@ import torch
 
 from sd_accel.engine.patches import fused_modules
 from sd_accel.engine.reports import kernel_report
-from sd_accel.hosts import forge, webui
+from sd_accel.hosts import forge, forge_plan, webui
 
 from forge_util import denoise, make_patcher, norm_and_geglu_lora
 
 ON = webui.WebUIOptions()
-ALL = {"group_norm_silu": 11, "silu_folded": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}
+ALL = {"group_norm_silu": 11, "silu_folded": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4, "resblock": 5}
 
 
 def live_fused(patcher):
@@ -32,8 +32,10 @@ def test_default_options_run_every_fused_module_and_match_stock(fake_forge, stoc
         before = kernel_report.snapshot()
         out = denoise(clone)
         ran = webui.kernel_summary(before)
+        # a ResBlock's out norm (+SiLU) runs inside the ResBlock stand-in, with the embedding added in it
         assert {op: e["fused"] + e["fallback"] for op, e in ran.items()} == {
-            "group_norm_silu": 11, "group_norm": 4, "layer_norm": 12, "geglu": 4}, steps
+            "group_norm_silu": 6, "group_norm": 4, "layer_norm": 12, "geglu": 4, "resblock_add_norm": 5,
+            "resblock_bias_residual": 5}, steps
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert live_fused(clone) == sum(ALL.values())
     g = forge.status(type("M", (), {"forge_objects": type("F", (), {"unet": clone})})())["graphs"]
@@ -113,8 +115,12 @@ def test_online_lora_stays_with_forge_and_runs_eager(fake_forge, stock_kernels):
     memory_management.unload_all()
     clone, info = forge.accelerate(base, ON)
     norms = {k[len("diffusion_model."):].rpartition(".")[0] for k in delta if not k.endswith("proj.weight")}
-    assert info["skipped"]["online LoRA"] == len(norms) and info["cuda_graph"] is False
-    assert not norms & {k[len("diffusion_model."):] for k in clone.object_patches}
+    # a ResBlock stand-in reads its norms' weights itself: one holding a LoRA'd norm stays Forge's too
+    planned = forge_plan.state_of(base.model).variants[True]
+    blocks = {p for p, m in planned.items() if fused_modules.kind_of(m) == "resblock"
+              and any(n.startswith(p + ".") for n in norms)}
+    assert blocks and info["skipped"]["online LoRA"] == len(norms) + len(blocks) and info["cuda_graph"] is False
+    assert not (norms | blocks) & {k[len("diffusion_model."):] for k in clone.object_patches}
     torch.testing.assert_close(denoise(clone), ref, atol=2e-5, rtol=1e-4)
 
 
@@ -291,3 +297,33 @@ def test_without_graphs_the_step_runs_the_eager_path_the_engine_chooses(fake_for
         out = denoise(clone)
         assert bool(webui.kernel_summary(before)) == fused_calls, path
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_forges_resblock_signature_is_fused_and_hands_a_group_norm_wrapper_forges_own_steps(fake_forge, stock_kernels):
+    """Forge's ResBlock takes transformer_options (fake_forge/backend/resblock.py): the stand-in is planned for
+    it, equals it without options, and with a group_norm_wrapper in the options runs Forge's own steps, each
+    norm through the wrapper, as Forge would."""
+    from backend.resblock import forge_shaped
+    from sd_accel.engine.patches import fused_resblock
+    unet = make_patcher().model.diffusion_model
+    block = forge_shaped(unet.input_blocks[1][0])
+    holder = torch.nn.ModuleDict({"block": block})
+    standin = fused_resblock.plan_resblocks(holder)["block"]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, block.channels, 4, 4, generator=g)
+    emb = torch.randn(2, unet.time_embed[0].out_features, generator=g)
+    seen = []
+
+    def wrapper(norm, h, options):
+        seen.append(norm)
+        return norm(h) * 1.5
+    with torch.no_grad():
+        before = kernel_report.snapshot()
+        out = standin(x, emb, {})
+        assert webui.kernel_summary(before)["resblock_add_norm"]["fused"] + webui.kernel_summary(before)[
+            "resblock_add_norm"]["fallback"] == 1
+        torch.testing.assert_close(out, block(x, emb, {}), atol=2e-5, rtol=1e-4)
+        wrapped = standin(x, emb, {"group_norm_wrapper": wrapper})
+        assert seen == [block.in_layers[0], block.out_layers[0]]
+        torch.testing.assert_close(wrapped, block(x, emb, {"group_norm_wrapper": wrapper}), atol=2e-5, rtol=1e-4)
+        assert not torch.allclose(wrapped, out)
