@@ -8,8 +8,9 @@ unloads it (another clone of the model loaded, the model moved off the GPU).
 
 * fused kernels: object patches on the clone, from the plan of hosts/forge_plan.py (GroupNorm+SiLU,
   GroupNorm, LayerNorm, GEGLU on Forge's own classes; what stays with Forge and why is there).
-* channels_last (CUDA only): conv weights converted in place on a run's first GPU step (values
-  unchanged, kept until the setting is turned off); SpatialTransformers kept channels_last.
+* channels_last (CUDA graphs only): conv weights converted in place before a run's first capture (values
+  unchanged, kept until the setting or graphs are turned off); SpatialTransformers kept channels_last.
+  Without graphs the step runs on Forge's layout, where its eager kernels are fastest.
 * a `group_norm_wrapper` another extension sets after the plan (which folds SiLUs only without one) is
   handed Forge's own norm, with the SiLU after it (`_unfolding`), through the wrapper below.
 * CUDA graphs: Forge's `model_function_wrapper` around `KModel.apply_model`, through
@@ -80,7 +81,9 @@ def _plan_run(st, patcher, options):
     if not forge_plan.plan_for(st, unet):
         return {}, {"the UNet already holds replacements SD Accel did not plan": ["*"]}, False
     fold = not _has_group_norm_wrapper(patcher)
-    layout = (options.want("channels_last") and _loads_on_cuda(patcher) and not _has_online_lora(patcher))
+    # channels_last only for graphs: a step without them runs fastest on the layout Forge uses
+    layout = (options.want("channels_last") and options.want("cuda_graph") and _loads_on_cuda(patcher)
+              and not _has_online_lora(patcher))
     patches, skipped = forge_plan.run_patches(st, patcher, unet, fold, layout)
     if not options.want("fused_kernels"):
         patches = {p: m for p, m in patches.items() if p in st.layout}
@@ -159,10 +162,11 @@ def accelerate(unet_patcher, options):
     st.epoch = object()
     st.runs += 1
     st.run_graphs = not _has_online_lora(unet_patcher)
-    if not options.want("channels_last") and st.channels_last:
+    if not (options.want("channels_last") and options.want("cuda_graph")) and st.channels_last:
         n = patching.convert_conv_weights(unet_patcher.model.diffusion_model, torch.contiguous_format)
         st.channels_last = False
-        _layout_changed(st, "channels_last off: %d conv weights converted back" % n)
+        _layout_changed(st, "channels_last %s: %d conv weights converted back" % (
+            "off" if not options.want("channels_last") else "unused without CUDA graphs", n))
     if unet_patcher.__dict__.get("sd_accel_options") == options:
         return unet_patcher, dict(st.last)
     sig, keep = _patcher_signature(unet_patcher)
@@ -236,11 +240,6 @@ def _make_step(st, options, kmodel):
         gnw = to.get("group_norm_wrapper") if isinstance(to, dict) else None
         if gnw is not None and st.unfused:
             c = dict(c, transformer_options=dict(to, group_norm_wrapper=_unfolding(st, gnw)))
-        if options.want("channels_last") and x.is_cuda and st.channels_last_epoch is not st.epoch:
-            n = patching.convert_conv_weights(unet)
-            st.channels_last_epoch, st.channels_last = st.epoch, True
-            if n:
-                _layout_changed(st, "channels_last: %d conv weights converted" % n)
         if not (options.want("cuda_graph") and st.run_graphs):
             # without graphs a host-bound step can be slower on the fused modules than on Forge's: measured per
             # shape, the faster runs (as on ComfyUI)
@@ -254,7 +253,20 @@ def _make_step(st, options, kmodel):
                 return apply_model(x, t, **kw)
         if st.graphs is None:
             st.graphs = StepGraphs(kmodel, name="Forge " + type(unet).__name__)
-        return st.graphs.run(fn, (x, t), c, epoch=st.epoch, host_state=_host_state(st, kmodel))
+        return st.graphs.run(fn, (x, t), c, epoch=st.epoch, host_state=_host_state(st, kmodel),
+                             before_capture=to_channels_last)
+
+    def to_channels_last():
+        """Before a capture, once per run (Forge may have loaded the weights again): conv weights to
+        channels_last, values unchanged. True when it changed any (the call then runs eagerly once, compiling
+        for the new layout)."""
+        if not options.want("channels_last") or st.channels_last_epoch is st.epoch:
+            return False
+        n = patching.convert_conv_weights(unet)
+        st.channels_last_epoch, st.channels_last = st.epoch, True
+        if n:
+            _layout_changed(st, "channels_last: %d conv weights converted" % n)
+        return n > 0
     return step
 
 

@@ -327,3 +327,20 @@ def test_forges_resblock_signature_is_fused_and_hands_a_group_norm_wrapper_forge
         assert seen == [block.in_layers[0], block.out_layers[0]]
         torch.testing.assert_close(wrapped, block(x, emb, {"group_norm_wrapper": wrapper}), atol=2e-5, rtol=1e-4)
         assert not torch.allclose(wrapped, out)
+
+
+def test_channels_last_only_with_graphs(fake_forge, stock_kernels, monkeypatch):
+    """channels_last serves the graphs: without them the step runs on Forge's own layout (no layout stand-ins
+    asked for), where Forge's eager kernels are fastest."""
+    asked = []
+    real = forge_plan.run_patches
+
+    def spy(st, patcher, unet, fold, layout):
+        asked.append(layout)
+        return real(st, patcher, unet, fold, layout)
+    monkeypatch.setattr(forge_plan, "run_patches", spy)
+    base = make_patcher()
+    base.load_device = torch.device("cuda")   # planned as for a CUDA run; nothing here runs on it
+    forge.accelerate(base, ON)
+    _, info = forge.accelerate(base, webui.WebUIOptions(cuda_graph=False))
+    assert asked == [True, False] and info["cuda_graph"] is False
