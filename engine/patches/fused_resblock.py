@@ -8,10 +8,9 @@ UNet). The arithmetic is the block's own, with the two adds done in fp32 instead
 
 The stand-in is a subclass clone (same children and parameter names, `isinstance` holds) overriding
 `_forward` (ComfyUI's and ldm's `(x, emb)`, Forge's `(x, emb, transformer_options)`), planned only where it
-reproduces the host's `_forward` exactly: a plain ResBlock (no up/down
-sampling, no scale-shift norm, timestep embedding used, no exchanged dims), `in_layers` ending in a
-Conv2d, `out_layers` = [GroupNorm, SiLU, Dropout (or Identity), Conv2d], and a host `_forward` whose
-source has the expected steps. The convolution's weights are read through the host's casting (`weights_of`).
+reproduces the host's `_forward` exactly: a plain ResBlock (no up/down sampling, no scale-shift norm,
+timestep embedding used, no exchanged dims), `in_layers` ending in a Conv2d, `out_layers` = [GroupNorm,
+SiLU, Dropout (or Identity), Conv2d], and a host `_forward` whose source has the expected steps. The convolution's weights are read through the host's casting (`weights_of`).
 
 The timestep-embedding projections of all the model's ResBlocks are computed together, once per forward, by
 the first ResBlock that runs (engine/patches/emb_projections.py), where their weights are all on the device.
