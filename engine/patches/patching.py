@@ -144,11 +144,13 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
 
 def relayout_in_place(t, memory_format):
     """`t`'s values in `memory_format`, written back into `t`'s own storage where it covers exactly the
-    tensor (a dense NCHW weight): the weights stay where the loader put them. A new copy instead would free
+    tensor (a dense weight, NCHW or channels_last): the weights stay where the loader put them, and graphs
+    captured over them stay valid. A new copy instead would free
     the old storage and leave holes among the loaded weights, which the allocator cannot give back (the
     soak's reserved memory stayed 0.7 GiB above allocated; SD1.5's conv weights are 1.1 GiB). The
     transient copy is freed at once. Anything else (a view into a larger buffer, odd strides): a new copy."""
-    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+    dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+    if not dense or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return t.contiguous(memory_format=memory_format)
     tmp = t.contiguous(memory_format=memory_format)
     out = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -3,7 +3,9 @@
 * fused kernels: `add_object_patch(path, module)`, undone by ComfyUI on unpatch, folded into one patch per
   top-level block (hosts/comfyui/object_patches.py); replacements honour `comfy.ops.cast_bias_weight` for
   low-VRAM and manual-cast modules;
-* channels_last: conv weights converted in place before the first capture (values unchanged);
+* channels_last: conv weights converted in place before the first capture (values unchanged), and back to
+  stock's layout after each of our node's sampling runs (converted again at the next run's first step), so
+  that other nodes run the loaded model as without SD Accel;
 * CUDA graphs: an APPLY_MODEL wrapper under our key where the host has keyed wrappers (current
   ComfyUI), else the single-slot `model_function_wrapper` (ComfyUI 2024), chaining any wrapper another
   pack set there. One `StepGraphs` per loaded model object, so graphs survive across prompts and are
@@ -23,6 +25,7 @@ from ...engine.patches import attention, fused_modules, patching
 from ...engine.graphs.step_graphs import StepGraphs
 from ..attached import state_on
 from . import control_graph
+from . import conv_layout
 from . import object_patches
 from . import precision
 from . import step_cache
@@ -49,7 +52,8 @@ class _ModelState:
     def __init__(self, base_model):
         self.graphs = StepGraphs(base_model, name=type(base_model).__name__,
                                  token_module=base_model.diffusion_model)
-        self.channels_last_done = False
+        self.channels_last_done = False   # the graphs were captured over channels_last conv weights
+        self.channels_last_now = False    # the weights are in that layout now (only during our sampling runs)
         self.epoch = None      # set per sampling run by Accelerated KSampler
         self.sampling_placed = None   # the run whose model_sampling placement was checked
 
@@ -76,7 +80,7 @@ def _make_step(st, options, base_model, derived_copies=False):
         if not options.channels_last or st.channels_last_done:
             return False
         n = patching.convert_conv_weights(base_model.diffusion_model)
-        st.channels_last_done = True
+        st.channels_last_done = st.channels_last_now = True
         log.info("[SD Accel] channels_last: %d conv weights converted", n)
         return n > 0
 
@@ -93,9 +97,11 @@ def _make_step(st, options, base_model, derived_copies=False):
                 if epoch is None or epoch is not st.sampling_placed:   # loads happen between runs only
                     _model_sampling_on(base_model, x.device)
                     st.sampling_placed = epoch
+                    conv_layout.set_layout(st, base_model, options.channels_last and st.channels_last_done)
                 return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
                                      host_state=host_state, warm_after_change=derived_copies)
-            # graphs off: the faster of the fused and the stock modules, measured per shape
+            # graphs off: the faster of the fused and the stock modules, measured per shape, on stock's layout
+            conv_layout.set_layout(st, base_model, False)
             key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
             return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
     return step

@@ -20,6 +20,7 @@ from ...engine.reports import kernel_report, run_report, vram_report
 from ...kernels.errors import first_line
 from . import accelerate as host
 from . import controlnet as host_cn
+from . import conv_layout
 from . import memory as host_memory
 from . import previews as host_previews
 from . import step_cache as host_step_cache
@@ -55,10 +56,12 @@ class AcceleratedRun:
             with run_report.RunTimer(getattr(self.patched, "load_device", None)) as self.timer, previews:
                 return sampler(self.patched, self.cn_positive, self.cn_negative)
         except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
+            conv_layout.end_sampling_run(self.info)
             if not self.accelerated() or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
                 raise
             return self._stock_after(e, sampler)
         finally:
+            conv_layout.end_sampling_run(self.info)
             note = previews.note() if isinstance(previews, host_previews.DeferredPreviews) else None
             if note:
                 self.notes.append(note)

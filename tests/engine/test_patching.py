@@ -169,3 +169,16 @@ def test_stand_ins_are_instances_of_the_host_class_itself(comfy_unet):
         bound = [v for v in copy.__dict__.values() if hasattr(v, "__self__") and hasattr(v, "__func__")]
         assert bound and all(v.__self__ is copy for v in bound), path
     assert {"group_norm", "layer_norm", "geglu", "resblock", "transformer_block"} <= kinds, kinds
+
+
+def test_conv_weights_change_layout_both_ways_in_their_own_storage():
+    """To channels_last and back, in place: the same storage (graphs captured over the weights keep reading
+    them) and the same values."""
+    conv = torch.nn.Conv2d(8, 16, 3)
+    root = torch.nn.Sequential(conv)
+    ptr, values = conv.weight.data_ptr(), conv.weight.detach().clone()
+    assert patching.convert_conv_weights(root) == 1
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and conv.weight.data_ptr() == ptr
+    assert patching.convert_conv_weights(root, torch.contiguous_format) == 1
+    assert conv.weight.is_contiguous() and conv.weight.data_ptr() == ptr
+    assert torch.equal(conv.weight, values)

@@ -85,6 +85,13 @@ def test_accelerated_equals_stock_and_replays_graphs(comfy_env):
     assert any(r.startswith("group_norm_silu") for r in rep2["ran"]), rep2   # counted from the replays
     assert "fused kernels" not in rep2["fell_back"], rep2
     assert _rel(out2, ref) < 2e-2
+    # between our runs the loaded model is stock's again: conv weights in stock's layout (graphs captured over
+    # channels_last ones, converted for each of our runs in their own storage), and stock's image unchanged
+    convs = [m.weight for m in comfy_env.model.model.diffusion_model.modules()
+             if isinstance(m, torch.nn.Conv2d) and m.weight.dim() == 4]
+    assert all(w.is_contiguous() for w in convs)
+    again, _ = _sample(comfy_env, comfy_env.model, ours=False)
+    assert torch.equal(again, ref)
 
 
 def test_lora_add_reweight_remove_never_replays_a_stale_graph(comfy_env):

@@ -1,0 +1,37 @@
+"""Between SD Accel's sampling runs the loaded model's conv weights are in stock's layout: graphs are captured
+over channels_last conv weights (on a GPU, before the first capture), and stock KSampler or any other node that
+runs the same loaded model must find it as without SD Accel. In process through the node, on both ComfyUIs: the
+state a GPU run leaves (weights converted, graphs captured over them) is set directly, as no capture runs here."""
+import torch
+from torch import nn
+
+import comfy_inproc
+
+
+def _convs(model):
+    return [m.weight for m in model.model.diffusion_model.modules() if isinstance(m, nn.Conv2d) and m.weight.dim() == 4]
+
+
+def test_after_a_run_the_conv_weights_are_back_in_stock_layout_in_their_own_storage(tmp_path):
+    model = comfy_inproc.tiny_model_patcher(tmp_path)
+    import nodes
+    from sd_accel.engine.patches import patching
+    from sd_accel.hosts.comfyui import accelerate
+    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
+    dim = model.model.model_config.unet_config["context_dim"]
+    cond = [[torch.randn(1, 77, dim, generator=torch.Generator().manual_seed(0)), {}]]
+    latent = {"samples": torch.zeros(1, 4, 8, 8)}
+    with torch.inference_mode():
+        ref = nodes.KSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)[0]["samples"]
+        SDAccelKSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)
+        st = accelerate._state(model.model)
+        assert patching.convert_conv_weights(model.model.diffusion_model) > 0   # what a GPU run's capture left
+        st.channels_last_done = st.channels_last_now = True
+        storages = [w.data_ptr() for w in _convs(model)]
+        values = [w.detach().clone() for w in _convs(model)]
+        out = SDAccelKSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)
+    assert not st.channels_last_now and st.channels_last_done
+    assert all(w.is_contiguous() for w in _convs(model))
+    assert [w.data_ptr() for w in _convs(model)] == storages
+    assert all(torch.equal(w, v) for w, v in zip(_convs(model), values))
+    torch.testing.assert_close(out["result"][0]["samples"], ref, atol=1e-4, rtol=1e-4)
