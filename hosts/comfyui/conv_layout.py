@@ -27,9 +27,13 @@ def set_layout(st, base_model, channels_last):
     unet = base_model.diffusion_model
     if st.channels_last_now == channels_last or residency.streamer_of(unet) is not None:
         return
-    if channels_last and not all(w.is_cuda for w in _conv_weights(unet)):
+    weights = list(_conv_weights(unet))
+    if not weights or (channels_last and not all(w.is_cuda for w in weights)):
         return   # partly loaded: no graphs run, and rewriting host copies every run would cost the CPU
-    patching.convert_conv_weights(unet, torch.channels_last if channels_last else torch.contiguous_format)
+    # the new data of the same kind as the old (ComfyUI loads weights as inference tensors, which have no
+    # version counter): the graphs' weights fingerprint then reads the same before and after
+    with torch.inference_mode(weights[0].is_inference()):
+        patching.convert_conv_weights(unet, torch.channels_last if channels_last else torch.contiguous_format)
     st.channels_last_now = channels_last
 
 

@@ -35,3 +35,21 @@ def test_after_a_run_the_conv_weights_are_back_in_stock_layout_in_their_own_stor
     assert [w.data_ptr() for w in _convs(model)] == storages
     assert all(torch.equal(w, v) for w, v in zip(_convs(model), values))
     torch.testing.assert_close(out["result"][0]["samples"], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_layout_change_outside_inference_mode_keeps_the_weights_fingerprint(tmp_path):
+    """The node's run ends outside any inference_mode scope of its own: the weights put back must stay
+    inference tensors as ComfyUI loaded them, or the graphs' fingerprint would change (a capture every run)."""
+    model = comfy_inproc.tiny_model_patcher(tmp_path)
+    from sd_accel.engine.graphs.fingerprint import WeightsFingerprint
+    from sd_accel.engine.patches import patching
+    from sd_accel.hosts.comfyui import accelerate, conv_layout
+    st = accelerate._state(model.model)
+    with torch.inference_mode():
+        patching.convert_conv_weights(model.model.diffusion_model)
+    fp = WeightsFingerprint(model.model)
+    before = fp.read()[0]
+    st.channels_last_done = st.channels_last_now = True
+    conv_layout.end_sampling_run({"graph_state": st})
+    assert all(w.is_contiguous() for w in _convs(model))
+    assert fp.read()[0] == before
