@@ -118,7 +118,14 @@ def _strip(clone):
 
 
 def strip(unet_patcher):
-    """`unet_patcher` without SD Accel: itself when it has nothing of ours, else a clone without it."""
+    """`unet_patcher` without SD Accel: itself when it has nothing of ours, else a clone without it. Conv
+    weights an earlier run put in channels_last go back to Forge's layout (SD Accel turned off)."""
+    if is_sd_unet(unet_patcher.model):
+        st = state_of(unet_patcher.model)
+        if st.channels_last:
+            n = patching.convert_conv_weights(unet_patcher.model.diffusion_model, torch.contiguous_format)
+            st.channels_last = False
+            _layout_changed(st, "SD Accel off: %d conv weights converted back" % n)
     has = any(forge_plan.is_ours(v) for v in unet_patcher.object_patches.values()) or getattr(
         unet_patcher.model_options.get("model_function_wrapper"), "sd_accel_step", None) is not None
     if not has:

@@ -344,3 +344,19 @@ def test_channels_last_only_with_graphs(fake_forge, stock_kernels, monkeypatch):
     forge.accelerate(base, ON)
     _, info = forge.accelerate(base, webui.WebUIOptions(cuda_graph=False))
     assert asked == [True, False] and info["cuda_graph"] is False
+
+
+def test_turning_sd_accel_off_puts_the_conv_weights_back_in_forges_layout(fake_forge, stock_kernels):
+    """A run with graphs leaves the conv weights channels_last (on a GPU; set here as it leaves them); the
+    patcher handed to Forge with SD Accel off has them in Forge's layout, values and storage unchanged."""
+    from sd_accel.engine.patches import patching
+    base = make_patcher()
+    unet = base.model.diffusion_model
+    assert patching.convert_conv_weights(unet) > 0
+    forge_plan.state_of(base.model).channels_last = True
+    convs = [m.weight for m in unet.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.dim() == 4]
+    ptrs, values = [w.data_ptr() for w in convs], [w.detach().clone() for w in convs]
+    assert forge.strip(base) is base
+    assert all(w.is_contiguous() for w in convs) and [w.data_ptr() for w in convs] == ptrs
+    assert all(torch.equal(w, v) for w, v in zip(convs, values))
+    assert not forge_plan.state_of(base.model).channels_last
