@@ -36,7 +36,9 @@
 # random weights with outlier channels, ~1.5 min), vae (bench_vae.py: VAE decode and encode, stock vs ours vs ours
 # without graphs, SD1.5 512² b1/b4, SDXL 1024² whole and tiled; deadline 200 s, killed at 240 s, ~2-3 min), fp8
 # (bench_fp8.py: stock vs ours fp16 vs ours fp8 (LOSSY), SD1.5 512² b1/b4, SDXL 1024² b1, plus per-layer FP8 errors;
-# deadline 240 s, killed at 300 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s).
+# deadline 240 s, killed at 300 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
+# stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
+# same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -114,6 +116,7 @@ for p in "$@"; do
     stepcache_error) part stepcache_error 240 python3 bench/step_cache_error.py --comfy-dir $COMFY --preset sd15 \
       --size 512 --gpu --branches 0,1,2 ;;
     vae) part vae 240 python3 bench/bench_vae.py --comfy-dir $COMFY --deadline 200 ;;
+    stock_after) part stock_after 300 python3 bench/bench_stock_after.py --comfy-dir $COMFY --deadline 260 ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1
