@@ -44,7 +44,15 @@ def _conv_weights(unet):
 def end_sampling_run(info):
     """After a run of our node: the model's conv weights back in stock's layout (see set_layout)."""
     st = info.get("graph_state")
-    if st is None or not st.channels_last_now:
+    if st is not None:
+        back_to_stock_layout(st)
+
+
+def back_to_stock_layout(st):
+    """The conv weights of `st`'s model in stock's layout, if a run left them channels_last. Called where a
+    sampling run ends: our node's run, and current ComfyUI's OUTER_SAMPLE wrapper (any sampler node on a clone
+    from Apply SD Accel)."""
+    if not st.channels_last_now:
         return
     try:
         set_layout(st, st.graphs.fp.module, False)

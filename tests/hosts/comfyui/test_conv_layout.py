@@ -53,3 +53,29 @@ def test_a_layout_change_outside_inference_mode_keeps_the_weights_fingerprint(tm
     conv_layout.end_sampling_run({"graph_state": st})
     assert all(w.is_contiguous() for w in _convs(model))
     assert fp.read()[0] == before
+
+
+def test_apply_sd_accel_then_stock_ksampler_puts_the_weights_back_where_the_host_has_run_wrappers(tmp_path):
+    """Apply SD Accel's clone sampled by stock KSampler: no node of ours sees the run end. Current ComfyUI's
+    OUTER_SAMPLE wrapper does; the 2024 ComfyUI has no hook around a sampling run, so there the weights stay
+    in the layout the graphs were captured over (docs/cuda_graphs.md says so)."""
+    model = comfy_inproc.tiny_model_patcher(tmp_path)
+    import nodes
+    from sd_accel.engine.patches import patching
+    from sd_accel.hosts.comfyui import accelerate
+    from sd_accel.nodes.sampler_nodes import SDAccelApply
+    dim = model.model.model_config.unet_config["context_dim"]
+    cond = [[torch.randn(1, 77, dim, generator=torch.Generator().manual_seed(0)), {}]]
+    latent = {"samples": torch.zeros(1, 4, 8, 8)}
+    with torch.inference_mode():
+        ref = nodes.KSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)[0]["samples"]
+        patched = SDAccelApply().apply(model)["result"][0]
+        st = accelerate._state(model.model)
+        assert patching.convert_conv_weights(model.model.diffusion_model) > 0   # what a GPU run's capture left
+        st.channels_last_done = st.channels_last_now = True
+        out = nodes.KSampler().sample(patched, 1, 2, 7.0, "euler", "normal", cond, cond, latent)[0]["samples"]
+    back = hasattr(model, "add_wrapper_with_key")
+    assert st.channels_last_now is not back
+    spatial = [w for w in _convs(model) if w.shape[-1] > 1]   # a 1x1 kernel is contiguous in both layouts
+    assert spatial and all(w.is_contiguous() is back for w in spatial)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
