@@ -8,17 +8,27 @@ gradients, edges and mild noise: random noise would not compress at all, a flat 
 metadata of a typical graph's size, and prints ms per image and the file size. Host CPU work only, so it runs on
 any machine; the figures are this machine's CPU.
 
-  python3 bench/bench_png_save.py [--sizes 512,1024] [--reps 5]
+Then Save Image (SD Accel)'s writer (hosts/comfyui/png_save.write_pngs: SaveImage's conversion, the level it is
+given, a batch's images in parallel threads) against SaveImage's way (one image after another at level 4), per
+batch size, in this process, files to a temporary folder; the pixels read back are checked equal.
+
+  python3 bench/bench_png_save.py [--sizes 512,1024] [--batches 1,4] [--reps 5]
 """
 import argparse
+import importlib.util
 import io
 import json
+import os
 import statistics
+import tempfile
 import time
 
 import numpy as np
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LEVELS = (0, 1, 4, 6, 9)
 SAVEIMAGE_LEVEL = 4
@@ -58,9 +68,54 @@ def time_level(img, level, reps, info):
     return statistics.median(times) * 1e3, size
 
 
+def png_save_module():
+    """hosts/comfyui/png_save.py on its own (it imports nothing of the pack or of ComfyUI at module level)."""
+    spec = importlib.util.spec_from_file_location("png_save", os.path.join(REPO, "hosts", "comfyui", "png_save.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def saveimage_way(images, paths, info):
+    """What SaveImage does per image: the same conversion, level 4, one after another."""
+    for image, path in zip(images, paths):
+        img = Image.fromarray(np.clip(255. * image.cpu().numpy(), 0, 255).astype(np.uint8))
+        img.save(path, pnginfo=info, compress_level=SAVEIMAGE_LEVEL)
+
+
+def time_batches(sizes, batches, reps, info):
+    png_save = png_save_module()
+    print("\nsize  batch  SaveImage's way ms   SD Accel's writer ms at level 4 / %d   (per batch; %d CPUs)"
+          % (png_save.DEFAULT_LEVEL, os.cpu_count()))
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            one = torch.from_numpy(np.asarray(photo_like(size), np.float32) / 255.)
+            for batch in batches:
+                images = torch.stack([torch.roll(one, 37 * i, 1) for i in range(batch)])
+                ways = {"stock": lambda p: saveimage_way(images, p, info),
+                        "ours4": lambda p: png_save.write_pngs(images, p, info, SAVEIMAGE_LEVEL),
+                        "ours": lambda p: png_save.write_pngs(images, p, info, png_save.DEFAULT_LEVEL)}
+                ms = {k: [] for k in ways}
+                for r in range(reps):
+                    for k, way in ways.items():   # interleaved, so a busy moment of the machine hits all alike
+                        paths = [os.path.join(tmp, "%s_%d_%d.png" % (k, r, i)) for i in range(batch)]
+                        t0 = time.perf_counter()
+                        way(paths)
+                        ms[k].append((time.perf_counter() - t0) * 1e3)
+                for i in range(batch):
+                    ref = np.asarray(Image.open(os.path.join(tmp, "stock_0_%d.png" % i)))
+                    for k in ("ours4", "ours"):
+                        assert np.array_equal(ref, np.asarray(Image.open(os.path.join(tmp, "%s_0_%d.png" % (k, i)))))
+                med = {k: statistics.median(v) for k, v in ms.items()}
+                print("%4d²  %5d  %18.1f   %10.1f / %.1f   (%.2fx / %.2fx of SaveImage's)"
+                      % (size, batch, med["stock"], med["ours4"], med["ours"], med["ours4"] / med["stock"],
+                         med["ours"] / med["stock"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="512,1024")
+    ap.add_argument("--batches", default="1,4")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     info = metadata()
@@ -72,6 +127,7 @@ def main():
         for lv, (ms, nbytes) in rows.items():
             print("%4d²  %5d   %8.1f  %5.0f   %.2fx time, %.2fx size"
                   % (size, lv, ms, nbytes / 1024, ms / ref_ms, nbytes / ref_size))
+    time_batches([int(s) for s in a.sizes.split(",")], [int(b) for b in a.batches.split(",")], a.reps, info)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ A ComfyUI server on the GPU with this pack in its custom_nodes (dev/comfy_server
 websocket as the browser drives it (dev/comfy_ws.py, a client that says it supports preview metadata where the
 server has it, as ComfyUI's frontend does). Per config, the stock graph (KSampler, VAE Decode) against the same
 graph with SD Accel's nodes (Accelerated KSampler with its defaults, and VAE Decode (SD Accel) unless
-`--ours-decoder stock`), alternating stock/ours (ABAB) in ONE server process, after one warm-up prompt of each
-(same seed and text: the PSNR of ours against stock):
+`--ours-decoder stock`; Save Image (SD Accel) with `--ours-saver sdaccel`), alternating stock/ours (ABAB) in ONE
+server process, after one warm-up prompt of each (same seed and text: the PSNR of ours against stock):
   latency    s/image, one prompt at a time, POST → the prompt's end on the websocket (median of --reps)
   throughput images/s with N prompts queued at once (N = max(2, --queue-images / batch); median of --reps)
 Every timed prompt has a new seed and a new positive text, so its text encode runs as well (ComfyUI would serve
@@ -72,6 +72,9 @@ def parse_args():
     ap.add_argument("--queue-images", type=int, default=4, help="images per throughput run")
     ap.add_argument("--ours-decoder", choices=("sdaccel", "stock"), default="sdaccel",
                     help="VAE Decode (SD Accel) or VAE Decode in the accelerated graph")
+    ap.add_argument("--ours-saver", choices=("stock", "sdaccel"), default="stock",
+                    help="Save Image or Save Image (SD Accel) (compress level 1, a batch in parallel) in the "
+                         "accelerated graph; sdaccel adds _fastsave to the config names")
     opt = ap.parse_args()
     if opt.steps is None:
         opt.steps = 2 if opt.smoke else 20
@@ -171,7 +174,8 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
     replays = [(r.get("graphs") or {}).get("replays", 0) for r in reports]
     previews = {v: [r["previews"] for r in lat[v]] for v in VARIANTS}
     last = reports[-1] if reports else {}
-    rec = dict(vers, date=datetime.date.today().isoformat(), config=name + SUFFIX[method], steps=opt.steps,
+    config = name + SUFFIX[method] + ("_fastsave" if opt.ours_saver == "sdaccel" else "")
+    rec = dict(vers, date=datetime.date.today().isoformat(), config=config, steps=opt.steps,
                sampler="euler", scheduler="normal", cfg=7.0, batch=batch, preview=method,
                stock_s_per_image=round(per["stock"], 4), ours_s_per_image=round(per["ours"], 4),
                latency_speedup=round(per["stock"] / per["ours"], 3),
@@ -186,9 +190,10 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
                deferred_previews=os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1") != "0")
     rec["notes"] = ("server process %d of %d, launched with --preview-method %s (previews are a launch flag); "
                     "websocket client %s; reps %d, ABAB; a new seed and positive text per timed prompt; ours: "
-                    "SDAccelKSampler (defaults) + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
+                    "SDAccelKSampler (defaults) + %s + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
                         index, total, method, "with supports_preview_metadata" if metadata else "without feature flags",
-                        opt.reps, "SDAccelVAEDecode" if opt.ours_decoder == "sdaccel" else "VAEDecode", replays,
+                        opt.reps, "SDAccelVAEDecode" if opt.ours_decoder == "sdaccel" else "VAEDecode",
+                        "SDAccelSaveImage (compress level 1)" if opt.ours_saver == "sdaccel" else "SaveImage", replays,
                         ", ".join(last.get("ran", []) + [n for n in last.get("notes", []) if n.startswith("live previews")]),
                         json.dumps(last.get("fell_back", {})),
                         "; smoke (CPU, tiny UNet)" if opt.smoke else ""))

@@ -7,7 +7,9 @@ family, one process: stock KSampler and the Accelerated KSampler with graphs off
 graph ran; then the Accelerated KSampler with graphs (the conversion and the captures); then the same ABAB
 again. Configs `stock_after_sd15_512_b1`, `stock_after_sdxl_1024_b1`: `stock_its` / `ours_eager_its` before,
 `stock_after_its` / `eager_after_its` after (each the mean of its two ABAB medians), `ours_its` with graphs,
-`psnr_db` stock after against stock before (99 when identical).
+`psnr_db` stock after against stock before (99 when identical). The VAE the same way: stock VAE Decode's ms
+per decode of one latent before and after VAE Decode (SD Accel) decoded it (its graphs are captured over the
+VAE's conv weights in channels_last, converted in place): `stock_vae_ms`, `ours_vae_ms`, `stock_vae_after_ms`.
 
 GPU:    python3 bench/bench_stock_after.py --comfy-dir vendor/ComfyUI --out $OUT
 Smoke:  python3 bench/bench_stock_after.py --smoke        (CPU plumbing, tiny models)
@@ -56,6 +58,27 @@ def abab(model, clip, vae, size):
     return stock, eager, img
 
 
+def vae_ms(vae, latent, ours):
+    """ms per decode of `latent`: a warm-up, then the median of --reps (synchronised) decodes."""
+    import time
+    env_nodes, torch = ENV.nodes, ENV.torch
+    from sd_accel.nodes.vae_nodes import SDAccelVAEDecode
+
+    def decode():
+        with torch.inference_mode():
+            img = SDAccelVAEDecode().decode(latent, vae)["result"][0] if ours else \
+                env_nodes.VAEDecode().decode(vae, latent)[0]
+        cb.sync(ENV)
+        return img
+    decode()
+    times = []
+    for _ in range(OPT.reps):
+        t0 = time.perf_counter()
+        decode()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def main():
     env_info = cb.versions(ENV, OPT.comfy_dir)
     loaded = {}
@@ -65,6 +88,10 @@ def main():
         stock, eager, img_before = abab(model, clip, vae, size)
         ours, _ = its(model, clip, vae, size, "ours")
         stock_after, eager_after, img_after = abab(model, clip, vae, size)
+        latent = {"samples": ENV.torch.randn(1, 4, size // 8, size // 8)}
+        stock_vae = vae_ms(vae, latent, ours=False)
+        ours_vae = vae_ms(vae, latent, ours=True)
+        stock_vae_after = vae_ms(vae, latent, ours=False)
         rec = dict(env_info, date=datetime.date.today().isoformat(), config="stock_after_%s_%d_b1" % (fam, size),
                    steps=OPT.steps, sampler="euler", scheduler="normal", cfg=7.0,
                    stock_its=round(statistics.mean(stock), 2), ours_its=round(ours, 2),
@@ -73,6 +100,8 @@ def main():
                    stock_after_its=round(statistics.mean(stock_after), 2),
                    eager_after_its=round(statistics.mean(eager_after), 2),
                    psnr_db=round(cb.psnr(img_before, img_after), 2),
+                   stock_vae_ms=round(stock_vae, 2), ours_vae_ms=round(ours_vae, 2),
+                   stock_vae_after_ms=round(stock_vae_after, 2),
                    notes="ABAB medians: stock %s, eager %s before; stock %s, eager %s after one graph run" % (
                        ["%.2f" % v for v in stock], ["%.2f" % v for v in eager],
                        ["%.2f" % v for v in stock_after], ["%.2f" % v for v in eager_after]))

@@ -9,7 +9,7 @@ from PIL import Image
 import comfy_bench as cb
 
 TXT2IMG = os.path.join(cb.REPO, "workflows", "sd15_txt2img_accelerated.api.json")
-SAMPLER, DECODE, LATENT, POS_NODE = "3", "8", "5", "6"
+SAMPLER, DECODE, LATENT, POS_NODE, SAVE = "3", "8", "5", "6", "9"
 ACCEL_KEYS = ("fused_kernels", "cuda_graph", "channels_last")
 DENOISE = 0.6
 HINT, SOURCE = "sdaccel_bench_hint_%d.png", "sdaccel_bench_source_%d.png"
@@ -27,22 +27,26 @@ def sized(opt, cfg):
 
 def graph(opt, cfg, names, variant, seed, positive, prefix):
     """The API prompt of one config: stock (KSampler, VAE Decode) or ours (Accelerated KSampler with its defaults,
-    VAE Decode (SD Accel) unless --ours-decoder stock). Everything else is the same node for node."""
+    VAE Decode (SD Accel) unless --ours-decoder stock; Save Image (SD Accel) with --ours-saver sdaccel). Everything
+    else is the same node for node."""
     family, size, batch, kind = cfg
     with open(TXT2IMG) as f:
         wf = json.load(f)
     wf["4"]["inputs"]["ckpt_name"] = names[family]
     wf[POS_NODE]["inputs"]["text"] = positive
     wf[LATENT]["inputs"].update(width=size, height=size, batch_size=batch)
-    wf["9"]["inputs"]["filename_prefix"] = "%s_%s" % (prefix, kind)
+    wf[SAVE]["inputs"]["filename_prefix"] = "%s_%s" % (prefix, kind)
     node = wf[SAMPLER]["inputs"]
     node.update(seed=seed, steps=opt.steps, cfg=7.0, sampler_name="euler", scheduler="normal")
     if variant == "stock":
         wf[SAMPLER]["class_type"] = "KSampler"
         for k in ACCEL_KEYS:
             node.pop(k)
-    elif opt.ours_decoder == "sdaccel":
-        wf[DECODE] = {"class_type": "SDAccelVAEDecode", "inputs": dict(wf[DECODE]["inputs"], budget_gib=0.0)}
+    else:
+        if opt.ours_decoder == "sdaccel":
+            wf[DECODE] = {"class_type": "SDAccelVAEDecode", "inputs": dict(wf[DECODE]["inputs"], budget_gib=0.0)}
+        if opt.ours_saver == "sdaccel":   # its default compress_level (1; SaveImage's is 4)
+            wf[SAVE]["class_type"] = "SDAccelSaveImage"
     if kind == "cn":
         _add_controlnet(wf, names["cn"], size)
     elif kind == "img2img":

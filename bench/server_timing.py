@@ -16,7 +16,7 @@ import time
 # the phases of issue #21 item 4, by node class
 PHASES = {"KSampler": "sampling", "SDAccelKSampler": "sampling", "VAEDecode": "vae_decode",
           "SDAccelVAEDecode": "vae_decode", "VAEEncode": "vae_encode", "CLIPTextEncode": "text_encode",
-          "SaveImage": "save", "ControlNetLoader": "controlnet", "ControlNetApplyAdvanced": "controlnet",
+          "SaveImage": "save", "SDAccelSaveImage": "save", "ControlNetLoader": "controlnet", "ControlNetApplyAdvanced": "controlnet",
           "CheckpointLoaderSimple": "load", "LoadImage": "load"}
 COLUMNS = ("sampling", "vae_decode", "vae_encode", "text_encode", "controlnet", "save", "load", "other",
            "executor", "overhead")

@@ -8,7 +8,8 @@ OUR_NODES = {"SDAccelKSampler": "SD Accel/sampling", "SDAccelApply": "SD Accel/p
              "SDAccelVRAMPool": "SD Accel/memory", "SDAccelVAEDecode": "SD Accel/vae",
              "SDAccelVAEEncode": "SD Accel/vae", "SDAccelApplyVAE": "SD Accel/patches",
              "SDAccelCannyMap": "SD Accel/controlnet", "SDAccelDepthMap": "SD Accel/controlnet",
-             "SDAccelPoseMap": "SD Accel/controlnet", "SDAccelConditionCache": "SD Accel/controlnet"}
+             "SDAccelPoseMap": "SD Accel/controlnet", "SDAccelConditionCache": "SD Accel/controlnet",
+             "SDAccelSaveImage": "SD Accel/image"}
 
 
 def test_pack_imported_without_errors(comfy):

@@ -1,0 +1,61 @@
+"""Save Image (SD Accel)'s writer: the files ComfyUI's SaveImage writes (the same names in the same output folder,
+the same 8-bit pixels, the prompt and workflow as the same PNG text chunks), at a compression level the user picks.
+PNG is lossless at every level: a lower one only writes a larger file sooner. ComfyUI's SaveImage uses level 4,
+its PreviewImage level 1. The images of a batch are converted and encoded in parallel threads: numpy's array
+arithmetic and PIL's PNG encoder release the GIL, and the executor waits for the whole batch either way.
+"""
+import concurrent.futures
+import json
+import os
+
+import numpy as np
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+SAVEIMAGE_LEVEL = 4    # stock SaveImage's compress_level
+DEFAULT_LEVEL = 1      # ComfyUI's PreviewImage's: about half of level 4's encoding time (bench/bench_png_save.py)
+MAX_THREADS = 8
+
+
+def save_images(images, filename_prefix, compress_level=DEFAULT_LEVEL, prompt=None, extra_pnginfo=None):
+    """Writes `images` (ComfyUI's IMAGE, [B, H, W, C] in 0..1) to ComfyUI's output folder as SaveImage names them;
+    returns SaveImage's UI list of {filename, subfolder, type}."""
+    import folder_paths
+    if len(images) == 0:
+        return []
+    folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
+        filename_prefix, folder_paths.get_output_directory(), images[0].shape[1], images[0].shape[0])
+    metadata = _metadata(prompt, extra_pnginfo)
+    names = ["%s_%05d_.png" % (filename.replace("%batch_num%", str(i)), counter + i) for i in range(len(images))]
+    write_pngs(images, [os.path.join(folder, n) for n in names], metadata, compress_level)
+    return [{"filename": n, "subfolder": subfolder, "type": "output"} for n in names]
+
+
+def write_pngs(images, paths, metadata, compress_level):
+    """Each image (a [H, W, C] tensor in 0..1) to its path as 8-bit PNG, converted as SaveImage converts it
+    (x 255, clipped, truncated), in parallel threads for a batch."""
+    def write(i):
+        img = Image.fromarray(np.clip(255. * images[i].cpu().numpy(), 0, 255).astype(np.uint8))
+        img.save(paths[i], pnginfo=metadata, compress_level=compress_level)
+
+    threads = min(len(paths), os.cpu_count() or 1, MAX_THREADS)
+    if threads <= 1:
+        for i in range(len(paths)):
+            write(i)
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sd_accel_png") as pool:
+        list(pool.map(write, range(len(paths))))   # the first failure (disk full, say) is raised here
+
+
+def _metadata(prompt, extra_pnginfo):
+    """The text chunks SaveImage embeds (the prompt, then each extra_pnginfo entry: the workflow), unless ComfyUI
+    runs with --disable-metadata."""
+    from comfy.cli_args import args
+    if args.disable_metadata:
+        return None
+    info = PngInfo()
+    if prompt is not None:
+        info.add_text("prompt", json.dumps(prompt))
+    for key, value in (extra_pnginfo or {}).items():
+        info.add_text(key, json.dumps(value))
+    return info
