@@ -12,21 +12,36 @@ def _convs(model):
     return [m.weight for m in model.model.diffusion_model.modules() if isinstance(m, nn.Conv2d) and m.weight.dim() == 4]
 
 
-def test_after_a_run_the_conv_weights_are_back_in_stock_layout_in_their_own_storage(tmp_path):
+def _model_cond_latent_and_stock(tmp_path):
+    """The tiny model, a cond, a latent, and stock KSampler's result on them."""
     model = comfy_inproc.tiny_model_patcher(tmp_path)
     import nodes
-    from sd_accel.engine.patches import patching
-    from sd_accel.hosts.comfyui import accelerate
-    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
     dim = model.model.model_config.unet_config["context_dim"]
     cond = [[torch.randn(1, 77, dim, generator=torch.Generator().manual_seed(0)), {}]]
     latent = {"samples": torch.zeros(1, 4, 8, 8)}
     with torch.inference_mode():
         ref = nodes.KSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)[0]["samples"]
+    return model, cond, latent, ref
+
+
+def _as_a_gpu_run_left_it(model):
+    """The weights channels_last and the model's state saying so, as a GPU run's capture leaves them."""
+    from sd_accel.engine.patches import patching
+    from sd_accel.hosts.comfyui import accelerate
+    st = accelerate._state(model.model)
+    with torch.inference_mode():
+        assert patching.convert_conv_weights(model.model.diffusion_model) > 0
+    st.channels_last_done = st.channels_last_now = True
+    return st
+
+
+def test_after_a_run_the_conv_weights_are_back_in_stock_layout_in_their_own_storage(tmp_path):
+    model, cond, latent, ref = _model_cond_latent_and_stock(tmp_path)
+    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
+    with torch.inference_mode():
         SDAccelKSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)
-        st = accelerate._state(model.model)
-        assert patching.convert_conv_weights(model.model.diffusion_model) > 0   # what a GPU run's capture left
-        st.channels_last_done = st.channels_last_now = True
+    st = _as_a_gpu_run_left_it(model)
+    with torch.inference_mode():
         storages = [w.data_ptr() for w in _convs(model)]
         values = [w.detach().clone() for w in _convs(model)]
         out = SDAccelKSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)
@@ -59,20 +74,13 @@ def test_apply_sd_accel_then_stock_ksampler_puts_the_weights_back_where_the_host
     """Apply SD Accel's clone sampled by stock KSampler: no node of ours sees the run end. Current ComfyUI's
     OUTER_SAMPLE wrapper does; the 2024 ComfyUI has no hook around a sampling run, so there the weights stay
     in the layout the graphs were captured over (docs/cuda_graphs.md says so)."""
-    model = comfy_inproc.tiny_model_patcher(tmp_path)
+    model, cond, latent, ref = _model_cond_latent_and_stock(tmp_path)
     import nodes
-    from sd_accel.engine.patches import patching
-    from sd_accel.hosts.comfyui import accelerate
     from sd_accel.nodes.sampler_nodes import SDAccelApply
-    dim = model.model.model_config.unet_config["context_dim"]
-    cond = [[torch.randn(1, 77, dim, generator=torch.Generator().manual_seed(0)), {}]]
-    latent = {"samples": torch.zeros(1, 4, 8, 8)}
     with torch.inference_mode():
-        ref = nodes.KSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)[0]["samples"]
         patched = SDAccelApply().apply(model)["result"][0]
-        st = accelerate._state(model.model)
-        assert patching.convert_conv_weights(model.model.diffusion_model) > 0   # what a GPU run's capture left
-        st.channels_last_done = st.channels_last_now = True
+    st = _as_a_gpu_run_left_it(model)
+    with torch.inference_mode():
         out = nodes.KSampler().sample(patched, 1, 2, 7.0, "euler", "normal", cond, cond, latent)[0]["samples"]
     back = hasattr(model, "add_wrapper_with_key")
     assert st.channels_last_now is not back
