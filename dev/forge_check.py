@@ -9,7 +9,9 @@ in this repo), then:
             the same observations (Forge's Linear, clone, load/unload, LoRA loader, lowvram marking)
   options   GET /sdapi/v1/options lists the sd_accel_* keys; /sd_accel/status says forge from the start
   kernels   default settings: the fused modules are in the run and each is called on every step
-            (calls per generation = steps x modules, per op); counts that add up; the settings' category
+            (calls per generation = steps x modules, per op, a fused block's own ops included; each fused
+            block once per step); counts that add up; the settings' category. Forge runs with
+            SDACCEL_EAGER_PATH=fused: on a CPU the engine would otherwise pick the stock modules
   on/off    the image with SD Accel on and off (PSNR >= 35 dB; CPU: the torch fallbacks, so identical)
   LoRA      a LoRA on the very modules SD Accel replaces (norms, GEGLU projections) changes the image,
             and holds with SD Accel on, off and on again; removed, the image is the plain one again
@@ -146,7 +148,8 @@ def setup_extension(webui, py):
 def probe(webui, py):
     """The CI stand-in's observations against the real Forge's."""
     out = {}
-    for what, arg in (("forge", ["--forge", webui]), ("stand-in", ["--stand-in", os.path.join(REPO, "tests", "a1111", "fake_forge")])):
+    stand_in = os.path.join(REPO, "tests", "hosts", "a1111", "fake_forge")
+    for what, arg in (("forge", ["--forge", webui]), ("stand-in", ["--stand-in", stand_in])):
         text = run([py, os.path.join(REPO, "dev", "forge_probe.py")] + arg)
         line = [ln for ln in text.splitlines() if ln.startswith("PROBE ")][-1]
         out[what] = json.loads(line[len("PROBE "):])
@@ -157,7 +160,11 @@ def launch(args, webui, py, ckpt):
     cmd = [py, "launch.py", "--skip-prepare-environment", "--skip-install", "--always-cpu", "--all-in-fp32",
            "--api", "--server-name", "127.0.0.1", "--port", str(args.port), "--loglevel", "INFO",
            "--ckpt", os.path.join("models", "Stable-diffusion", ckpt)] + (["--nowebui"] if args.nowebui else [])
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+    # SDACCEL_EAGER_PATH=fused: on a CPU the engine runs the stock modules wherever no graph runs (the faster
+    # there), which would hide whether the fused modules are in the run at all; the switch runs them (their torch
+    # fallbacks on a CPU, so the image is the same). --env SDACCEL_EAGER_PATH= restores the product's choice.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
+               SDACCEL_EAGER_PATH="fused")
     for kv in args.env:
         k, _, v = kv.partition("=")
         env[k] = v

@@ -8,8 +8,26 @@ import urllib.error
 
 from a1111_check import PSNR_MIN, call, psnr
 
+HR_STEPS = 2   # the hires-fix pass's steps
 KEYS = ["sd_accel_enabled", "sd_accel_fused_kernels", "sd_accel_cuda_graph", "sd_accel_channels_last"]
 OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
+# A fused block runs some of the modules patched inside it as one op with its neighbours: the ResBlock its
+# out_layers' GroupNorm+SiLU with the timestep add (resblock_add_norm), the transformer block its norm2 and norm3
+# with the residual adds (transformer_add_norm). Each patched module still runs once per step, under one name.
+CARRIED_BY = {"group_norm_silu": ("resblock_add_norm",), "layer_norm": ("transformer_add_norm",)}
+BLOCK_OPS = {"resblock": ("resblock_bias_residual", 1), "transformer_block": ("transformer_add_norm", 2)}
+
+
+def module_calls(ran):
+    """Per op of OPS: the calls of its patched modules, those run inside a fused block's op included."""
+    calls = lambda op: ran.get(op, {}).get("calls", 0)  # noqa: E731
+    return {op: calls(op) + sum(calls(c) for c in CARRIED_BY.get(op, ())) for op in OPS}
+
+
+def block_calls(ran, counts, steps):
+    """{block: (calls of its op, what one call per block and step gives)} for the fused blocks patched."""
+    return {b: (ran.get(op, {}).get("calls", 0), per * steps * counts[b]) for b, (op, per) in BLOCK_OPS.items()
+            if counts.get(b)}
 
 
 class Checker:
@@ -46,7 +64,7 @@ class Checker:
                 "sampler_name": "Euler", "batch_size": 1, "send_images": True, "save_images": False}
         if hires:
             # Forge's API needs hr_additional_modules (its default None fails the request, with or without SD Accel)
-            body.update(enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=2,
+            body.update(enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=HR_STEPS,
                         denoising_strength=0.5, hr_additional_modules=["Use same choices"])
         k0, t0 = self.status()["kernels"], time.time()
         r = call(self.url, "/sdapi/v1/txt2img", body)
@@ -108,9 +126,13 @@ class Checker:
                    "default settings: %d modules patched, per-op counts %s add up, GEGLU on Forge's Linear included"
                    % (s["patched"], counts))
         want = {op: self.args.steps * counts.get(op, 0) for op in OPS}
-        got = {op: ran.get(op, {}).get("calls", 0) for op in OPS}
+        got = module_calls(ran)
         self.check(got == want and all(want.values()), "every fused module called on every step: calls %s = "
                    "%d steps x modules" % (got, self.args.steps))
+        blocks = block_calls(ran, counts, self.args.steps)
+        self.check(all(c == w for c, w in blocks.values()),
+                   "every fused block called on every step: {block: (calls, steps x blocks x ops per block)} %s"
+                   % blocks)
         g = s["graphs"]
         self.check(s["wrapper"] == "model_function_wrapper" and g.get("eager", 0) + g.get("replays", 0) >= self.args.steps,
                    "the step ran through SD Accel's model_function_wrapper (graphs %s)" % g)
@@ -118,8 +140,7 @@ class Checker:
             self.check(all(ran.get(op, {}).get("fused", 0) > 0 for op in OPS),
                        "the Triton kernels ran: %s" % {op: ran.get(op, {}).get("fused", 0) for op in OPS})
         img2, ran2 = self.txt2img("SD Accel on, again")
-        self.check({op: ran2.get(op, {}).get("calls", 0) for op in OPS} == want,
-                   "the counts rise by as much at the next generation")
+        self.check(module_calls(ran2) == want, "the counts rise by as much at the next generation")
         self.same(img, img2, "the same generation twice")
         return img
 
@@ -153,10 +174,11 @@ class Checker:
 
     def check_hires(self):
         on, ran = self.txt2img("hires fix, SD Accel on", hires=True)
-        first = self.args.steps * self.status()["counts"].get("layer_norm", 0)
-        self.check(ran.get("layer_norm", {}).get("calls", 0) > first,
-                   "hires fix: SD Accel modules called in the second pass too (%d LayerNorm calls, %d in the first "
-                   "pass)" % (ran.get("layer_norm", {}).get("calls", 0), first))
+        per_step = self.status()["counts"].get("layer_norm", 0)
+        got = module_calls(ran)["layer_norm"]
+        self.check(got == (self.args.steps + HR_STEPS) * per_step > 0,
+                   "hires fix: SD Accel modules called in the second pass too (%d LayerNorm calls: %d steps x %d)"
+                   % (got, self.args.steps + HR_STEPS, per_step))
         self.set(sd_accel_enabled=False)
         off, _ = self.txt2img("hires fix, SD Accel off", hires=True)
         self.set(sd_accel_enabled=True)
