@@ -59,24 +59,16 @@ def abab(model, clip, vae, size):
 
 
 def vae_ms(vae, latent, ours):
-    """ms per decode of `latent`: a warm-up, then the median of --reps (synchronised) decodes."""
-    import time
-    env_nodes, torch = ENV.nodes, ENV.torch
+    """ms per decode of `latent` (stock VAE Decode or VAE Decode (SD Accel)): a warm-up, then the median of --reps."""
     from sd_accel.nodes.vae_nodes import SDAccelVAEDecode
 
     def decode():
-        with torch.inference_mode():
-            img = SDAccelVAEDecode().decode(latent, vae)["result"][0] if ours else \
-                env_nodes.VAEDecode().decode(vae, latent)[0]
-        cb.sync(ENV)
-        return img
-    decode()
-    times = []
-    for _ in range(OPT.reps):
-        t0 = time.perf_counter()
-        decode()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        with ENV.torch.inference_mode():
+            if ours:
+                SDAccelVAEDecode().decode(latent, vae)
+            else:
+                ENV.nodes.VAEDecode().decode(vae, latent)
+    return cb.median_ms(ENV, decode, OPT.reps)
 
 
 def main():

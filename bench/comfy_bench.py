@@ -66,6 +66,20 @@ def sync(env):
         env.torch.cuda.synchronize()
 
 
+def median_ms(env, fn, reps):
+    """ms of `fn()` with the device synchronised around it: one warm-up call, then the median of `reps`."""
+    import statistics
+    fn()
+    sync(env)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(env)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def psnr(a, b):
     import torch
     mse = float(((a - b) ** 2).mean())

@@ -165,8 +165,12 @@ class ComfyServer:
     def object_info(self):
         return self.get("/object_info")
 
-    def queue(self, prompt, client_id=None):
-        return self.post("/prompt", {"prompt": prompt, "client_id": client_id or self.client_id})["prompt_id"]
+    def queue(self, prompt, client_id=None, extra_data=None):
+        """POST /prompt; `extra_data` as the frontend sends it (e.g. {"extra_pnginfo": {"workflow": ...}})."""
+        body = {"prompt": prompt, "client_id": client_id or self.client_id}
+        if extra_data is not None:
+            body["extra_data"] = extra_data
+        return self.post("/prompt", body)["prompt_id"]
 
     def events(self, client_id=None, feature_flags=None):
         """The websocket of `client_id` (default: the one `queue` uses), read by a thread (dev/comfy_ws.py).
@@ -188,8 +192,8 @@ class ComfyServer:
             time.sleep(0.2)
         raise TimeoutError("prompt %s did not finish in %ss:\n%s" % (prompt_id, timeout, self.log_tail()))
 
-    def run(self, prompt, timeout=600, expect_success=True):
-        entry = self.wait(self.queue(prompt), timeout)
+    def run(self, prompt, timeout=600, expect_success=True, extra_data=None):
+        entry = self.wait(self.queue(prompt, extra_data=extra_data), timeout)
         ok = entry.get("status", {}).get("status_str") == "success"
         if expect_success and not ok:
             raise RuntimeError("prompt failed: %s\n%s" % (json.dumps(entry.get("status"))[:4000], self.log_tail()))

@@ -32,7 +32,6 @@ from . import step_cache
 
 log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
-LAYOUT_WRAPPER_KEY = "sd_accel_layout"   # OUTER_SAMPLE: the VRAM Pool has its own key there
 ATTENTION_BACKENDS = attention.BACKENDS   # the nodes' `attention` choices
 STEP_CACHE_MODES = step_cache.MODES        # the nodes' `step_cache` choices
 STEP_CACHE_KEYS = 4                        # graph keys per kind kept with the step cache on
@@ -294,7 +293,7 @@ def _install_keyed(clone, st, options, step):
             finally:
                 conv_layout.back_to_stock_layout(st)
         _inert(outer_sample, options, "outer_sample")
-        clone.wrappers.setdefault(pe.WrappersMP.OUTER_SAMPLE, {})[LAYOUT_WRAPPER_KEY] = [outer_sample]
+        clone.wrappers.setdefault(pe.WrappersMP.OUTER_SAMPLE, {})[WRAPPER_KEY] = [outer_sample]
     if hasattr(clone, "add_callback_with_key"):
         def on_detach(patcher, unpatch_all=True):
             # ComfyUI also detaches a clone when another clone of the same model is loaded;

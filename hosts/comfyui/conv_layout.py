@@ -3,8 +3,8 @@
 The UNet's graphs are captured over channels_last conv weights (converted in place before the first capture,
 hosts/comfyui/accelerate.py). The loaded model is the user's: stock KSampler and every other node run it too,
 and on channels_last weights ComfyUI's own step runs slower (bench/RESULTS.md). So the weights are in that layout
-only during our runs: converted at a run's first step, back after it (`end_sampling_run`, from the node's
-run). Each conversion is a copy of the conv weights into their own storage (a few ms for SDXL's on a fast
+only during our runs: converted at a run's first step, back after it (`back_to_stock_layout`, at the run's
+end). Each conversion is a copy of the conv weights into their own storage (a few ms for SDXL's on a fast
 GPU); the graphs stay valid, their pointers unchanged.
 """
 import logging
@@ -41,18 +41,11 @@ def _conv_weights(unet):
     return (m.weight for m in unet.modules() if isinstance(m, nn.Conv2d) and m.weight is not None)
 
 
-def end_sampling_run(info):
-    """After a run of our node: the model's conv weights back in stock's layout (see set_layout)."""
-    st = info.get("graph_state")
-    if st is not None:
-        back_to_stock_layout(st)
-
-
 def back_to_stock_layout(st):
-    """The conv weights of `st`'s model in stock's layout, if a run left them channels_last. Called where a
-    sampling run ends: our node's run, and current ComfyUI's OUTER_SAMPLE wrapper (any sampler node on a clone
-    from Apply SD Accel)."""
-    if not st.channels_last_now:
+    """The conv weights of `st`'s model (None: no graph state) in stock's layout, if a run left them channels_last.
+    Called where a sampling run ends: our node's run (hosts/comfyui/run.py), and current ComfyUI's OUTER_SAMPLE
+    wrapper (any sampler node on a clone from Apply SD Accel)."""
+    if st is None or not st.channels_last_now:
         return
     try:
         set_layout(st, st.graphs.fp.module, False)

@@ -56,12 +56,12 @@ class AcceleratedRun:
             with run_report.RunTimer(getattr(self.patched, "load_device", None)) as self.timer, previews:
                 return sampler(self.patched, self.cn_positive, self.cn_negative)
         except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
-            conv_layout.end_sampling_run(self.info)
+            conv_layout.back_to_stock_layout(self.info.get("graph_state"))
             if not self.accelerated() or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
                 raise
             return self._stock_after(e, sampler)
         finally:
-            conv_layout.end_sampling_run(self.info)
+            conv_layout.back_to_stock_layout(self.info.get("graph_state"))
             note = previews.note() if isinstance(previews, host_previews.DeferredPreviews) else None
             if note:
                 self.notes.append(note)

@@ -15,11 +15,7 @@ WORKFLOW = {"nodes": [{"id": 9, "type": "SaveImage"}], "links": [], "note": "wha
 
 def _post(comfy, wf):
     """As the frontend posts: the prompt, and the workflow in extra_pnginfo."""
-    pid = comfy.post("/prompt", {"prompt": wf, "client_id": comfy.client_id,
-                                 "extra_data": {"extra_pnginfo": {"workflow": WORKFLOW}}})["prompt_id"]
-    entry = comfy.wait(pid)
-    assert entry["status"]["status_str"] == "success", entry["status"]
-    return entry
+    return comfy.run(wf, extra_data={"extra_pnginfo": {"workflow": WORKFLOW}})
 
 
 def _graph(models, saver, prefix, batch=3, **inputs):

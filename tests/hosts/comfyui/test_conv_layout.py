@@ -65,7 +65,7 @@ def test_a_layout_change_outside_inference_mode_keeps_the_weights_fingerprint(tm
     fp = WeightsFingerprint(model.model)
     before = fp.read()[0]
     st.channels_last_done = st.channels_last_now = True
-    conv_layout.end_sampling_run({"graph_state": st})
+    conv_layout.back_to_stock_layout(st)
     assert all(w.is_contiguous() for w in _convs(model))
     assert fp.read()[0] == before
 
