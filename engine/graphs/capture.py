@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import traceback
 
 import torch
 
@@ -124,6 +125,34 @@ def recover(pool):
     except RuntimeError as e:
         log.warning("[SD Accel] could not reset the CUDA generator after a failed capture: %s", e)
     torch.cuda.synchronize()
+
+
+def keep_failed_capture(error, *items):
+    """After a failed capture: keeps `items` (the graph, its pool, its inputs) and every tensor the traceback's
+    frames held (what the capture allocated up to the failure), then clears those frames. The frames themselves
+    are not kept: they hold the step's closure, and with it the model, which must be freed when the host drops
+    it."""
+    tensors = []
+    tb = error.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            tensors.extend(_tensors_in(value))
+        tb = tb.tb_next
+    keep_until_exit((tensors,) + items)
+    traceback.clear_frames(error.__traceback__)
+    error.__traceback__ = None
+
+
+def _tensors_in(value, depth=2):
+    if isinstance(value, torch.Tensor):   # weights were allocated before the capture: freeing them is safe
+        return [] if isinstance(value, torch.nn.Parameter) or not value.is_cuda else [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v, depth - 1)]
+    return []
 
 
 def keep_until_exit(item):

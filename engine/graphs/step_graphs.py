@@ -282,10 +282,10 @@ class StepGraphs:
         reason = "capture failed (%s: %s)" % (type(e).__name__, first_line(e, 160))
         log.warning("[SD Accel] CUDA graph capture failed for %s (%s); running eagerly", self.name, reason)
         log.log(DIAG_LEVEL, "[SD Accel] where the capture failed", exc_info=True)
-        # what the failed capture allocated (referenced by the traceback, the graph and its pool) is kept: under
+        # what the failed capture allocated (the traceback's tensors, the graph and its pool) is kept: under
         # cudaMallocAsync freeing an unreplayed capture's allocations aborts the process, and the driver would
         # hand an invalidated capture's addresses out again; a key fails at most once, so this is bounded
-        capture.keep_until_exit((e, graph, self.pool, entry.static_in))
+        capture.keep_failed_capture(e, graph, self.pool, entry.static_in)
         if isinstance(e, capture.CaptureInvalidated):
             self.stats["invalidations"] += 1
             self.clear("a capture was invalidated")
