@@ -40,7 +40,9 @@
 # (bench_fp8.py: stock vs ours fp16 vs ours fp8 (LOSSY), SD1.5 512² b1/b4, SDXL 1024² b1, plus per-layer FP8 errors;
 # deadline 240 s, killed at 300 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
 # stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
-# same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s).
+# same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s), diagnose_stock_after
+# (diagnose_stock_after.py: SDXL 1024² stock KSampler before and after one graph run of ours, with the GPU's
+# clocks, the layouts and the kernels by GPU time; a diagnosis, nothing for results.jsonl; ~2.5 min, killed at 240 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -121,6 +123,7 @@ for p in "$@"; do
       --size 512 --gpu --branches 0,1,2 ;;
     vae) part vae 240 python3 bench/bench_vae.py --comfy-dir $COMFY --deadline 200 ;;
     stock_after) part stock_after 300 python3 bench/bench_stock_after.py --comfy-dir $COMFY --deadline 260 ;;
+    diagnose_stock_after) part diagnose_stock_after 240 python3 bench/diagnose_stock_after.py --comfy-dir $COMFY ;;
     h2d)
       mkdir -p "$OUT/h2d"
       timeout 90 python3 bench/bench_h2d.py > "$OUT/h2d/log.txt" 2>&1

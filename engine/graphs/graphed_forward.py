@@ -13,7 +13,9 @@ and options, kept on the module itself (`for_module`), so its graphs survive fro
 next; `StepGraphs` does the keying, static buffers and stale-weight checks (see step_graphs.py).
 
 channels_last: the module's conv weights are converted in place before its first capture (values unchanged),
-as the UNet's are, so its convolutions need no layout transforms inside the graphs either.
+as the UNet's are, so its convolutions need no layout transforms inside the graphs either; back in stock's layout
+when the host detaches the clone that holds the stand-in (`to_stock_layout`), so that stock nodes running the
+same model afterwards run as without SD Accel.
 
 A `Policy` says what differs from a ControlNet's (a VAE's decoder and encoder use one): the host's word on which
 calls may replay (a decode's graph keeps its working memory reserved between calls, which the host bounds), how
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import logging
+
+import torch
 
 from ..patches import patching
 from .step_graphs import StepGraphs
@@ -49,6 +53,7 @@ class GraphedForward:
         self.graphs = _graphs_of(module, name, policy.max_graphs)
         self.epoch = None
         self.channels_last_done = False
+        self.relayout_pending = False   # put back in stock's layout after graphs were captured: convert first
 
     @classmethod
     def for_module(cls, module, name, cuda_graph=True, channels_last=True):
@@ -65,8 +70,8 @@ class GraphedForward:
         self.epoch = object()
 
     def __call__(self, *args, **kwargs):
-        if self.policy.layout_first_call and _on_gpu(args):
-            self._to_channels_last()
+        if (self.policy.layout_first_call or self.relayout_pending) and _on_gpu(args):
+            self._to_channels_last()   # graphs captured over channels_last weights replay only over them
         if not self.cuda_graph:
             return self._eager(*args, **kwargs)
         why = self.policy.refuse(args, kwargs) if self.policy.refuse is not None else None
@@ -75,16 +80,36 @@ class GraphedForward:
         return self.graphs.run(self._eager, args, kwargs, epoch=self.epoch, before_capture=self._to_channels_last)
 
     def _to_channels_last(self):
-        """Before the first capture (see hosts/comfyui/accelerate.py): conv weights to channels_last, values unchanged."""
+        """Before the first capture, and before the first call after `to_stock_layout`: conv weights to
+        channels_last, values unchanged, in place (the graphs captured over them stay valid)."""
         if not self.channels_last or self.channels_last_done:
             return False
-        n = patching.convert_conv_weights(self.module)
-        self.channels_last_done = True
-        log.info("[SD Accel] channels_last: %d conv weights of %s converted", n, self.graphs.name)
+        n = _relayout(self.module, torch.channels_last)
+        self.channels_last_done, self.relayout_pending = True, False
+        log.debug("[SD Accel] channels_last: %d conv weights of %s converted", n, self.graphs.name)
         return n > 0
+
+    def to_stock_layout(self):
+        """Conv weights back in stock's layout, in place, when the host stops running this stand-in (it detaches
+        the clone that holds it): the weights are the user's model's, and its stock modules run slower on
+        channels_last weights. The next call here converts them again; the graphs stay valid."""
+        if self.channels_last_done:
+            _relayout(self.module, torch.contiguous_format)
+            self.channels_last_done = False
+            self.relayout_pending = True
 
     def _eager(self, *args, **kwargs):
         return self.forward(self.module, *args, **kwargs)
+
+
+def _relayout(module, memory_format):
+    weight = next((m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d)), None)
+    if weight is None:
+        return 0
+    # new data of the same kind as the old (weights loaded under inference_mode have no version counter): the
+    # graphs' weights fingerprint reads the same before and after
+    with torch.inference_mode(weight.is_inference()):
+        return patching.convert_conv_weights(module, memory_format)
 
 
 def _on_gpu(args):

@@ -261,9 +261,10 @@ def keep_restore_order(clone, patches):
 
 
 def free_graphs_on_unload(patcher, patches):
-    """Current ComfyUI: when it detaches `patcher` and the weights have left the GPU, the graph memory of the
-    GraphedForwards among `patches` is freed and given back to the device (older ComfyUI has no callbacks: the graphs go when the weights change
-    or the model dies)."""
+    """Current ComfyUI: when it detaches `patcher` (it loads another clone of the model, the user's own in a stock
+    node, or unloads it), the conv weights of the GraphedForwards among `patches` go back to stock's layout, and
+    once the weights have left the GPU their graph memory is freed and given back to the device (older ComfyUI
+    has no callbacks: the graphs go when the weights change or the model dies)."""
     forwards = [gf for gf in patches.values() if isinstance(gf, GraphedForward)]
     if not forwards or not hasattr(patcher, "add_callback_with_key"):
         return
@@ -273,6 +274,7 @@ def free_graphs_on_unload(patcher, patches):
         held = [gf for gf in _forwards if gf.graphs.entries]
         for gf in _forwards:
             gf.graphs.clear_if_offloaded()
+            gf.to_stock_layout()
         if held and not any(gf.graphs.entries for gf in held):
             # under cudaMallocAsync the freed graphs' memory stays the driver's until trimmed, and ComfyUI
             # unloaded this model to have that memory

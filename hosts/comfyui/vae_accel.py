@@ -16,7 +16,9 @@ ComfyUI sets the patches when it loads the clone and restores the original modul
 of the same model (the user's VAE in a stock VAE Decode) or unloads it, as for a UNet's clone. The copy's own
 methods are the VAE's: ComfyUI's memory estimates, batching and its tiled retry after an out-of-memory error
 all run unchanged on the accelerated modules. The user's VAE object, its patcher's patches and its modules are
-never modified (the conv weights' layout aside); the copies are cached per VAE and options on its patcher.
+never modified (the conv weights' layout aside: channels_last while the copy is loaded, back in stock's when
+ComfyUI detaches it, so only on a ComfyUI with ON_DETACH callbacks); the copies are cached per VAE and options
+on its patcher.
 Not folded per block (hosts/comfyui/object_patches.py): a VAE is not sampled, so no callback keeps our blocks
 last in ComfyUI's restore order, and its ~60 swaps per load cost about a millisecond.
 
@@ -115,6 +117,10 @@ def _accelerate(vae, options):
         info["reasons"]["channels_last"] = ("a %s VAE keeps stock's layout (NHWC convolutions are kept for fp16 and "
                                             "bf16, where cuDNN runs them on tensor cores)"
                                             % str(getattr(vae, "vae_dtype", "")).replace("torch.", ""))
+    elif channels_last and not hasattr(clone, "add_callback_with_key"):
+        channels_last = False   # the weights are the user's VAE's: a stock VAE Decode after ours runs on them
+        info["reasons"]["channels_last"] = ("this ComfyUI has no ON_DETACH callbacks, which would put the conv "
+                                            "weights back in stock's layout for a stock VAE Decode after ours")
     if options.cuda_graph or channels_last:
         no_graphs = _no_graphs_reason(clone) if options.cuda_graph else None
         if no_graphs:

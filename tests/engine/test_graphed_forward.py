@@ -3,6 +3,7 @@ eagerly, counted with its reason as a refused key's calls are; the graphs (and h
 module's, shared by every stand-in of it."""
 import torch
 
+from sd_accel.engine.graphs import graphed_forward
 from sd_accel.engine.graphs.graphed_forward import GraphedForward, Policy
 
 
@@ -38,3 +39,38 @@ def test_stand_ins_of_one_module_share_its_graphs_and_the_first_policy_sizes_the
     b = GraphedForward(m, "lin", cuda_graph=False)
     assert a.graphs is b.graphs and a.graphs.max_graphs == 8
     assert GraphedForward(_module(), "other").graphs.max_graphs == 4
+
+
+def _conv_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(8, 4, 1))
+
+
+def _weights(m):
+    return [c.weight for c in m if isinstance(c, torch.nn.Conv2d)]
+
+
+def test_stock_layout_is_restored_in_place_and_a_later_call_converts_again_before_any_graph_runs(monkeypatch):
+    m = _conv_net()
+    before = [(w.data_ptr(), w.clone()) for w in _weights(m)]
+    gf = GraphedForward(m, "net", channels_last=True)
+    assert gf._to_channels_last() and all(w.is_contiguous(memory_format=torch.channels_last) for w in _weights(m))
+    gf.to_stock_layout()
+    assert all(w.is_contiguous() for w in _weights(m)) and gf.relayout_pending
+    # the same storage and values (graphs captured over these addresses stay valid)
+    assert [(w.data_ptr(), True) for w in _weights(m)] == [(p, torch.equal(w, v)) for (p, v), w in
+                                                          zip(before, _weights(m))]
+    # a GPU call converts first (graphs were captured over channels_last weights); the CPU has no graphs, so
+    # the test says the input is on the GPU
+    monkeypatch.setattr(graphed_forward, "_on_gpu", lambda args: True)
+    gf(torch.randn(1, 4, 8, 8))
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in _weights(m)) and not gf.relayout_pending
+
+
+def test_a_stand_in_that_never_converted_leaves_the_layout_alone():
+    m = _conv_net()
+    gf = GraphedForward(m, "net", channels_last=True)
+    gf.to_stock_layout()
+    assert not gf.relayout_pending and all(w.is_contiguous() for w in _weights(m))
+    gf(torch.randn(1, 4, 8, 8))   # a CPU call after no conversion: nothing to put back
+    assert all(w.is_contiguous() for w in _weights(m))

@@ -204,3 +204,34 @@ def test_with_channels_last_weights_the_fused_copy_still_matches_stock_through_e
         hook.remove()
     assert layouts == [True], "the decoder ran on channels_last activations"
     assert torch.allclose(img, ref_img, atol=1e-4) and torch.allclose(lat, ref_lat, atol=1e-4)
+
+
+def test_a_stock_vae_decode_after_ours_runs_on_stock_s_layout(forced, monkeypatch):
+    # an fp16/bf16 VAE on a GPU: the copy converts the conv weights (the user's VAE's) to channels_last; on a
+    # ComfyUI with ON_DETACH callbacks they go back when ComfyUI loads the user's VAE for a stock VAE Decode,
+    # and the next decode of ours converts them again; an older ComfyUI, which cannot say when, keeps them as
+    # they are
+    monkeypatch.setattr(vae_accel, "_half_precision", lambda vae: True)
+    vae = comfy_inproc.tiny_vae(seed=1)
+    acc, info = vae_accel.accelerate_vae(vae, OPTS)
+    gf = info["forwards"]["decode"]
+    import comfy.model_patcher as mp
+    if not hasattr(mp.ModelPatcher, "add_callback_with_key"):
+        assert not gf.channels_last and "no ON_DETACH callbacks" in info["reasons"]["channels_last"]
+        return
+    assert gf.channels_last and "channels_last" not in info["reasons"]
+    seen = []
+    conv = vae.first_stage_model.decoder.conv_in
+    hook = conv.register_forward_pre_hook(lambda m, a: seen.append(m.weight.is_contiguous()))
+    try:
+        with torch.inference_mode():
+            ref = vae.decode(_latent())
+            gf._to_channels_last()   # what its first GPU call does (the CPU has none)
+            out = acc.decode(_latent())
+            assert not conv.weight.is_contiguous(), "ours ran on channels_last weights"
+            again = vae.decode(_latent())
+    finally:
+        hook.remove()
+    assert seen == [True, False, True], seen
+    assert torch.allclose(out, ref, atol=1e-4) and torch.equal(again, ref)
+    assert gf.relayout_pending, "our next GPU decode converts them again before a graph replays"
