@@ -105,10 +105,23 @@ def kernels(model, clip, vae):
     return totals
 
 
+def loaded():
+    """What ComfyUI holds loaded (GiB on the GPU of each model's size) and what it counts as free."""
+    parts = []
+    for lm in ENV.mm.current_loaded_models:
+        try:
+            parts.append("%s %.2f/%.2f" % (type(lm.model.model).__name__, lm.model.loaded_size() / 2 ** 30,
+                                           lm.model.model_size() / 2 ** 30))
+        except AttributeError:   # a patcher without loaded_size (ComfyUI 2024)
+            parts.append(type(lm.model.model).__name__)
+    free = ENV.mm.get_free_memory() / 2 ** 30 if ENV.cuda else 0.0
+    return "loaded %s; free %.1f GiB" % (", ".join(parts), free)
+
+
 def phase(name, model, clip, vae):
     its, gpu = stock_its(model, clip, vae)
-    out("%-13s stock %.2f it/s | %s | cudnn.benchmark %s | %s" % (
-        name, its, gpu, torch.backends.cudnn.benchmark, layouts(model)))
+    out("%-13s stock %.2f it/s | %s | cudnn.benchmark %s | %s | %s" % (
+        name, its, gpu, torch.backends.cudnn.benchmark, layouts(model), loaded()))
 
 
 def main():
