@@ -9,7 +9,8 @@ metadata of a typical graph's size, and prints ms per image and the file size. H
 any machine; the figures are this machine's CPU.
 
 Then Save Image (SD Accel)'s writer (hosts/comfyui/png_save.write_pngs: SaveImage's conversion, the level it is
-given, a batch's images in parallel threads) against SaveImage's way (one image after another at level 4), per
+given; at level 1 each image's rows converted and compressed in stripes on parallel threads, at level 4 PIL's
+encoder with a batch's images in parallel threads) against SaveImage's way (one image after another at level 4), per
 batch size, in this process, files to a temporary folder; the pixels read back are checked equal.
 
   python3 bench/bench_png_save.py [--sizes 512,1024] [--batches 1,4] [--reps 5]
@@ -20,6 +21,7 @@ import io
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -49,11 +51,16 @@ def photo_like(size, seed=0):
 
 
 def metadata():
-    info = PngInfo()
+    """A typical graph's text chunks, {keyword: text} (as png_save's writer takes them)."""
     graph = {str(i): {"class_type": "Node%d" % i, "inputs": {"text": "a photo of a cat " * 8, "seed": i}}
              for i in range(12)}
-    info.add_text("prompt", json.dumps(graph))
-    info.add_text("workflow", json.dumps({"nodes": list(graph.values()) * 3}))
+    return {"prompt": json.dumps(graph), "workflow": json.dumps({"nodes": list(graph.values()) * 3})}
+
+
+def png_info(text):
+    info = PngInfo()
+    for key, value in text.items():
+        info.add_text(key, value)
     return info
 
 
@@ -62,22 +69,25 @@ def time_level(img, level, reps, info):
     for _ in range(reps):
         buf = io.BytesIO()
         t0 = time.perf_counter()
-        img.save(buf, format="PNG", pnginfo=info, compress_level=level)
+        img.save(buf, format="PNG", pnginfo=png_info(info), compress_level=level)
         times.append(time.perf_counter() - t0)
         size = buf.tell()
     return statistics.median(times) * 1e3, size
 
 
 def png_save_module():
-    """hosts/comfyui/png_save.py on its own (it imports nothing of the pack or of ComfyUI at module level)."""
-    spec = importlib.util.spec_from_file_location("png_save", os.path.join(REPO, "hosts", "comfyui", "png_save.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """hosts/comfyui/png_save.py under a package of the repo's own (it imports nothing of ComfyUI at module level)."""
+    import types
+    if "sd_accel" not in sys.modules:
+        pkg = types.ModuleType("sd_accel")
+        pkg.__path__ = [REPO]
+        sys.modules["sd_accel"] = pkg
+    return importlib.import_module("sd_accel.hosts.comfyui.png_save")
 
 
-def saveimage_way(images, paths, info):
+def saveimage_way(images, paths, text):
     """What SaveImage does per image: the same conversion, level 4, one after another."""
+    info = png_info(text)
     for image, path in zip(images, paths):
         img = Image.fromarray(np.clip(255. * image.cpu().numpy(), 0, 255).astype(np.uint8))
         img.save(path, pnginfo=info, compress_level=SAVEIMAGE_LEVEL)
@@ -107,9 +117,12 @@ def time_batches(sizes, batches, reps, info):
                     for k in ("ours4", "ours"):
                         assert np.array_equal(ref, np.asarray(Image.open(os.path.join(tmp, "%s_0_%d.png" % (k, i)))))
                 med = {k: statistics.median(v) for k, v in ms.items()}
-                print("%4d²  %5d  %18.1f   %10.1f / %.1f   (%.2fx / %.2fx of SaveImage's)"
+                nbytes = {k: sum(os.path.getsize(os.path.join(tmp, "%s_0_%d.png" % (k, i))) for i in range(batch))
+                          for k in ways}
+                print("%4d²  %5d  %18.1f   %10.1f / %.1f   (%.2fx / %.2fx of SaveImage's; files %.2fx / %.2fx)"
                       % (size, batch, med["stock"], med["ours4"], med["ours"], med["ours4"] / med["stock"],
-                         med["ours"] / med["stock"]))
+                         med["ours"] / med["stock"], nbytes["ours4"] / nbytes["stock"],
+                         nbytes["ours"] / nbytes["stock"]))
 
 
 def main():

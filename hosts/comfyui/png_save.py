@@ -1,8 +1,10 @@
 """Save Image (SD Accel)'s writer: the files ComfyUI's SaveImage writes (the same names in the same output folder,
 the same 8-bit pixels, the prompt and workflow as the same PNG text chunks), at a compression level the user picks.
 PNG is lossless at every level: a lower one only writes a larger file sooner. ComfyUI's SaveImage uses level 4,
-its PreviewImage level 1. The images of a batch are converted and encoded in parallel threads: numpy's array
-arithmetic and PIL's PNG encoder release the GIL, and the executor waits for the whole batch either way.
+its PreviewImage level 1. At levels 0 and 1 each image's rows are converted and compressed in stripes on parallel
+threads (engine/png_encode.py), one image after another; at the others PIL's encoder (whose per-row filter
+choice writes smaller files) encodes a batch's images in parallel threads. numpy, zlib and PIL's encoder release
+the GIL, and the executor waits for the whole batch either way.
 """
 import concurrent.futures
 import json
@@ -12,9 +14,12 @@ import numpy as np
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
+from ...engine import png_encode
+
 SAVEIMAGE_LEVEL = 4    # stock SaveImage's compress_level
 DEFAULT_LEVEL = 1      # ComfyUI's PreviewImage's: about half of level 4's encoding time (bench/bench_png_save.py)
 MAX_THREADS = 8
+STRIPED_LEVEL = 1     # the fastest levels, where one image's stream is striped over threads
 
 
 def save_images(images, filename_prefix, compress_level=DEFAULT_LEVEL, prompt=None, extra_pnginfo=None):
@@ -33,29 +38,42 @@ def save_images(images, filename_prefix, compress_level=DEFAULT_LEVEL, prompt=No
 
 def write_pngs(images, paths, metadata, compress_level):
     """Each image (a [H, W, C] tensor in 0..1) to its path as 8-bit PNG, converted as SaveImage converts it
-    (x 255, clipped, truncated), in parallel threads for a batch."""
-    def write(i):
-        img = Image.fromarray(np.clip(255. * images[i].cpu().numpy(), 0, 255).astype(np.uint8))
-        img.save(paths[i], pnginfo=metadata, compress_level=compress_level)
-
-    threads = min(len(paths), os.cpu_count() or 1, MAX_THREADS)
-    if threads <= 1:
-        for i in range(len(paths)):
-            write(i)
-        return
+    (x 255, clipped, truncated), with `metadata` ({keyword: text} or None) as text chunks."""
+    threads = min(os.cpu_count() or 1, MAX_THREADS)
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sd_accel_png") as pool:
+        if compress_level <= STRIPED_LEVEL and all(png_encode.can_encode(tuple(im.shape)) for im in images):
+            for image, path in zip(images, paths):
+                data = png_encode.encode(png_encode.to_uint8(image, pool, threads), compress_level, metadata,
+                                         pool, threads)
+                with open(path, "wb") as f:
+                    f.write(data)
+            return
+        info = _png_info(metadata)
+
+        def write(i):
+            img = Image.fromarray(np.clip(255. * images[i].cpu().numpy(), 0, 255).astype(np.uint8))
+            img.save(paths[i], pnginfo=info, compress_level=compress_level)
         list(pool.map(write, range(len(paths))))   # the first failure (disk full, say) is raised here
 
 
+def _png_info(metadata):
+    if metadata is None:
+        return None
+    info = PngInfo()
+    for key, text in metadata.items():
+        info.add_text(key, text)
+    return info
+
+
 def _metadata(prompt, extra_pnginfo):
-    """The text chunks SaveImage embeds (the prompt, then each extra_pnginfo entry: the workflow), unless ComfyUI
-    runs with --disable-metadata."""
+    """The text chunks SaveImage embeds ({keyword: text}: the prompt, then each extra_pnginfo entry: the workflow),
+    unless ComfyUI runs with --disable-metadata (None)."""
     from comfy.cli_args import args
     if args.disable_metadata:
         return None
-    info = PngInfo()
+    text = {}
     if prompt is not None:
-        info.add_text("prompt", json.dumps(prompt))
+        text["prompt"] = json.dumps(prompt)
     for key, value in (extra_pnginfo or {}).items():
-        info.add_text(key, json.dumps(value))
-    return info
+        text[key] = json.dumps(value)
+    return text
