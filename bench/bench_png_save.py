@@ -27,7 +27,6 @@ import time
 
 import numpy as np
 from PIL import Image
-from PIL.PngImagePlugin import PngInfo
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,19 +56,12 @@ def metadata():
     return {"prompt": json.dumps(graph), "workflow": json.dumps({"nodes": list(graph.values()) * 3})}
 
 
-def png_info(text):
-    info = PngInfo()
-    for key, value in text.items():
-        info.add_text(key, value)
-    return info
-
-
 def time_level(img, level, reps, info):
     times, size = [], 0
     for _ in range(reps):
         buf = io.BytesIO()
         t0 = time.perf_counter()
-        img.save(buf, format="PNG", pnginfo=png_info(info), compress_level=level)
+        img.save(buf, format="PNG", pnginfo=png_save_module().png_info(info), compress_level=level)
         times.append(time.perf_counter() - t0)
         size = buf.tell()
     return statistics.median(times) * 1e3, size
@@ -87,7 +79,7 @@ def png_save_module():
 
 def saveimage_way(images, paths, text):
     """What SaveImage does per image: the same conversion, level 4, one after another."""
-    info = png_info(text)
+    info = png_save_module().png_info(text)
     for image, path in zip(images, paths):
         img = Image.fromarray(np.clip(255. * image.cpu().numpy(), 0, 255).astype(np.uint8))
         img.save(path, pnginfo=info, compress_level=SAVEIMAGE_LEVEL)

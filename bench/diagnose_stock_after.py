@@ -87,8 +87,7 @@ def layouts(model):
              if isinstance(m, torch.nn.Conv2d) and m.weight is not None]
     cl = sum(1 for w in convs if w.dim() == 4 and not w.is_contiguous()
              and w.is_contiguous(memory_format=torch.channels_last))
-    return "%d conv weights, %d channels_last, %d on %s" % (
-        len(convs), cl, sum(1 for w in convs if w.is_cuda), "cuda")
+    return "%d conv weights, %d channels_last, %d on the GPU" % (len(convs), cl, sum(1 for w in convs if w.is_cuda))
 
 
 def kernels(model, clip, vae):

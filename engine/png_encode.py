@@ -28,10 +28,13 @@ def can_encode(shape):
     return len(shape) == 3 and shape[2] in COLOR_TYPES and shape[0] > 0 and shape[1] > 0
 
 
-def to_uint8(image, pool, stripes):
-    """ComfyUI's IMAGE ([H, W, C] floats in 0..1, a CPU tensor or array) as SaveImage converts it (x 255, clipped,
-    truncated to uint8), stripes of rows converted on `pool`'s threads (the same value for every element)."""
+def to_uint8(image, pool=None, stripes=1):
+    """One image of ComfyUI's IMAGE ([H, W, C] floats in 0..1, a CPU tensor or array) as SaveImage converts it
+    (x 255, clipped, truncated to uint8); with a `pool`, stripes of rows converted on its threads (the same value
+    for every element)."""
     x = image.cpu().numpy() if hasattr(image, "cpu") else np.asarray(image)
+    if pool is None:
+        return np.clip(255. * x, 0, 255).astype(np.uint8)
     out = np.empty(x.shape, np.uint8)
 
     def convert(rows):

@@ -84,7 +84,7 @@ class GraphedForward:
         channels_last, values unchanged, in place (the graphs captured over them stay valid)."""
         if not self.channels_last or self.channels_last_done:
             return False
-        n = _relayout(self.module, torch.channels_last)
+        n = patching.convert_conv_weights(self.module, torch.channels_last)
         self.channels_last_done, self.relayout_pending = True, False
         log.debug("[SD Accel] channels_last: %d conv weights of %s converted", n, self.graphs.name)
         return n > 0
@@ -94,22 +94,12 @@ class GraphedForward:
         the clone that holds it): the weights are the user's model's, and its stock modules run slower on
         channels_last weights. The next call here converts them again; the graphs stay valid."""
         if self.channels_last_done:
-            _relayout(self.module, torch.contiguous_format)
+            patching.convert_conv_weights(self.module, torch.contiguous_format)
             self.channels_last_done = False
             self.relayout_pending = True
 
     def _eager(self, *args, **kwargs):
         return self.forward(self.module, *args, **kwargs)
-
-
-def _relayout(module, memory_format):
-    weight = next((m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d)), None)
-    if weight is None:
-        return 0
-    # new data of the same kind as the old (weights loaded under inference_mode have no version counter): the
-    # graphs' weights fingerprint reads the same before and after
-    with torch.inference_mode(weight.is_inference()):
-        return patching.convert_conv_weights(module, memory_format)
 
 
 def _on_gpu(args):

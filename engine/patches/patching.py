@@ -125,7 +125,8 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
     """Stores every 4-D conv weight of `root` in `memory_format`, in place (values unchanged, the
     Parameter objects kept): with channels_last activations cuDNN then needs no NCHW<->NHWC transform
     around each convolution. Stock ComfyUI's --force-channels-last does the same to the whole model.
-    Returns how many weights changed. Weights a block streamer (engine/memory/offload.py) holds in its GPU ring are
+    Converting back and forth keeps every graph captured over the weights valid (same storage, same kind of
+    tensor). Returns how many weights changed. Weights a block streamer (engine/memory/offload.py) holds in its GPU ring are
     converted through it: their host copies change layout, and the ring view follows."""
     streamer = residency.streamer_of(root)
     n = 0
@@ -136,7 +137,9 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
                 n += 1
                 continue
             if not w.is_contiguous(memory_format=memory_format):
-                with torch.no_grad():
+                # new data of the same kind as the old (weights loaded under inference_mode have no version
+                # counter): a graph's weights fingerprint reads the same before and after
+                with torch.no_grad(), torch.inference_mode(w.is_inference()):
                     w.data = relayout_in_place(w.data, memory_format)
                 n += 1
     return n

@@ -30,10 +30,7 @@ def set_layout(st, base_model, channels_last):
     weights = list(_conv_weights(unet))
     if not weights or (channels_last and not all(w.is_cuda for w in weights)):
         return   # partly loaded: no graphs run, and rewriting host copies every run would cost the CPU
-    # the new data of the same kind as the old (ComfyUI loads weights as inference tensors, which have no
-    # version counter): the graphs' weights fingerprint then reads the same before and after
-    with torch.inference_mode(weights[0].is_inference()):
-        patching.convert_conv_weights(unet, torch.channels_last if channels_last else torch.contiguous_format)
+    patching.convert_conv_weights(unet, torch.channels_last if channels_last else torch.contiguous_format)
     st.channels_last_now = channels_last
 
 

@@ -10,7 +10,6 @@ import concurrent.futures
 import json
 import os
 
-import numpy as np
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
@@ -48,15 +47,15 @@ def write_pngs(images, paths, metadata, compress_level):
                 with open(path, "wb") as f:
                     f.write(data)
             return
-        info = _png_info(metadata)
+        info = png_info(metadata)
 
         def write(i):
-            img = Image.fromarray(np.clip(255. * images[i].cpu().numpy(), 0, 255).astype(np.uint8))
-            img.save(paths[i], pnginfo=info, compress_level=compress_level)
+            Image.fromarray(png_encode.to_uint8(images[i])).save(paths[i], pnginfo=info, compress_level=compress_level)
         list(pool.map(write, range(len(paths))))   # the first failure (disk full, say) is raised here
 
 
-def _png_info(metadata):
+def png_info(metadata):
+    """PIL's PngInfo of {keyword: text} (None for None): the chunks PIL's encoder writes."""
     if metadata is None:
         return None
     info = PngInfo()
