@@ -80,17 +80,22 @@ REFUSED_SO_FAR = []   # configs of this process whose accelerated runs replayed 
 
 
 class CacheLog(logging.Handler):
-    """EasyCache / LazyCache log how many steps they skipped; kept for the notes, with the variant that ran."""
+    """EasyCache / LazyCache log how many steps they skipped; kept for the notes, with the variant that ran.
+    Also counts ComfyUI's "memory leak with model" warnings: a loaded model whose patchers are all gone while
+    its weights live, after which every load runs a full garbage collection (stock's too)."""
 
     def __init__(self):
         super().__init__()
         self.lines = []
         self.variant = None
+        self.leak_warnings = 0
 
     def emit(self, record):
         msg = record.getMessage()
         if " - skipped " in msg:
             self.lines.append("%s: %s" % (self.variant, msg))
+        elif "memory leak with model" in msg:
+            self.leak_warnings += 1
 
 
 def size_of(family):
@@ -139,7 +144,7 @@ def graphs_note(report):
             "refused": g.get("refused"), "eager_reason": g.get("eager_reason")}
 
 
-def record(tag, family, case, res, pass_name, cache_lines):
+def record(tag, family, case, res, pass_name, cache_lines, leak_warnings):
     env_info = cb.versions(ENV, OPT.comfy_dir)
     rec = cb.pair_record(env_info, OPT, tag, res["stock"], res["ours"])
     ours_rep = res["ours"]["report"] or {}
@@ -158,6 +163,7 @@ def record(tag, family, case, res, pass_name, cache_lines):
         ", ".join(ours_rep.get("ran", [])), json.dumps(ours_rep.get("fell_back", {})), json.dumps(note),
         json.dumps(graphs_note(res["ours"]["first_report"])),
         "; cache: %s" % " | ".join(dict.fromkeys(cache_lines)) if cache_lines else "")
+    rec["comfyui_leak_warnings"] = leak_warnings
     if not rec["graphs"]:
         REFUSED_SO_FAR.append(tag)
     nonfinite = {v: int((~res[v]["img"].isfinite()).sum()) for v in res}
@@ -179,7 +185,7 @@ def bench_config(tag, family, case, pass_name, eager):
     finally:
         root.removeHandler(log)
         root.setLevel(level)
-    rec = record(tag, family, case, res, pass_name, log.lines)
+    rec = record(tag, family, case, res, pass_name, log.lines, log.leak_warnings)
     cb.append_record(OPT, rec)
     if case == patch_nodes.FP8_UNET:   # the second UNet leaves: the next config's model loads whole again
         del model, res
@@ -223,15 +229,15 @@ def refuse_first(rows):
 
 
 def print_table(rows):
-    print("%-54s %9s %9s %6s %9s %6s %6s %7s  %s" % ("config", "stock it/s", "ours it/s", "x", "eager it/s", "x",
-                                                    "graphs", "PSNR", "refused"))
+    print("%-54s %9s %9s %6s %9s %6s %6s %7s %5s  %s" % ("config", "stock it/s", "ours it/s", "x", "eager it/s",
+                                                        "x", "graphs", "PSNR", "leaks", "refused"))
     for r in rows:
         eager = r.get("ours_eager_its")
         refused = json.dumps(r["graphs_refused"])[:80] if r["graphs_refused"] else ""
-        print("%-54s %9.2f %9.2f %6.2f %9s %6s %6s %7s  %s" % (
+        print("%-54s %9.2f %9.2f %6.2f %9s %6s %6s %7s %5d  %s" % (
             r["config"], r["stock_its"], r["ours_its"], r["speedup"], "%.2f" % eager if eager else "-",
             "%.2f" % (eager / r["stock_its"]) if eager else "-", "yes" if r["graphs"] else "no",
-            "%.1f" % r["psnr_db"] if r["psnr_db"] is not None else "n/a", refused))
+            "%.1f" % r["psnr_db"] if r["psnr_db"] is not None else "n/a", r["comfyui_leak_warnings"], refused))
 
 
 def main():

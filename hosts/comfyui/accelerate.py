@@ -309,8 +309,8 @@ def _install_keyed(clone, st, options, step):
 # patcher loaded, instead of a new clone that makes it unload the previous one (and drop its graphs).
 # Kept in an attribute of the input model, not in a global WeakKeyDictionary: the clone refers to its
 # input (`clone.parent`), and a dict value that refers to its weak key keeps it alive for ever (every
-# model and LoRA variant ever accelerated would stay in RAM). As an attribute it is a plain reference
-# cycle that the garbage collector frees with the input model.
+# model and LoRA variant ever accelerated would stay in RAM). As an attribute, with the clone's parent set past
+# the input (parent_beyond_the_cache), nothing refers back: the clone is freed with its input.
 _CLONES_ATTR = "_sd_accel_clones"
 
 
@@ -327,6 +327,7 @@ def accelerate(model, options):
 
 def _accelerate(model, options):
     clone = model.clone()
+    parent_beyond_the_cache(clone, model)
     info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None, "reasons": {}}
     if not options.any():
         return clone, info
@@ -370,6 +371,20 @@ def _accelerate(model, options):
         info["wrapper"] = _install_wrapper(clone, st, options, cache, derived_copies=fp8 or upcast)
         info["graph_state"] = st
     return clone, info
+
+
+def parent_beyond_the_cache(clone, model):
+    """The clone's `parent` (whom ComfyUI's LoadedModel falls back to when the clone is freed) skips its input
+    when the input has a parent of its own. The input holds the clone (_CLONES_ATTR); a clone that referred back
+    to it would make a cycle, freed only by a garbage collection, which frees both at once: ComfyUI then finds
+    no patcher of the loaded model alive while its weights are ("memory leak with model BaseModel") and runs a
+    full collection on every later load, stock samplers' included. Without the cycle the input is freed the
+    moment the user's graph drops it, the clone with it, and ComfyUI falls back to the input's parent, as it
+    would have from the input itself. A root input (a checkpoint loader's model) stays the parent: it is freed
+    with its weights, so a collection finds no loaded model half alive."""
+    up = getattr(model, "parent", None)
+    if up is not None and getattr(clone, "parent", None) is model:
+        clone.parent = up
 
 
 def _loads_on_cuda(patcher):

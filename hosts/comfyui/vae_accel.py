@@ -105,6 +105,7 @@ def _accelerate(vae, options):
     from . import accelerate
     accelerate._register_weight_caster()
     clone = vae.patcher.clone()
+    accelerate.parent_beyond_the_cache(clone, vae.patcher)   # the copies are cached on vae.patcher
     patches, counts = {}, {}
     if options.fused_kernels:
         why = _kernels_reason(vae) or object_patches.foreign_modules_reason(clone, root="")

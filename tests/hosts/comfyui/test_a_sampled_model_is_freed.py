@@ -37,3 +37,41 @@ def test_a_model_sampled_by_the_node_is_freed_when_comfyui_drops_it(tmp_path):
     mm.unload_all_models()
     gc.collect()
     assert ref() is None, _holders(ref())
+
+
+def _dead_loaded_models(mm):
+    """ComfyUI's loaded models whose patchers are all gone while their weights live (current ComfyUI tracks the
+    patcher weakly and falls back to its parent; where none is alive, every later load runs a full garbage
+    collection and warns "memory leak with model")."""
+    return [lm for lm in mm.current_loaded_models if getattr(lm, "is_dead", lambda: False)()]
+
+
+def test_dropping_a_patched_input_model_leaves_comfyui_no_dead_loaded_model(tmp_path, caplog):
+    """A patch node's clone (FreeU, a LoRA; or both, one after the other) sampled by the node, then dropped when the
+    user changes that patch:
+    a garbage collection at any moment after must leave ComfyUI's list of loaded models sound, and the next load
+    (stock KSampler on the checkpoint) must not warn of a leak."""
+    import logging
+    import comfy.model_management as mm
+    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
+    base = comfy_inproc.tiny_model_patcher(tmp_path)
+    nodes = comfy_inproc.comfy_nodes()
+    dim = base.model.model_config.unet_config["context_dim"]
+    cond = [[torch.randn(1, 77, dim), {}]]
+    latent = {"samples": torch.zeros(1, 4, 8, 8)}
+    # the user changes a patch node's settings: a new clone each prompt; then a LoRA and a patch after it
+    # (both dropped together when the LoRA changes)
+    for depth in (1, 1, 2, 2):
+        patched = base
+        for _ in range(depth):
+            patched = patched.clone()
+        with torch.inference_mode():
+            SDAccelKSampler().sample(patched, 1, 1, 7.0, "euler", "normal", cond, cond, latent)
+        del patched
+        gc.collect()
+        assert not _dead_loaded_models(mm)
+    with caplog.at_level(logging.WARNING):
+        with torch.inference_mode():
+            nodes.KSampler().sample(base, 1, 1, 7.0, "euler", "normal", cond, cond, latent)
+    assert not [r for r in caplog.records if "memory leak" in r.getMessage()]
+    mm.unload_all_models()
