@@ -89,6 +89,15 @@ class GraphedForward:
         log.debug("[SD Accel] channels_last: %d conv weights of %s converted", n, self.graphs.name)
         return n > 0
 
+    def settle_layout(self):
+        """Outside any capture: the conv weights in the layout this stand-in's own calls would put them in
+        (channels_last again after `to_stock_layout`), before a caller that captures this module inside a graph
+        of its own (the UNet's, with the ControlNet in it) takes its key. Returns the layout: True for
+        channels_last."""
+        if self.relayout_pending and _on_gpu(list(self.module.parameters())[:1]):
+            self._to_channels_last()
+        return self.channels_last_done
+
     def to_stock_layout(self):
         """Conv weights back in stock's layout, in place, when the host stops running this stand-in (it detaches
         the clone that holds it): the weights are the user's model's, and its stock modules run slower on

@@ -125,12 +125,13 @@ def _get_control(self, x, t, cond, batched_number, *rest, **kw):
 
 
 def _decide(top, links, x, t, cond, batched_number, rest, kw):
-    """(why not, which links are in range, their weights' versions): the decisions taken outside the graph.
-    Prepares the active links' hints on the way (ComfyUI's own code)."""
+    """(why not, which links are in range, their weights' (version, layout)): the decisions taken outside the
+    graph. Prepares the active links' hints on the way (ComfyUI's own code)."""
     why = _why_not(links, rest, kw)
     if why is not None:
         return why, None, None
     versions = [_weights_version(link) for link in links]
+    layouts = [_settled_layout(link) for link in links]
     if getattr(x, "is_cuda", False) and not all(on_gpu for _, on_gpu in versions):
         return "ControlNet weights not all on the GPU", None, None
     active = [_in_range(link, t) for link in links]
@@ -138,7 +139,17 @@ def _decide(top, links, x, t, cond, batched_number, rest, kw):
         _prepare_hints(top, links, x, t, cond, batched_number, rest, kw)
         if not all(_hint_ready(link, x) for link, on in zip(links, active) if on):
             return "hint not prepared for this shape", None, None
-    return None, active, [v for v, _ in versions]
+    return None, active, [(v, layout) for (v, _), layout in zip(versions, layouts)]
+
+
+def _settled_layout(link):
+    """The layout of the link's conv weights (True: channels_last), settled outside the capture. The ControlNet's
+    stand-in converts them for its own graphs and ComfyUI's detach puts them back; a UNet graph captured over
+    one layout reads the weights' memory in that layout, so the layout is part of the key (the weights' version
+    does not move: the conversion is in place) and a pending conversion happens here, never inside a capture."""
+    gf = link.control_model.__dict__.get("forward")
+    settle = getattr(gf, "settle_layout", None)
+    return settle() if settle is not None else None
 
 
 def _stock_call(stock, link, x, t, cond, batched_number, rest, kw):

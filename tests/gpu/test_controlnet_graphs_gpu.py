@@ -71,3 +71,37 @@ def test_controlnet_graphs_follow_hint_strength_and_range(comfy_env, cn):  # noq
         # noise of the same order as these small changes (run 18: 1.3 relative between the two differences)
         assert d_ref > 1e-4, (what, "changes stock's image too little to test", d_ref)
         assert 0.5 * d_ref < d_out < 2.0 * d_ref, (what, "changed ours by", d_out, "stock by", d_ref)
+
+
+def test_a_controlnet_layout_change_between_runs_never_replays_stale(comfy_env, cn):  # noqa: F811
+    """The ControlNet's conv weights change layout between our runs: its own graphs (a run where another pack's
+    apply_model wrapper sits outside ours, so the chain cannot join the UNet's graph) convert them to
+    channels_last, and ComfyUI's detach for a stock KSampler with the same ControlNet puts them back. A UNet
+    graph captured over one layout must never replay over the other: each of our images equals stock's."""
+    import comfy.patcher_extension as pe
+    env = comfy_env
+    hint = _hint(3) * 0.5
+    theirs = env.model.clone()
+    theirs.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, "another_pack",
+                                lambda executor, *args, **kwargs: executor(*args, **kwargs))
+
+    def ours(model):
+        with torch.inference_mode():
+            pos, neg = env.nodes.ControlNetApplyAdvanced().apply_controlnet(env.pos, env.neg, cn, hint, 1.0,
+                                                                          0.0, 1.0)[:2]
+            lat = env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+            res = env.ours.sample(model, 9, 6, 7.0, "euler", "normal", pos, neg, lat)
+        return res["result"][0]["samples"].float(), res["result"][1]
+
+    ref, _ = _sample(env, cn, hint, ours=False)
+    _, line = ours(theirs)
+    # the ControlNet's own graphs, captured over channels_last weights (converted before their capture)
+    assert "own graphs" in line and re.search(r"graphs: \d+ replays, [1-9]\d* captures", line), line
+    out, line = ours(env.model)                # the UNet's graph, captured with the ControlNet in it
+    assert "in the UNet's graph: 6 calls" in line, line
+    assert _rel(out, ref) < 2e-2, (_rel(out, ref), line)
+    again_ref, _ = _sample(env, cn, hint, ours=False)   # ComfyUI detaches our copy: stock's layout back
+    out, line = ours(env.model)
+    assert "in the UNet's graph: 6 calls" in line, line
+    assert _rel(out, again_ref) < 2e-2, (_rel(out, again_ref), line)
+    assert _rel(out, ref) < 2e-2
