@@ -61,6 +61,7 @@ def profiled(v, clip, vae):
     pr.enable()
     out = run(v, clip, vae, 8)
     pr.disable()
+    pr.dump_stats(os.path.join(OPT.out, "profile_%s.pstats" % v[0]))
     text = io.StringIO()
     st = pstats.Stats(pr, stream=text)
     st.sort_stats("tottime").print_stats(25)
