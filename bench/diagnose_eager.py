@@ -26,6 +26,9 @@ import comfy_bench as cb  # noqa: E402
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 cb.add_common_args(ap)
 ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--fingerprint", action="store_true",
+                help="also: per step of ours with graphs (plain and refused), whether the weights' fingerprint "
+                     "came from its per-run cache, and on a miss which check failed")
 OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 sys.path.insert(0, os.path.join(cb.REPO, "dev"))
@@ -69,6 +72,37 @@ def profiled(v, clip, vae):
     return out["sample_s"], inside, text.getvalue()
 
 
+def fingerprint_misses(v, clip, vae):
+    """{outcome: calls} of WeightsFingerprint.read over one run of `v` (outcome "cached", or the failed check)."""
+    from sd_accel.engine.graphs import fingerprint as fpm
+    original, seen = fpm.WeightsFingerprint.read, {}
+
+    def read(self, epoch=None):
+        last, same_epoch = self._last, epoch is not None and epoch is self.epoch
+        out = original(self, epoch)
+        if not same_epoch or last is None:
+            why = "new epoch" if not same_epoch else "no read cached yet"
+        elif out is last[2]:
+            why = "cached"
+        else:
+            tensors = [d.get(name) for d, name in self.slots]
+            if not fpm._same_objects(last[0], tensors):
+                why = "tensor objects changed"
+            elif not all(tensors[i]._version == ver for i, ver in last[1]):
+                moved = [self.slots[i][1] for i, ver in last[1] if tensors[i]._version != ver]
+                why = "versions moved: %s" % ",".join(sorted(set(moved))[:6])
+            else:
+                why = "residency token changed"
+        seen[why] = seen.get(why, 0) + 1
+        return out
+    fpm.WeightsFingerprint.read = read
+    try:
+        run(v, clip, vae, 9)
+    finally:
+        fpm.WeightsFingerprint.read = original
+    return seen
+
+
 def main():
     vs, clip, vae = variants()
     for v in vs:
@@ -88,6 +122,11 @@ def main():
         with open(os.path.join(OPT.out, "profile_%s.txt" % v[0]), "w") as f:
             f.write(text)
         say("PROFILE", v[0], "\n" + "\n".join(text.splitlines()[:40]))
+    if OPT.fingerprint:
+        plain = ("ours_plain", vs[0][1], "ours", None)
+        for v in (plain, vs[3]):
+            run(v, clip, vae, 1)
+            lines.append("%-22s fingerprint reads: %s" % (v[0], fingerprint_misses(v, clip, vae)))
     print("\n".join(lines))
 
 
