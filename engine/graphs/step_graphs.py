@@ -124,8 +124,10 @@ class StepGraphs:
         if fp != self.last_fp:
             if self.last_fp is not None:
                 self.clear("weights changed (LoRA/patch, reload or device move)")
-            self.last_fp = fp
             self._warm.clear()
+        # kept even when equal: the fingerprint's per-run cache hands back this object on the run's later steps, so
+        # the next comparison is by identity; an equal one from an earlier run would be compared weight by weight
+        self.last_fp = fp
         tensors, key, soft = keys.flatten((args, kwargs))
         device = next((t.device for t in tensors if t.is_cuda), None)
         if device is None:
