@@ -94,7 +94,7 @@ class GraphedForward:
         (channels_last again after `to_stock_layout`), before a caller that captures this module inside a graph
         of its own (the UNet's, with the ControlNet in it) takes its key. Returns the layout: True for
         channels_last."""
-        if self.relayout_pending and _on_gpu(list(self.module.parameters())[:1]):
+        if self.relayout_pending and _on_gpu([next(self.module.parameters(), None)]):
             self._to_channels_last()
         return self.channels_last_done
 
