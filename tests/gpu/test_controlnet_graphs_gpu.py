@@ -30,15 +30,16 @@ def _hint(seed, size=256):
     return torch.rand((1, size, size, 3), generator=g)
 
 
-def _sample(env, cn, hint, strength=1.0, start=0.0, end=1.0, ours=True):
+def _sample(env, cn, hint, strength=1.0, start=0.0, end=1.0, ours=True, model=None):
+    model = env.model if model is None else model
     with torch.inference_mode():
         pos, neg = env.nodes.ControlNetApplyAdvanced().apply_controlnet(env.pos, env.neg, cn, hint, strength,
                                                                       start, end)[:2]
         lat = env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
         if ours:
-            res = env.ours.sample(env.model, 9, 6, 7.0, "euler", "normal", pos, neg, lat)
+            res = env.ours.sample(model, 9, 6, 7.0, "euler", "normal", pos, neg, lat)
             return res["result"][0]["samples"].float(), res["result"][1]
-        return env.nodes.KSampler().sample(env.model, 9, 6, 7.0, "euler", "normal", pos, neg, lat)[0]["samples"].float(), None
+        return env.nodes.KSampler().sample(model, 9, 6, 7.0, "euler", "normal", pos, neg, lat)[0]["samples"].float(), None
 
 
 def test_controlnet_graphs_follow_hint_strength_and_range(comfy_env, cn):  # noqa: F811
@@ -85,26 +86,18 @@ def test_a_controlnet_layout_change_between_runs_never_replays_stale(comfy_env, 
     theirs.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, "another_pack",
                                 lambda executor, *args, **kwargs: executor(*args, **kwargs))
 
-    def ours(model):
-        with torch.inference_mode():
-            pos, neg = env.nodes.ControlNetApplyAdvanced().apply_controlnet(env.pos, env.neg, cn, hint, 1.0,
-                                                                          0.0, 1.0)[:2]
-            lat = env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
-            res = env.ours.sample(model, 9, 6, 7.0, "euler", "normal", pos, neg, lat)
-        return res["result"][0]["samples"].float(), res["result"][1]
-
     ref, _ = _sample(env, cn, hint, ours=False)
-    _, line = ours(theirs)
+    _, line = _sample(env, cn, hint, model=theirs)
     # the ControlNet's own graphs (not in the UNet's: another wrapper is outside ours), captured over
     # channels_last weights (converted before their capture)
     cn_part = line.split(" | ")[-1]
     assert "in the UNet's graph" not in cn_part and re.search(r"graphs: \d+ replays, [1-9]\d* captures",
                                                               cn_part), line
-    out, line = ours(env.model)                # the UNet's graph, captured with the ControlNet in it
+    out, line = _sample(env, cn, hint)         # the UNet's graph, captured with the ControlNet in it
     assert "in the UNet's graph: 6 calls" in line, line
     assert _rel(out, ref) < 2e-2, (_rel(out, ref), line)
     again_ref, _ = _sample(env, cn, hint, ours=False)   # ComfyUI detaches our copy: stock's layout back
-    out, line = ours(env.model)
+    out, line = _sample(env, cn, hint)
     assert "in the UNet's graph: 6 calls" in line, line
     assert _rel(out, again_ref) < 2e-2, (_rel(out, again_ref), line)
     assert _rel(out, ref) < 2e-2
