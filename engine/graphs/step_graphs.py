@@ -110,6 +110,14 @@ class StepGraphs:
             return self._eager(fn, args, kwargs, "no CUDA device", key=(), device=None)
         if torch.cuda.is_current_stream_capturing():
             return self._eager(fn, args, kwargs, "another capture is under way")
+        tensors, key, soft = keys.flatten((args, kwargs))
+        refused = self._refused(key)
+        if refused is not None:
+            # no graph to key, so no weights check: the next call that replays reads the fingerprint and compares
+            # it with the one the last replay saw, so a change made meanwhile is still seen before any replay
+            device = next((t.device for t in tensors if t.is_cuda), None)
+            self.refused[refused] += 1
+            return self._eager(fn, args, kwargs, refused, key=key, device=device)
         fp, all_cuda = self.fp.read(epoch)
         fp = (fp, host_state)
         if not all_cuda:
@@ -128,7 +136,6 @@ class StepGraphs:
         # kept even when equal: the fingerprint's per-run cache hands back this object on the run's later steps, so
         # the next comparison is by identity; an equal one from an earlier run would be compared weight by weight
         self.last_fp = fp
-        tensors, key, soft = keys.flatten((args, kwargs))
         device = next((t.device for t in tensors if t.is_cuda), None)
         if device is None:
             return self._eager(fn, args, kwargs, "no input on the GPU")
@@ -154,6 +161,15 @@ class StepGraphs:
         tensors, key, _ = keys.flatten((args, kwargs))
         device = next((t.device for t in tensors if t.is_cuda), None)
         return self._eager(fn, args, kwargs, reason, key=("host refused",) + key, device=device)
+
+    def _refused(self, key):
+        """The reason a key whose probes are done was refused, or None (a key not seen, still probing, or
+        capturable)."""
+        v = self.verdicts.get(key)
+        if v is None or v.result is None or v.result.capturable or v.probed < PROBES:
+            return None
+        self.verdicts.move_to_end(key)
+        return v.result.reason
 
     def _churn_reason(self, key):
         diff = keys.key_diff(key, self._new_in_a_row[-1])

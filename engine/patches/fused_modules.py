@@ -55,7 +55,7 @@ class FusedGroupNorm:
     sdaccel_kind = "group_norm"
 
     def forward(self, x):
-        if stock_path.active() or host_replaced(self):
+        if stock_path.LOCAL.depth or host_replaced(self):
             out = stock_forward(self)(self, x)
             return F.silu(out) if self.sdaccel_act == "silu" else out
         w, b = weights_of(self, x)
@@ -68,7 +68,7 @@ class FusedLayerNorm:
     sdaccel_kind = "layer_norm"
 
     def forward(self, x):
-        if stock_path.active() or host_replaced(self):
+        if stock_path.LOCAL.depth or host_replaced(self):
             return stock_forward(self)(self, x)
         w, b = weights_of(self, x) if self.weight is not None else (None, None)
         out = layer_norm(x, self.normalized_shape, w, b, self.eps)
@@ -82,8 +82,8 @@ class FusedGEGLU:
     sdaccel_kind = "geglu"
 
     def forward(self, x):
-        if stock_path.active() or host_replaced(self):
-            return original_class(self).forward(self, x)
+        if stock_path.LOCAL.depth or host_replaced(self):
+            return type(self).forward(self, x)
         h = self.proj(x)
         out = geglu(h)
         kernel_report.record("geglu", geglu.last_call)
@@ -95,26 +95,34 @@ _host_forwards = {}
 
 
 def host_forwards(base):
-    """(class, method name, function) of every forward the host class's MRO defines, as they were when SD Accel
-    first planned a stand-in for (or around) one of its modules."""
+    """(class dict, method name, function) of every forward the host class's MRO defines, as they were when SD
+    Accel first planned a stand-in for (or around) one of its modules. The class dict is the live mappingproxy,
+    read once: `cls.__dict__` makes a new one on every access."""
     if base not in _host_forwards:
-        _host_forwards[base] = tuple((c, name, c.__dict__[name]) for c in base.__mro__ for name in _HOST_METHODS
-                                     if name in c.__dict__)
+        _host_forwards[base] = tuple((c.__dict__, name, c.__dict__[name]) for c in base.__mro__
+                                     for name in _HOST_METHODS if name in c.__dict__)
     return _host_forwards[base]
+
+
+def _replaced(impl):
+    for d, name, fn in impl:
+        if d.get(name) is not fn:
+            return True
+    return False
 
 
 def host_replaced(m):
     """True when another pack has replaced a forward of `m`'s host class since SD Accel first stood in for one
     of its modules (AnimateDiff v1 swaps GroupNorm's forward for one that normalises across frames, for the
     UNet's call): the stand-in then runs the host's forward, whatever it is now, as stock would."""
-    return any(c.__dict__.get(name) is not fn for c, name, fn in m.__dict__["_sdaccel_host_impl"])
+    return _replaced(m.__dict__["_sdaccel_host_impl"])
 
 
 def class_forward_replaced(cls):
     """`host_replaced` for a module a stand-in computes itself instead of calling (a ResBlock's out norm, a
     transformer block's norm2/norm3), by its class: call `host_forwards(cls)` when planning the stand-in, so
     the forwards compared against are the ones of that time."""
-    return any(c.__dict__.get(name) is not fn for c, name, fn in host_forwards(cls))
+    return _replaced(host_forwards(cls))
 
 
 def stock_forward(m):
@@ -123,7 +131,7 @@ def stock_forward(m):
     norms, whose replacements carry no `parameters_manual_cast`, name torch's own, which is what Forge's
     forward runs for a module it does not cast) and no pack has replaced the host's since."""
     own = m.__dict__.get("sdaccel_stock_forward")
-    return own if own is not None and not host_replaced(m) else original_class(m).forward
+    return own if own is not None and not host_replaced(m) else type(m).forward
 
 
 def kind_of(m):

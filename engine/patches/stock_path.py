@@ -10,11 +10,12 @@ what another computes.
 from ..thread_scope import ThreadScope
 
 _SCOPE = ThreadScope()
+LOCAL = _SCOPE.local    # `LOCAL.depth` (> 0: active): the stand-ins' per-call test, read without a call
 
 
 def active():
     """True inside a `stock_modules()` scope on this thread."""
-    return _SCOPE.active()
+    return LOCAL.depth > 0
 
 
 def stock_modules():

@@ -157,3 +157,36 @@ def test_random_draws_on_the_gpu_replay_like_eager_and_host_draws_that_matter_ar
             graphs.run(host_noise, (y,), {})
         assert any("random" in r for r in graphs.refused), graphs.refused
     """)
+
+
+def test_a_refused_keys_calls_skip_the_weights_check_and_a_change_made_meanwhile_is_still_seen():
+    """A refused key has no graph, so its calls do not read the weights' fingerprint (a host-bound eager step
+    pays each read); a weight replaced while only the refused key ran is still seen by the next replay."""
+    _run("""
+        table = torch.arange(256.0)                      # pageable: a capture cannot copy from it
+        refused_step = lambda x: net(x) + table.to(x.device)
+        plain = lambda x: torch.relu(net(x)) * 3
+        x, y = torch.randn(4, 256, device="cuda"), torch.randn(2, 256, device="cuda")
+        with torch.no_grad():
+            for _ in range(3):
+                graphs.run(plain, (y,), {})
+            for _ in range(3):
+                graphs.run(refused_step, (x,), {})
+            assert graphs.stats["replays"] >= 1 and graphs.refused, (graphs.stats, dict(graphs.refused))
+            reads = [0]
+            read = graphs.fp.read
+            def counted(epoch=None):
+                reads[0] += 1
+                return read(epoch)
+            graphs.fp.read = counted
+            for _ in range(3):
+                assert torch.equal(graphs.run(refused_step, (x,), {}), refused_step(x))
+            assert reads[0] == 0, reads
+            net.weight = torch.nn.Parameter(net.weight * 0.5)   # a LoRA-style replacement, between refused calls
+            assert torch.equal(graphs.run(refused_step, (x,), {}), refused_step(x))
+            invalidations = graphs.stats["invalidations"]
+            out = graphs.run(plain, (y,), {})
+            assert graphs.stats["invalidations"] == invalidations + 1, graphs.stats
+            assert torch.equal(out, plain(y))
+            graphs.fp.read = read
+    """)
