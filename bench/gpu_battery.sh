@@ -45,6 +45,8 @@
 # clocks, the layouts and the kernels by GPU time; a diagnosis, nothing for results.jsonl; ~2.5 min, killed at 240 s),
 # diagnose_eager (diagnose_eager.py: SD1.5 512² stock vs ours without graphs, plain and with a refused capture, under
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
+# eager (bench_eager.py: stock vs ours where graphs do not run, SD1.5 512² b1 and SDXL 1024² b1, 12 rotated reps;
+# ~4 min with the SDXL build, deadline 330 s, killed at 420 s),
 # png_save (bench_png_save.py on the GPU machine's host CPU: SaveImage's way vs Save Image (SD Accel)'s writer; ~30 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
@@ -127,6 +129,7 @@ for p in "$@"; do
     vae) part vae 240 python3 bench/bench_vae.py --comfy-dir $COMFY --deadline 200 ;;
     stock_after) part stock_after 300 python3 bench/bench_stock_after.py --comfy-dir $COMFY --deadline 260 ;;
     diagnose_stock_after) part diagnose_stock_after 240 python3 bench/diagnose_stock_after.py --comfy-dir $COMFY ;;
+    eager) part eager 420 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15,sdxl --deadline 330 ;;
     diagnose_eager) part diagnose_eager 240 python3 bench/diagnose_eager.py --comfy-dir $COMFY ;;
     png_save) mkdir -p "$OUT/png_save"; timeout 120 python3 bench/bench_png_save.py --reps 5 > "$OUT/png_save/log.txt" 2>&1; tail -16 "$OUT/png_save/log.txt" ;;
     h2d)
