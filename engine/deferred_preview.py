@@ -13,6 +13,8 @@ last step once the sampler has returned. Every step is delivered, in order, with
 exception the host's callback raises (an interrupt) leaves the sampler from the call that delivered the step, one
 step later than without deferral.
 """
+import time
+
 import torch
 
 
@@ -49,6 +51,7 @@ class DeferredCallback:
         self.callback, self.snapshot = callback, snapshot
         self.pending = None          # (step, Snapshot, total_steps) not delivered yet
         self.delivered = 0           # steps delivered late
+        self.host_s = 0.0            # the host's callback time over those steps, on the sampler's thread
 
     def __call__(self, step, x0, x, total_steps):
         snap = self.snapshot(x0)
@@ -72,5 +75,9 @@ class DeferredCallback:
 
     def _deliver(self, item):
         step, snap, total_steps = item
-        self.callback(step, snap.tensor(), None, total_steps)
+        t0 = time.perf_counter()
+        try:
+            self.callback(step, snap.tensor(), None, total_steps)
+        finally:
+            self.host_s += time.perf_counter() - t0
         self.delivered += 1
