@@ -14,7 +14,9 @@ an unchanged text from its cache). Where the time goes, per image (bench/server_
 measures): sampling, VAE decode/encode, text encode, ControlNet nodes, save, executor, overhead.
 
 Previews are a server launch flag (`--preview-method`): each method of --previews gets a server process of its
-own, started after the last one stopped; stock and ours alternate inside it. `taesd` runs on random-weight TAESD
+own, started after the last one stopped; stock and ours alternate inside it. With `--one-server`, one server
+runs every method: a bench-only node (bench/server_nodes) sets the method per prompt, and stock and ours with
+each method alternate (ABAB) in that one process, so the previews' cost is measured within one process too. `taesd` runs on random-weight TAESD
 decoders built here into vae_approx (the same network and cost as the real ones).
 
 Configs (`server_<family>_<size>_b<batch>[_cn1|_img2img]`, `_preview` with latent2rgb, `_preview_taesd`):
@@ -68,6 +70,8 @@ def parse_args():
     ap.add_argument("--configs", default="", help="comma-separated; default: every config (SD1.5 first)")
     ap.add_argument("--previews", default="none,latent2rgb", help="preview methods, one server each: "
                     "none, latent2rgb, taesd")
+    ap.add_argument("--one-server", action="store_true",
+                    help="every --previews method in ONE server, switched per prompt (bench/server_nodes)")
     ap.add_argument("--steps", type=int, default=None, help="default 20 (2 with --smoke)")
     ap.add_argument("--queue-images", type=int, default=4, help="images per throughput run")
     ap.add_argument("--ours-decoder", choices=("sdaccel", "stock"), default="sdaccel",
@@ -118,7 +122,7 @@ def versions(opt):
     return cb.versions(env, opt.comfy_dir)
 
 
-def start_server(opt, models, method, index, total):
+def start_server(opt, models, method, index, total, extra_nodes=()):
     work = os.path.join(opt.work, "server_%s" % method)
     shutil.rmtree(work, ignore_errors=True)
     args = ["--preview-method", method] + opt.comfy_args.split()
@@ -126,7 +130,7 @@ def start_server(opt, models, method, index, total):
         args += comfy_server.empty_frontend(work)
     env = {"TRITON_INTERPRET": "0"} if opt.smoke else {}   # interpreted kernels take minutes a prompt on a CPU
     srv = comfy_server.ComfyServer(opt.comfy_dir, sys.executable, work, models, extra_args=args, env=env,
-                                   cpu=opt.smoke)
+                                   cpu=opt.smoke, extra_nodes=extra_nodes)
     t0 = time.time()
     srv.start(timeout=300)
     say("server %d/%d up in %.1fs: --preview-method %s, log %s" % (index, total, time.time() - t0, method, srv.log_path))
@@ -138,26 +142,32 @@ def start_server(opt, models, method, index, total):
     return srv, ev, flags is not None
 
 
-def measure(srv, ev, opt, cfg, names, counter):
-    """Warm-up of each variant (same seed and text), then ABAB: --reps latency prompts, --reps queues."""
+def measure(srv, ev, opt, cfg, names, counter, methods=(None,)):
+    """Warm-up of each variant (same seed and text), then ABAB: --reps latency prompts, --reps queues. `methods`:
+    preview methods switched per prompt (--one-server), each with both variants; None: the server's own. Returns
+    one (warm, lat, thr, n) per method, each keyed by variant."""
     family, size, batch, kind = cfg
-    make = lambda v, seed, text, prefix: sg.graph(opt, cfg, names, v, seed, text, prefix)  # noqa: E731
-    warm = {v: st.run_prompt(srv, ev, make(v, 1, cb.POS, "warm_" + v)) for v in VARIANTS}
-    lat = {v: [] for v in VARIANTS}
+    variants = [(v, m) for m in methods for v in VARIANTS]
+
+    def make(vm, seed, text, prefix):
+        wf = sg.graph(opt, cfg, names, vm[0], seed, text, prefix)
+        return wf if vm[1] is None else sg.switch_previews(wf, vm[1])
+    warm = {vm: st.run_prompt(srv, ev, make(vm, 1, cb.POS, "warm_" + vm[0])) for vm in variants}
+    lat = {vm: [] for vm in variants}
     for _ in range(opt.reps):
-        for v in VARIANTS:
+        for vm in variants:
             k = next(counter)
-            lat[v].append(st.run_prompt(srv, ev, make(v, 1000 + k, sg.text(k), "lat_" + v)))
+            lat[vm].append(st.run_prompt(srv, ev, make(vm, 1000 + k, sg.text(k), "lat_" + vm[0])))
     n = max(2, opt.queue_images // batch)
-    thr = {v: [] for v in VARIANTS}
+    thr = {vm: [] for vm in variants}
     for _ in range(opt.reps):
-        for v in VARIANTS:
+        for vm in variants:
             wfs = []
             for _ in range(n):
                 k = next(counter)
-                wfs.append(make(v, 1000 + k, sg.text(k), "thr_" + v))
-            thr[v].append(n * batch / st.run_queue(srv, ev, wfs))
-    return warm, lat, thr, n
+                wfs.append(make(vm, 1000 + k, sg.text(k), "thr_" + vm[0]))
+            thr[vm].append(n * batch / st.run_queue(srv, ev, wfs))
+    return {m: tuple({v: d[(v, m)] for v in VARIANTS} for d in (warm, lat, thr)) + (n,) for m in methods}
 
 
 def saved_images(srv, run):
@@ -188,10 +198,13 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
                stock_breakdown_s=st.median_phases(lat["stock"], batch),
                ours_breakdown_s=st.median_phases(lat["ours"], batch), previews_per_prompt=previews,
                deferred_previews=os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1") != "0")
-    rec["notes"] = ("server process %d of %d, launched with --preview-method %s (previews are a launch flag); "
+    where = ("one server for every method (--one-server: %s set per prompt, stock and ours with each method "
+             "alternating)" % method) if opt.one_server else \
+        "server process %d of %d, launched with --preview-method %s (previews are a launch flag)" % (index, total, method)
+    rec["notes"] = ("%s; "
                     "websocket client %s; reps %d, ABAB; a new seed and positive text per timed prompt; ours: "
                     "SDAccelKSampler (defaults) + %s + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
-                        index, total, method, "with supports_preview_metadata" if metadata else "without feature flags",
+                        where, "with supports_preview_metadata" if metadata else "without feature flags",
                         opt.reps, "SDAccelVAEDecode" if opt.ours_decoder == "sdaccel" else "VAEDecode",
                         "SDAccelSaveImage (compress level 1)" if opt.ours_saver == "sdaccel" else "SaveImage", replays,
                         ", ".join(last.get("ran", []) + [n for n in last.get("notes", []) if n.startswith("live previews")]),
@@ -208,22 +221,25 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
     return rec
 
 
-def run_method(opt, vers, configs, models, names, method, index, total, counter, rows):
-    srv, ev, metadata = start_server(opt, models, method, index, total)
+def run_method(opt, vers, configs, models, names, method, index, total, counter, rows, switched=None):
+    """One server launched with --preview-method `method`; `switched`: the methods its prompts switch to instead
+    (--one-server)."""
+    extra = [sg.PREVIEW_SWITCH_NODES] if switched else ()
+    srv, ev, metadata = start_server(opt, models, method, index, total, extra_nodes=extra)
     try:
         sg.write_inputs(srv.input_dir, configs, CONFIGS, opt)
         for name in configs:
             if time.time() - cb.T0 > opt.deadline:
-                say("SKIP", name + SUFFIX[method], "past the deadline")
+                say("SKIP", name, "past the deadline")
                 continue
             try:
                 cfg = sg.sized(opt, CONFIGS[name])
-                rec = record(srv, opt, vers, name, cfg, method, metadata, index, total,
-                             measure(srv, ev, opt, cfg, names, counter))
-                cb.append_record(opt, rec)
-                rows.append(rec)
+                for m, res in measure(srv, ev, opt, cfg, names, counter, switched or (None,)).items():
+                    rec = record(srv, opt, vers, name, cfg, m or method, metadata, index, total, res)
+                    cb.append_record(opt, rec)
+                    rows.append(rec)
             except Exception:  # noqa: BLE001 - keep the other configs
-                say("ERROR", name + SUFFIX[method], traceback.format_exc(), srv.log_tail(30))
+                say("ERROR", name, traceback.format_exc(), srv.log_tail(30))
     finally:
         ev.close()
         srv.stop()
@@ -257,7 +273,9 @@ def print_preview_cost(rows):
             lines.append("%-40s stock %.2fx  ours %.2fx" % (r["config"], r["stock_s_per_image"] / base["stock_s_per_image"],
                                                           r["ours_s_per_image"] / base["ours_s_per_image"]))
     if lines:
-        print("previews' cost, s/image with them over s/image without (servers of their own, same run):")
+        print("previews' cost, s/image with them over s/image without (%s):" % (
+            "one server, alternating" if any("--one-server" in r["notes"] for r in rows) else
+            "servers of their own, same run"))
         print("\n".join(lines))
 
 
@@ -283,6 +301,9 @@ def main():
     say("ENV", json.dumps(vers))
     models, names = build_models(opt, configs, methods)
     rows, counter = [], iter(range(10 ** 9))
+    if opt.one_server:
+        run_method(opt, vers, configs, models, names, "none", 1, 1, counter, rows, switched=methods)
+        methods = []
     for i, method in enumerate(methods):
         if time.time() - cb.T0 > opt.deadline:
             say("SKIP", "--preview-method", method, "past the deadline")

@@ -22,7 +22,8 @@
 # server, stock vs SD Accel graphs, SD1.5 512² b1 and b4, previews none then latent2rgb in a second server process;
 # estimated 3-4 min with the SD1.5 build; no config starts after 200 s, killed at 300 s), server_more (SD1.5 512² b1 +
 # ControlNet and img2img, previews none then latent2rgb; the same limits), server_sdxl and server_sdxl_preview (SDXL
-# 1024² b1/b4 with previews none / latent2rgb, one server each; estimated 4-5 min with the SDXL build, 3 min without;
+# 1024² b1/b4 with previews none / latent2rgb, one server each; server_previews (server's SD1.5 configs with
+# previews none and latent2rgb in ONE server, switched per prompt, all four alternating; ~3 min, killed at 300 s); estimated 4-5 min with the SDXL build, 3 min without;
 # no config starts after 150 s, killed at 300 s), server_taesd (SD1.5 512² b1 and SDXL 1024² b1 with taesd previews on
 # random-weight TAESD decoders; estimated 3 min; no config after 180 s, killed at 300 s). bench_server's parts share
 # their random checkpoints in /tmp/sdaccel_bench_server: run server_sdxl before the other SDXL parts in one call, so
@@ -102,6 +103,8 @@ for p in "$@"; do
         --deadline 200 ;;
     server) part server 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none,latent2rgb --deadline 200 \
       --configs server_sd15_512_b1,server_sd15_512_b4 ;;
+    server_previews) part server_previews 300 python3 bench/bench_server.py --comfy-dir $COMFY --one-server \
+      --previews none,latent2rgb --deadline 200 --configs server_sd15_512_b1,server_sd15_512_b4 ;;
     server_more) part server_more 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none,latent2rgb \
       --deadline 200 --configs server_sd15_512_b1_cn1,server_sd15_512_b1_img2img ;;
     server_sdxl) part server_sdxl 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none --deadline 150 \

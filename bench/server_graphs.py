@@ -54,6 +54,18 @@ def graph(opt, cfg, names, variant, seed, positive, prefix):
     return wf
 
 
+PREVIEW_SWITCH_NODES = os.path.join(cb.REPO, "bench", "server_nodes", "sdaccel_bench_previews")
+
+
+def switch_previews(wf, method):
+    """`wf` with the sampler's model passed through the bench's preview switch (bench/server_nodes), which sets
+    ComfyUI's preview method for this prompt."""
+    wf["20"] = {"class_type": "SDAccelBenchPreviewMethod", "inputs": {"model": wf[SAMPLER]["inputs"]["model"],
+                                                                     "method": method}}
+    wf[SAMPLER]["inputs"]["model"] = ["20", 0]
+    return wf
+
+
 def _add_controlnet(wf, cn_name, size):
     wf["10"] = {"class_type": "LoadImage", "inputs": {"image": HINT % size}}
     wf["12"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": cn_name}}
