@@ -82,14 +82,16 @@ def fingerprint_misses(v, clip, vae):
         out = original(self, epoch)
         if not same_epoch or last is None:
             why = "new epoch" if not same_epoch else "no read cached yet"
-        elif out is last[2]:
+        elif out is last.result:
             why = "cached"
         else:
             tensors = [d.get(name) for d, name in self.slots]
-            if not fpm._same_objects(last[0], tensors):
+            if last.dead:
+                why = "a tensor of the last read was freed"
+            elif [id(t) for t in tensors] != last.ids:
                 why = "tensor objects changed"
-            elif not all(tensors[i]._version == ver for i, ver in last[1]):
-                moved = [self.slots[i][1] for i, ver in last[1] if tensors[i]._version != ver]
+            elif not all(tensors[i]._version == ver for i, ver in last.versioned):
+                moved = [self.slots[i][1] for i, ver in last.versioned if tensors[i]._version != ver]
                 why = "versions moved: %s" % ",".join(sorted(set(moved))[:6])
             else:
                 why = "residency token changed"

@@ -13,6 +13,10 @@ a Parameter replaced mid-run or an in-place write to a tensor with a version cou
 seen at once; a `.data` swap of the same Parameter mid-run, which no host does, is seen at the next run's first
 step. Without an epoch (None) every read is full.
 
+That per-step check compares the slots' objects by `id()` in one C-level pass: safe because every object of the
+last full read is weakly referenced with a callback that marks the read stale when one dies, so while none has
+died no other object can hold one of their ids.
+
 Weights a block streamer keeps in fixed GPU places (engine/memory/offload.py) change where the fingerprint cannot see
 them: the module's residency token (engine/memory/residency.py) is part of the fingerprint.
 """
@@ -23,6 +27,19 @@ from ..memory import residency
 _NO_EPOCH = object()
 
 
+class _Read:
+    """One full read within an epoch: what the next steps' check compares against."""
+    __slots__ = ("ids", "versioned", "result", "dead")
+
+    def __init__(self, ids, versioned, result, dead):
+        self.ids, self.versioned, self.result, self.dead = ids, versioned, result, dead
+
+
+def _marker(dead):
+    # a weakref callback holding only the flag: one holding the fingerprint would make a reference cycle
+    return lambda ref: dead.append(True)
+
+
 class WeightsFingerprint:
     def __init__(self, module, token_module=None):
         self.module = module
@@ -30,11 +47,14 @@ class WeightsFingerprint:
         self.slots = []
         self.tree = ()
         self.epoch = _NO_EPOCH
-        self._last = None     # this epoch's last full read: (weak refs, [(slot, version)], result)
+        self._dicts, self._names = (), ()
+        self._last = None     # this epoch's last full read (a _Read)
 
     def refresh(self):
         modules = list(self.module.modules())
         self.slots = [(d, name) for m in modules for d in (m._parameters, m._buffers) for name in d]
+        self._dicts = tuple(d for d, _ in self.slots)
+        self._names = tuple(name for _, name in self.slots)
         self.tree = tuple(weakref.ref(m) for m in modules)
 
     def read(self, epoch=None):
@@ -43,12 +63,14 @@ class WeightsFingerprint:
             self.refresh()
             self.epoch = epoch
             self._last = None
-        tensors = [d.get(name) for d, name in self.slots]
+        tensors = list(map(dict.get, self._dicts, self._names))
         last = self._last
         token = residency.token_of(self.token_module)
-        if (last is not None and _same_objects(last[0], tensors) and all(tensors[i]._version == v for i, v in last[1])
-                and last[2][0][2] is token):
-            return last[2]
+        if (last is not None and not last.dead and last.result[0][2] is token and list(map(id, tensors)) == last.ids
+                and all(tensors[i]._version == v for i, v in last.versioned)):
+            return last.result
+        dead = []
+        mark = _marker(dead)
         refs, out, versioned, all_cuda = [], [], [], True
         for i, t in enumerate(tensors):
             if t is None:
@@ -62,11 +84,11 @@ class WeightsFingerprint:
             if not t.is_inference():
                 version = t._version
                 versioned.append((i, version))
-            refs.append(weakref.ref(t))
+            refs.append(weakref.ref(t, mark))
             out.append((t.data_ptr(), version, t.dtype))
-        result = (_Identity(self.tree + tuple(refs)), tuple(out), residency.token_of(self.token_module)), all_cuda
+        result = (_Identity(self.tree + tuple(refs)), tuple(out), token), all_cuda
         if epoch is not None:
-            self._last = (refs, versioned, result)
+            self._last = _Read(list(map(id, tensors)), versioned, result, dead)
         return result
 
 
@@ -79,13 +101,6 @@ def off_gpu(module, limit=3):
             if len(out) >= limit:
                 break
     return out
-
-
-def _same_objects(refs, tensors):
-    if len(refs) != len(tensors):
-        return False
-    return all((r is None and t is None) or (r is not None and t is not None and r() is t)
-               for r, t in zip(refs, tensors))
 
 
 class _Identity:

@@ -79,3 +79,27 @@ def test_a_dead_modules_successor_never_matches_it():
     import gc
     gc.collect()
     assert fp.read(object())[0] != f0
+
+
+def test_a_tensor_freed_and_another_made_at_its_address_is_seen_within_the_run():
+    """The per-step check compares the slots' objects by id(); a new tensor can take a freed one's id. The
+    weakref callbacks mark the read stale when a tensor of it dies, so the check never mistakes the new one."""
+    lin = torch.nn.Linear(4, 4)
+    lin.register_buffer("table", torch.zeros(3))
+    fp = WeightsFingerprint(lin)
+    e = object()
+    f0, _ = fp.read(e)
+    old_id = id(lin.table)
+    reused = None
+    for _ in range(50):
+        lin.table = None              # the old tensor's last reference: freed here
+        new = torch.ones(3)
+        lin.table = new
+        if id(new) == old_id:
+            reused = new
+            break
+        f0, _ = fp.read(e)            # not reused this time: start again from this tensor
+        old_id = id(new)
+        del new
+    assert reused is not None, "CPython gave no freed tensor's address to a new one in 50 tries"
+    assert fp.read(e)[0] != f0
