@@ -2,7 +2,7 @@
 
   accelerate      SD Accel on a cloned ModelPatcher: object patches, the step wrapper, graph routes
   run             one Accelerated KSampler run (AcceleratedRun): prepare, sample with a stock fallback, report
-  previews        its live previews one step late: ComfyUI's own callback, deferred on the sampling thread
+  previews        its live previews a few steps late: ComfyUI's own callback, deferred on the sampling thread
   object_patches  the engine's module swaps as ComfyUI object patches, folded per top-level block
   precision       which precision paths a clone gets: FP8 compute (LOSSY), upcast copies of fp8-stored weights
   step_cache      DeepCache (LOSSY): the run's schedule and marks; step_cache_unet runs the shallow blocks

@@ -8,13 +8,13 @@ image. There is no way to hand it another callback (ComfyUI 2024 has no sampler 
 `DeferredPreviews` those two functions of `latent_preview` are watched on this thread only (an Interception, as
 torch's methods are during graph capture: other threads, and calls outside the context, reach ComfyUI's own).
 
-prepare_callback then returns ComfyUI's own callback, delivered one step late, when all of this holds:
+prepare_callback then returns ComfyUI's own callback, delivered a few steps late, when all of this holds:
   - it is ComfyUI's own prepare_callback (no other pack replaced it) and has no x0_output_dict to fill;
   - its previewer is ComfyUI's Latent2RGBPreviewer, which draws the same image from a host copy of the latent
     (ComfyUI 2024's multiplies on the CPU in any case); the copy holds the first image only, the one it draws;
   - the latent is on a CUDA device (elsewhere reading it costs no wait: the callback runs as it is).
 Anything else (previews off, TAESD, whose decoder runs on the GPU) keeps ComfyUI's callback unchanged. Leaving
-the context delivers the last step; after an exception the undelivered step is dropped.
+the context delivers the steps held back; after an exception they are dropped.
 """
 import threading
 
@@ -94,8 +94,9 @@ class DeferredPreviews(Watch):
         if not late:
             return None
         host_ms = 1000.0 * sum(d.host_s for d in self.deferred) / late
-        return ("live previews: %d delivered one step late, without a GPU wait per step (%.2f ms each on the "
-                "sampler's thread, drawing and handing them to ComfyUI)" % (late, host_ms))
+        wait_ms = 1000.0 * sum(d.wait_s for d in self.deferred) / late
+        return ("live previews: %d delivered a few steps late, without a GPU wait per step (%.2f ms each on the "
+                "sampler's thread to draw and hand to ComfyUI, %.2f ms waiting for the copy)" % (late, host_ms, wait_ms))
 
     def __exit__(self, exc_type, exc, tb):
         try:

@@ -5,7 +5,7 @@
 whether the ControlNet chain runs inside the UNet's graph. `AcceleratedRun.sample(sampler)` runs
 `sampler(model, positive, negative)` on the patched objects; if the accelerated path itself raises, the
 error is logged and the stock sampler's result is returned instead (an interrupt still interrupts;
-SDACCEL_STRICT=1, for tests and benchmarks, lets the error through); its live previews arrive one step late, so
+SDACCEL_STRICT=1, for tests and benchmarks, lets the error through); its live previews arrive a few steps late, so
 drawing them never stalls the GPU (hosts/comfyui/previews.py). `report(steps)` gives the run's report
 dict and one line: it/s, seconds, peak VRAM, what ran, what fell back and why, graph counts and refusals, and
 with the step cache on its LOSSY line (how many steps ran the shallow blocks only).
@@ -68,7 +68,7 @@ class AcceleratedRun:
             self._finish_controlnets()
 
     def _previews(self):
-        """Live previews one step late (hosts/comfyui/previews.py) on an accelerated run; with every option off
+        """Live previews a few steps late (hosts/comfyui/previews.py) on an accelerated run; with every option off
         the node is exactly KSampler. SDACCEL_DEFERRED_PREVIEWS=0 keeps ComfyUI's own timing; =always defers
         on a CPU too (tests)."""
         switch = os.environ.get("SDACCEL_DEFERRED_PREVIEWS", "1")

@@ -1,5 +1,5 @@
-"""engine/deferred_preview.py: a step callback delivered one step late, in order, each step with its own latent;
-the last step on flush; nothing after drop; an exception from the host's callback leaves the sampler; CPU
+"""engine/deferred_preview.py: a step callback delivered late (once its copy has arrived, never at its own call, at
+most MAX_BEHIND steps held), in order, each step with its own latent; the rest on flush; nothing after drop; an exception from the host's callback leaves the sampler; CPU
 latents call through at once."""
 import pytest
 import torch
@@ -60,7 +60,7 @@ def test_an_exception_of_the_host_callback_leaves_the_sampler_and_later_steps_ar
     with pytest.raises(KeyboardInterrupt, match="interrupted at 1"):
         _sample(deferred, 5, torch.zeros(1, 4, 4, 4))
     assert [c[0] for c in rec.calls] == [0]
-    assert deferred.pending[0] == 2, "the step held back when the interrupt came"
+    assert [p[0] for p in deferred.pending] == [2], "the step held back when the interrupt came"
     deferred.drop()
     deferred.flush()
     assert [c[0] for c in rec.calls] == [0]
@@ -87,3 +87,36 @@ def test_a_step_that_cannot_be_deferred_first_delivers_the_held_one():
     buf = torch.zeros(1, 4, 4, 4)
     _sample(deferred, 2, buf)
     assert [(c[0], c[2]) for c in rec.calls] == [(0, None), (1, "x")]
+
+
+class _Copy(dp.Snapshot):
+    """A copy whose arrival the test decides (a CUDA event's query, on a CPU)."""
+    arrived = set()
+
+    def __init__(self, x0, step):
+        super().__init__(x0.clone())
+        self.step = step
+
+    def ready(self):
+        return self.step in self.arrived
+
+
+def test_a_step_whose_copy_has_not_arrived_is_held_without_a_wait_until_max_behind_are_held():
+    rec = Recorder()
+    steps = iter(range(100))
+    deferred = dp.DeferredCallback(rec, lambda x0: _Copy(x0, next(steps)), max_behind=3)
+    buf = torch.zeros(1, 4, 4, 4)
+    _Copy.arrived = set()
+    for i in range(3):                     # the host runs ahead: no copy has arrived yet
+        buf.fill_(float(i))
+        deferred(i, buf, "x", 6)
+    assert rec.calls == [] and [p[0] for p in deferred.pending] == [0, 1, 2]
+    buf.fill_(3.0)
+    deferred(3, buf, "x", 6)               # a fourth held step: the oldest is delivered (its copy waited for)
+    assert [c[0] for c in rec.calls] == [0]
+    _Copy.arrived = {1, 2, 3, 4}
+    buf.fill_(4.0)
+    deferred(4, buf, "x", 6)               # every arrived copy but the newest step's own
+    assert [c[0] for c in rec.calls] == [0, 1, 2, 3]
+    deferred.flush()
+    assert rec.calls == [(i, float(i), None, 6) for i in range(5)]

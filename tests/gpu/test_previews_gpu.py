@@ -130,7 +130,7 @@ def test_previews_every_step_with_and_without_graphs_each_of_its_own_step(comfy_
               [round(float(np.abs(a - b).mean()), 2) for a, b in zip(references[seed], images)])
     for name, (seed, (progress, images), report) in runs.items():
         assert progress == want, (name, progress)
-        late = "live previews: %d delivered one step late, without a GPU wait per step (" % STEPS
+        late = "live previews: %d delivered a few steps late, without a GPU wait per step (" % STEPS
         assert any(n.startswith(late) for n in report["notes"]), (name, report["notes"])
         for step, (a, b) in enumerate(zip(references[seed], images)):
             assert np.abs(a - b).mean() < TOL, (name, step, np.abs(a - b).mean())

@@ -85,7 +85,7 @@ def test_a_preview_and_a_progress_message_per_step_as_with_ksampler(comfy_previe
     report = report["sdaccel_report"][0]
     # every step went through our step wrapper (on this CPU: its eager path; graphs need CUDA)
     assert report["steps"] == STEPS and report["graphs"]["eager"] == STEPS, report
-    late = "live previews: %d delivered one step late, without a GPU wait per step (" % STEPS
+    late = "live previews: %d delivered a few steps late, without a GPU wait per step (" % STEPS
     assert any(n.startswith(late) for n in report["notes"]), report["notes"]
 
 

@@ -87,8 +87,9 @@ def test_every_step_arrives_in_order_with_stock_s_image_one_step_later(model, pr
     watch = _previews()
     ours, ours_at = _hooked(model, previews_on, watch)
     assert len(watch.deferred) == 1
-    note = re.fullmatch(r"live previews: (\d+) delivered one step late, without a GPU wait per step \(([\d.]+) ms "
-                        r"each on the sampler's thread, drawing and handing them to ComfyUI\)", watch.note())
+    note = re.fullmatch(r"live previews: (\d+) delivered a few steps late, without a GPU wait per step \(([\d.]+) ms "
+                        r"each on the sampler's thread to draw and hand to ComfyUI, ([\d.]+) ms waiting for the copy\)",
+                        watch.note())
     assert note and int(note.group(1)) == STEPS and float(note.group(2)) > 0, watch.note()
     assert [(v, t) for v, t, _ in ours] == [(v, t) for v, t, _ in stock] == [(i + 1, STEPS) for i in range(STEPS)]
     for step, (a, b) in enumerate(zip(stock, ours)):
