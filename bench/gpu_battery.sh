@@ -30,7 +30,8 @@
 # only it builds the SDXL checkpoint. server_nodefer (the A/B of the previews' deferral: server's latent2rgb server
 # with SDACCEL_DEFERRED_PREVIEWS=0, SD1.5 512² b1 and b4; ~2 min, killed at 300 s), server_fastsave (server's
 # SD1.5 configs without previews, ours saving with Save Image (SD Accel) at its default compress level; configs
-# named *_fastsave; ~2 min, killed at 300 s), tests_previews
+# named *_fastsave; ~2 min, killed at 300 s), server_sdxl_fastsave (the same for SDXL 1024² b1; ~3-4 min with the SDXL
+# build, killed at 300 s), tests_previews
 # (tests/gpu/test_deferred_preview_gpu.py and test_previews_gpu.py alone, a GPU server with previews; ~1 min, killed
 # at 200 s), stepcache (bench_step_cache.py: SD1.5 512² b1 and b4, stock vs our fp16 vs step_cache interval 2,
 # interval 3, non-uniform 3, LOSSY modes; deadline 250 s, killed at 300 s), stepcache_sdxl (the same at SDXL 1024² b1,
@@ -115,6 +116,8 @@ for p in "$@"; do
       --configs server_sd15_512_b1,server_sdxl_1024_b1 ;;
     server_fastsave) part server_fastsave 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none \
       --ours-saver sdaccel --deadline 200 --configs server_sd15_512_b1,server_sd15_512_b4 ;;
+    server_sdxl_fastsave) part server_sdxl_fastsave 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none \
+      --ours-saver sdaccel --deadline 150 --configs server_sdxl_1024_b1 ;;
     server_nodefer) part server_nodefer 300 env SDACCEL_DEFERRED_PREVIEWS=0 python3 bench/bench_server.py --comfy-dir \
       $COMFY --previews latent2rgb --deadline 200 --configs server_sd15_512_b1,server_sd15_512_b4 ;;
     tests_previews)
