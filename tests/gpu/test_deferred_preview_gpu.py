@@ -1,5 +1,6 @@
 """engine/deferred_preview.py on a CUDA device: the pinned copy holds the latent as it was at the call, and a
-deferred step's call returns while the GPU is still busy (no synchronisation), the previous step delivered."""
+deferred step's call returns while the GPU is still busy (no synchronisation), delivering only the steps whose copy
+has arrived."""
 import torch
 
 from sd_accel.engine import deferred_preview as dp
@@ -24,6 +25,10 @@ def test_a_deferred_call_does_not_wait_for_the_gpu():
         torch.cuda._sleep(200_000_000)     # a step's work still running on the GPU when the callback comes
         deferred(i, buf, None, 3)
         assert not stream.query(), "step %d's callback waited for the GPU" % i
-    assert got == [(0, 0.0), (1, 1.0)]
-    deferred.flush()
+    assert got == [], "no step's copy had arrived: none is delivered, none waited for"
+    torch.cuda.synchronize()
+    buf.fill_(3.0)
+    deferred(3, buf, None, 4)              # the three copies have arrived: delivered, the new step held
     assert got == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    deferred.flush()
+    assert got == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
