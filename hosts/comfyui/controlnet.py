@@ -181,6 +181,8 @@ class _Converter:
             object_patches.keep_restore_order(patcher, patches)
             new.control_model_wrapped = patcher
             object_patches.free_graphs_on_unload(patcher, patches)
+            if not hasattr(patcher, "add_callback_with_key"):
+                self.info["stock_layout_after_run"] = True   # no ON_DETACH to do it: release() does
             new.set_previous_controlnet(new_prev)
             if self.options.cond_only:
                 set_cond_only(new, self.info["cond_only"], self.cond_only_depth)
@@ -250,9 +252,17 @@ def hint_stats(info):
 
 
 def release(info):
-    """Drops the cached hint features (call after sampling): nothing outlives the run."""
-    for m in (info or {}).get("hint_caches", ()):
+    """After sampling: drops the cached hint features (nothing outlives the run). On a ComfyUI without ON_DETACH
+    callbacks (2024) it also puts the ControlNets' conv weights back in stock's layout: they are the user's
+    ControlNet's, which a stock Apply ControlNet runs next on whatever layout they are in, slower on channels_last.
+    Current ComfyUI tells us when a stock node loads them (object_patches.free_graphs_on_unload). In place, so the
+    graphs stay valid; the next accelerated run converts them again before its first capture or replay."""
+    info = info or {}
+    for m in info.get("hint_caches", ()):
         m.clear()
+    if info.get("stock_layout_after_run"):
+        for gf in info.get("forwards", ()):
+            gf.to_stock_layout()
 
 
 def summary(info):

@@ -396,3 +396,26 @@ def test_another_packs_patch_on_the_controlnet_stays_in_effect_and_keys_the_plan
         plans.append({k: m for k, m in keys.items() if host_cn.object_patches.is_folded(m)})
         fast.cleanup()
     assert plans[0] and all(plans[1][k] is not m for k, m in plans[0].items()), "a new module, a new plan"
+
+
+def test_after_a_run_the_controlnets_conv_weights_are_in_stocks_layout_for_the_next_stock_node(comfy_cn):
+    """The conv weights are the user's ControlNet's. Current ComfyUI calls ON_DETACH when a stock node loads them,
+    and the stand-in puts them back then; ComfyUI 2024 has no such callback, so release() does it after each
+    accelerated run. (On a CPU no run converts them: the test converts them as a GPU run's first call would.)"""
+    load, host_cn = comfy_cn
+    stock = load().copy().set_cond_hint(_hint(2), 0.7)
+    opts = host_cn.ControlNetOptions(fused_kernels=True, cuda_graph=True, channels_last=True)
+    fast, info = host_cn.accelerate_controlnet(stock, opts)
+    _control(fast, *_inputs())
+    gf = stock.control_model.forward
+    gf._to_channels_last()
+    convs = [m.weight for m in stock.control_model.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.dim() == 4
+             and m.weight.shape[1] > 1 and m.weight.shape[-1] > 1]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in convs)
+    host_cn.release(info)
+    import comfy.model_patcher
+    detaches = hasattr(comfy.model_patcher.ModelPatcher, "add_callback_with_key")
+    if detaches:     # current ComfyUI: left to ON_DETACH (no conversion per run)
+        assert all(not w.is_contiguous() for w in convs) and not gf.relayout_pending
+    else:            # ComfyUI 2024: back in stock's layout now, converted again by the next accelerated call
+        assert all(w.is_contiguous() for w in convs) and gf.relayout_pending
