@@ -6,6 +6,6 @@
   memory/      VRAM budgets: residency plans, block streaming, pinned host copies, VAE decode plans
   preprocess/  ControlNet condition maps (canny, depth, pose) and their .pt cache
   reports/     what ran and what fell back: kernel calls, the per-run report, VRAM stages
-  deferred_preview  a sampler's step callback delivered one step late, on a pinned host copy of the latent
+  deferred_preview  a sampler's step callback delivered a few steps late, on a pinned host copy of the latent
 Layers: kernels/ <- reports <- patches <- memory, graphs <- hosts. Nothing here imports hosts/ or nodes/.
 """

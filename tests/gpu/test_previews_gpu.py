@@ -1,5 +1,5 @@
 """GPU only: live previews through a real ComfyUI server on the GPU (`--preview-method latent2rgb`), read from its
-websocket as the browser reads them. The Accelerated KSampler delivers its previews one step late
+websocket as the browser reads them. The Accelerated KSampler delivers its previews a few steps late
 (hosts/comfyui/previews.py); here, with CUDA graphs (the first prompt captures, the second replays) and without,
 each step still sends its `progress` message (the values stock's KSampler sends) and one preview image, in
 order, all inside the sampler node, before the next node starts, and each image shows that step's latent.

@@ -88,7 +88,7 @@ def comfy_preview():
     tests/server/test_previews.py. Its fused modules run their torch references as in `comfy_packs` (interpreted,
     a 64 px prompt with fused kernels takes ~100 s here): what previews depend on is the sampler's per-step
     callback around our step, not the kernels' own math. SDACCEL_DEFERRED_PREVIEWS=always: the Accelerated
-    KSampler delivers its previews one step late here as on a GPU (hosts/comfyui/previews.py), from plain copies."""
+    KSampler delivers its previews late here as on a GPU (hosts/comfyui/previews.py), from plain copies."""
     yield from _server(log_suffix=".preview", env={"TRITON_INTERPRET": "0", "SDACCEL_EAGER_PATH": "fused",
                                                    "SDACCEL_DEFERRED_PREVIEWS": "always"},
                        extra_args=("--preview-method", "latent2rgb"))

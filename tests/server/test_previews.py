@@ -3,7 +3,7 @@ the browser reads them: the Accelerated KSampler delivers one preview image per 
 denoised latent, and the same `progress` value/max per step as the stock KSampler with the same seed. Current
 ComfyUI also sends previews with metadata (node and prompt id) to a client that says it supports them; that
 path is checked the same way. The server defers on its CPU as on a GPU (SDACCEL_DEFERRED_PREVIEWS=always, see
-conftest.py): these are the Accelerated KSampler's previews delivered one step late, through ComfyUI's own hook."""
+conftest.py): these are the Accelerated KSampler's previews delivered a few steps late, through ComfyUI's own hook."""
 import io
 import json
 import urllib.error
