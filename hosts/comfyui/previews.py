@@ -96,7 +96,8 @@ class DeferredPreviews(Watch):
         host_ms = 1000.0 * sum(d.host_s for d in self.deferred) / late
         wait_ms = 1000.0 * sum(d.wait_s for d in self.deferred) / late
         return ("live previews: %d delivered a few steps late, without a GPU wait per step (%.2f ms each on the "
-                "sampler's thread to draw and hand to ComfyUI, %.2f ms waiting for the copy)" % (late, host_ms, wait_ms))
+                "sampler's thread to draw and hand to ComfyUI, %.2f ms waiting for the copy)"
+                % (late, host_ms, wait_ms))
 
     def __exit__(self, exc_type, exc, tb):
         try:

@@ -1,6 +1,6 @@
 """engine/deferred_preview.py: a step callback delivered late (once its copy has arrived, never at its own call, at
-most MAX_BEHIND steps held), in order, each step with its own latent; the rest on flush; nothing after drop; an exception from the host's callback leaves the sampler; CPU
-latents call through at once."""
+most MAX_BEHIND steps held), in order, each step with its own latent; the rest on flush; nothing after drop; an
+exception from the host's callback leaves the sampler; CPU latents call through at once."""
 import pytest
 import torch
 
