@@ -85,13 +85,13 @@ def fingerprint_misses(v, clip, vae):
         elif out is last.result:
             why = "cached"
         else:
-            tensors = [d.get(name) for d, name in self.slots]
+            tensors = self.tensors()
             if last.dead:
                 why = "a tensor of the last read was freed"
             elif [id(t) for t in tensors] != last.ids:
                 why = "tensor objects changed"
             elif not all(tensors[i]._version == ver for i, ver in last.versioned):
-                moved = [self.slots[i][1] for i, ver in last.versioned if tensors[i]._version != ver]
+                moved = [self.names[i] for i, ver in last.versioned if tensors[i]._version != ver]
                 why = "versions moved: %s" % ",".join(sorted(set(moved))[:6])
             else:
                 why = "residency token changed"

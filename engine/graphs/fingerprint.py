@@ -44,18 +44,21 @@ class WeightsFingerprint:
     def __init__(self, module, token_module=None):
         self.module = module
         self.token_module = module if token_module is None else token_module
-        self.slots = []
+        self.dicts, self.names = (), ()   # slot i: the tensor at names[i] of the module dict dicts[i]
         self.tree = ()
         self.epoch = _NO_EPOCH
-        self._dicts, self._names = (), ()
         self._last = None     # this epoch's last full read (a _Read)
 
     def refresh(self):
         modules = list(self.module.modules())
-        self.slots = [(d, name) for m in modules for d in (m._parameters, m._buffers) for name in d]
-        self._dicts = tuple(d for d, _ in self.slots)
-        self._names = tuple(name for _, name in self.slots)
+        slots = [(d, name) for m in modules for d in (m._parameters, m._buffers) for name in d]
+        self.dicts = tuple(d for d, _ in slots)
+        self.names = tuple(name for _, name in slots)
         self.tree = tuple(weakref.ref(m) for m in modules)
+
+    def tensors(self):
+        """The slots' current objects (None for an empty slot), in one C-level pass."""
+        return list(map(dict.get, self.dicts, self.names))
 
     def read(self, epoch=None):
         """(fingerprint, all weights on the GPU). Equal fingerprints: the same weights in the same places."""
@@ -63,7 +66,7 @@ class WeightsFingerprint:
             self.refresh()
             self.epoch = epoch
             self._last = None
-        tensors = list(map(dict.get, self._dicts, self._names))
+        tensors = self.tensors()
         last = self._last
         token = residency.token_of(self.token_module)
         if (last is not None and not last.dead and last.result[0][2] is token and list(map(id, tensors)) == last.ids

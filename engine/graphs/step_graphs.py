@@ -111,11 +111,11 @@ class StepGraphs:
         if torch.cuda.is_current_stream_capturing():
             return self._eager(fn, args, kwargs, "another capture is under way")
         tensors, key, soft = keys.flatten((args, kwargs))
+        device = next((t.device for t in tensors if t.is_cuda), None)
         refused = self._refused(key)
         if refused is not None:
             # no graph to key, so no weights check: the next call that replays reads the fingerprint and compares
             # it with the one the last replay saw, so a change made meanwhile is still seen before any replay
-            device = next((t.device for t in tensors if t.is_cuda), None)
             self.refused[refused] += 1
             return self._eager(fn, args, kwargs, refused, key=key, device=device)
         fp, all_cuda = self.fp.read(epoch)
@@ -136,7 +136,6 @@ class StepGraphs:
         # kept even when equal: the fingerprint's per-run cache hands back this object on the run's later steps, so
         # the next comparison is by identity; an equal one from an earlier run would be compared weight by weight
         self.last_fp = fp
-        device = next((t.device for t in tensors if t.is_cuda), None)
         if device is None:
             return self._eager(fn, args, kwargs, "no input on the GPU")
         if any(t.device.type not in ("cuda", "cpu") for t in tensors):

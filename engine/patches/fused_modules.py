@@ -83,7 +83,7 @@ class FusedGEGLU:
 
     def forward(self, x):
         if stock_path.LOCAL.depth or host_replaced(self):
-            return type(self).forward(self, x)
+            return original_class(self).forward(self, x)
         h = self.proj(x)
         out = geglu(h)
         kernel_report.record("geglu", geglu.last_call)
@@ -131,7 +131,7 @@ def stock_forward(m):
     norms, whose replacements carry no `parameters_manual_cast`, name torch's own, which is what Forge's
     forward runs for a module it does not cast) and no pack has replaced the host's since."""
     own = m.__dict__.get("sdaccel_stock_forward")
-    return own if own is not None and not host_replaced(m) else type(m).forward
+    return own if own is not None and not host_replaced(m) else original_class(m).forward
 
 
 def kind_of(m):

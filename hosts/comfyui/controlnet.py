@@ -180,8 +180,7 @@ class _Converter:
                 patcher.add_object_patch(path, module)
             object_patches.keep_restore_order(patcher, patches)
             new.control_model_wrapped = patcher
-            object_patches.free_graphs_on_unload(patcher, patches)
-            if not hasattr(patcher, "add_callback_with_key"):
+            if not object_patches.free_graphs_on_unload(patcher, patches):
                 self.info["stock_layout_after_run"] = True   # no ON_DETACH to do it: release() does
             new.set_previous_controlnet(new_prev)
             if self.options.cond_only:

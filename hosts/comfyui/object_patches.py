@@ -264,10 +264,13 @@ def free_graphs_on_unload(patcher, patches):
     """Current ComfyUI: when it detaches `patcher` (it loads another clone of the model, the user's own in a stock
     node, or unloads it), the conv weights of the GraphedForwards among `patches` go back to stock's layout, and
     once the weights have left the GPU their graph memory is freed and given back to the device (older ComfyUI
-    has no callbacks: the graphs go when the weights change or the model dies)."""
+    has no callbacks: the graphs go when the weights change or the model dies). Returns whether this ComfyUI calls
+    ON_DETACH callbacks (False: the caller puts the layout back itself)."""
     forwards = [gf for gf in patches.values() if isinstance(gf, GraphedForward)]
-    if not forwards or not hasattr(patcher, "add_callback_with_key"):
-        return
+    if not hasattr(patcher, "add_callback_with_key"):
+        return False
+    if not forwards:
+        return True
     import comfy.patcher_extension as pe
 
     def on_detach(p, unpatch_all=True, _forwards=tuple(forwards)):
@@ -280,3 +283,4 @@ def free_graphs_on_unload(patcher, patches):
             # unloaded this model to have that memory
             graph_memory.trim(getattr(p, "load_device", None))
     patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "sd_accel", on_detach)
+    return True
