@@ -79,6 +79,9 @@ def parse_args():
     ap.add_argument("--ours-saver", choices=("stock", "sdaccel"), default="stock",
                     help="Save Image or Save Image (SD Accel) (compress level 1, a batch in parallel) in the "
                          "accelerated graph; sdaccel adds _fastsave to the config names")
+    ap.add_argument("--ours-clip", choices=("sdaccel", "stock"), default="sdaccel",
+                    help="the checkpoint's CLIP through Apply SD Accel (CLIP) before the text encoders in the "
+                         "accelerated graph, or straight from the loader")
     opt = ap.parse_args()
     if opt.steps is None:
         opt.steps = 2 if opt.smoke else 20
@@ -203,9 +206,10 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
         "server process %d of %d, launched with --preview-method %s (previews are a launch flag)" % (index, total, method)
     rec["notes"] = ("%s; "
                     "websocket client %s; reps %d, ABAB; a new seed and positive text per timed prompt; ours: "
-                    "SDAccelKSampler (defaults) + %s + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
+                    "%sSDAccelKSampler (defaults) + %s + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
                         where, "with supports_preview_metadata" if metadata else "without feature flags",
-                        opt.reps, "SDAccelVAEDecode" if opt.ours_decoder == "sdaccel" else "VAEDecode",
+                        opt.reps, "SDAccelApplyCLIP + " if opt.ours_clip == "sdaccel" else "",
+                        "SDAccelVAEDecode" if opt.ours_decoder == "sdaccel" else "VAEDecode",
                         "SDAccelSaveImage (compress level 1)" if opt.ours_saver == "sdaccel" else "SaveImage", replays,
                         ", ".join(last.get("ran", []) + [n for n in last.get("notes", []) if n.startswith("live previews")]),
                         json.dumps(last.get("fell_back", {})),

@@ -49,6 +49,9 @@
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
 # eager (bench_eager.py: stock vs ours where graphs do not run, SD1.5 512² b1 and SDXL 1024² b1, 12 rotated reps;
 # ~4 min with the SDXL build, deadline 330 s, killed at 420 s),
+# text_encode (bench_text_encode.py: CLIP Text Encode on the checkpoint's CLIP vs on Apply SD Accel (CLIP)'s copy,
+# SD1.5 and SDXL, plain / weighted / long / clip-skip prompts; ~2 min with the SDXL build, killed at 300 s),
+# tests_clip (tests/gpu/test_clip_graphs_gpu.py alone, ~1 min, killed at 200 s),
 # png_save (bench_png_save.py on the GPU machine's host CPU: SaveImage's way vs Save Image (SD Accel)'s writer; ~30 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
@@ -137,6 +140,12 @@ for p in "$@"; do
     diagnose_stock_after) part diagnose_stock_after 240 python3 bench/diagnose_stock_after.py --comfy-dir $COMFY ;;
     eager) part eager 420 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15,sdxl --deadline 330 ;;
     diagnose_eager) part diagnose_eager 240 python3 bench/diagnose_eager.py --comfy-dir $COMFY ;;
+    text_encode) part text_encode 300 python3 bench/bench_text_encode.py --comfy-dir $COMFY --deadline 200 ;;
+    tests_clip)
+      mkdir -p "$OUT/tests_clip"
+      timeout 200 python3 -m pytest tests/gpu/test_clip_graphs_gpu.py -q -rA > "$OUT/tests_clip/log.txt" 2>&1
+      echo "== tests_clip exit $?"
+      tail -15 "$OUT/tests_clip/log.txt" ;;
     png_save) mkdir -p "$OUT/png_save"; timeout 120 python3 bench/bench_png_save.py --reps 5 > "$OUT/png_save/log.txt" 2>&1; tail -16 "$OUT/png_save/log.txt" ;;
     h2d)
       mkdir -p "$OUT/h2d"
@@ -148,6 +157,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_tests)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_tests text_encode tests_clip)"; exit 2 ;;
   esac
 done

@@ -9,7 +9,7 @@ from PIL import Image
 import comfy_bench as cb
 
 TXT2IMG = os.path.join(cb.REPO, "workflows", "sd15_txt2img_accelerated.api.json")
-SAMPLER, DECODE, LATENT, POS_NODE, SAVE = "3", "8", "5", "6", "9"
+SAMPLER, DECODE, LATENT, POS_NODE, SAVE, CLIP_NODE = "3", "8", "5", "6", "9", "30"
 ACCEL_KEYS = ("fused_kernels", "cuda_graph", "channels_last")
 DENOISE = 0.6
 HINT, SOURCE = "sdaccel_bench_hint_%d.png", "sdaccel_bench_source_%d.png"
@@ -27,7 +27,8 @@ def sized(opt, cfg):
 
 def graph(opt, cfg, names, variant, seed, positive, prefix):
     """The API prompt of one config: stock (KSampler, VAE Decode) or ours (Accelerated KSampler with its defaults,
-    VAE Decode (SD Accel) unless --ours-decoder stock; Save Image (SD Accel) with --ours-saver sdaccel). Everything
+    VAE Decode (SD Accel) unless --ours-decoder stock; Save Image (SD Accel) with --ours-saver sdaccel; the CLIP through
+    Apply SD Accel (CLIP) unless --ours-clip stock). Everything
     else is the same node for node."""
     family, size, batch, kind = cfg
     with open(TXT2IMG) as f:
@@ -47,6 +48,8 @@ def graph(opt, cfg, names, variant, seed, positive, prefix):
             wf[DECODE] = {"class_type": "SDAccelVAEDecode", "inputs": dict(wf[DECODE]["inputs"], budget_gib=0.0)}
         if opt.ours_saver == "sdaccel":   # its default compress_level (1; SaveImage's is 4)
             wf[SAVE]["class_type"] = "SDAccelSaveImage"
+        if opt.ours_clip == "sdaccel":
+            _accelerate_clip(wf)
     if kind == "cn":
         _add_controlnet(wf, names["cn"], size)
     elif kind == "img2img":
@@ -64,6 +67,14 @@ def switch_previews(wf, method):
                                                                      "method": method}}
     wf[SAMPLER]["inputs"]["model"] = ["20", 0]
     return wf
+
+
+def _accelerate_clip(wf):
+    """The text encoders take the loader's CLIP through Apply SD Accel (CLIP)."""
+    wf[CLIP_NODE] = {"class_type": "SDAccelApplyCLIP", "inputs": {"clip": ["4", 1], "cuda_graph": True}}
+    for node in wf.values():
+        if node["class_type"] == "CLIPTextEncode" and node["inputs"].get("clip") == ["4", 1]:
+            node["inputs"]["clip"] = [CLIP_NODE, 0]
 
 
 def _add_controlnet(wf, cn_name, size):

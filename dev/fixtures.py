@@ -194,6 +194,27 @@ def build_lora(comfy_dir, preset, path, rank=4, seed=0, scale=0.5):
     return _save(out, path, torch.float16, {"sd_accel_fixture": "lora15", "preset": preset, "seed": seed})
 
 
+CLIP_L_LAYERS, CLIP_L_WIDTH = 12, 768
+CLIP_LORA_SHAPES = {"self_attn_q_proj": (1, 1), "self_attn_k_proj": (1, 1), "self_attn_v_proj": (1, 1),
+                    "self_attn_out_proj": (1, 1), "mlp_fc1": (4, 1), "mlp_fc2": (1, 4)}   # (out, in) in widths
+
+
+def build_clip_lora(path, rank=4, seed=0, scale=0.5):
+    """Random kohya-style LoRA over every layer of an SD1.5 checkpoint's CLIP-L text encoder (`lora_te_...` keys,
+    as ComfyUI's LoraLoader maps them onto `clip_l.transformer.text_model.encoder.layers.*`)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(CLIP_L_LAYERS):
+        for name, (o, n) in CLIP_LORA_SHAPES.items():
+            key = "lora_te_text_model_encoder_layers_%d_%s" % (i, name)
+            fan_in, fan_out = n * CLIP_L_WIDTH, o * CLIP_L_WIDTH
+            out[key + ".lora_down.weight"] = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
+            out[key + ".lora_up.weight"] = torch.randn(fan_out, rank, generator=gen) * scale
+            out[key + ".alpha"] = torch.tensor(float(rank))
+    return _save(out, path, torch.float16, {"sd_accel_fixture": "clip_lora15", "seed": seed})
+
+
 def build_taesd(comfy_dir, path, seed=0):
     """Random TAESD decoder in ComfyUI's layout (comfy/taesd/taesd.py's `Decoder`, keys as it loads them)."""
     _import_comfy(comfy_dir)

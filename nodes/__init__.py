@@ -5,7 +5,7 @@ import logging
 
 log = logging.getLogger("sd_accel")
 
-NODE_MODULES = ("sampler_nodes", "controlnet_nodes", "memory_nodes", "vae_nodes", "image_nodes")
+NODE_MODULES = ("sampler_nodes", "controlnet_nodes", "memory_nodes", "vae_nodes", "clip_nodes", "image_nodes")
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}
 LOAD_ERRORS = {}

@@ -69,18 +69,32 @@ def unet_inputs(unet, seed=1):
 _BUILT = {}   # (preset, seed) -> the checkpoint's path, built once per test process
 
 
-def tiny_model_patcher(folder, seed=5, preset="tiny"):
-    """A real ComfyUI ModelPatcher: a random SD1.5 checkpoint at a reduced preset (dev/fixtures.py) loaded by
-    ComfyUI's own load_checkpoint_guess_config (UNet only), a new one per call. The file is written once per
-    (preset, seed) and process, into the first caller's `folder`: with its full-size text encoder it is ~450 MB,
-    and one per test filled gigabytes of pytest's temporary folders."""
+def _checkpoint(folder, seed, preset):
     fixtures = fixtures_module()
-    import comfy.sd
     path = _BUILT.get((preset, seed))
     if path is None or not os.path.isfile(path):
         path = os.path.join(str(folder), "%s_%d.safetensors" % (preset, seed))
         fixtures.build_checkpoint(COMFY, "sd15", preset, path, seed=seed)
         _BUILT[(preset, seed)] = path
+    return path
+
+
+def tiny_clip(folder, seed=5, preset="tiny"):
+    """A real comfy.sd.CLIP: the full-size CLIP-L text encoder of `tiny_model_patcher`'s checkpoint, as ComfyUI's
+    own loader builds it (its tokenizer, its ModelPatcher), a new one per call."""
+    path = _checkpoint(folder, seed, preset)
+    import comfy.sd
+    with torch.inference_mode():
+        return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=True)[1]
+
+
+def tiny_model_patcher(folder, seed=5, preset="tiny"):
+    """A real ComfyUI ModelPatcher: a random SD1.5 checkpoint at a reduced preset (dev/fixtures.py) loaded by
+    ComfyUI's own load_checkpoint_guess_config (UNet only), a new one per call. The file is written once per
+    (preset, seed) and process, into the first caller's `folder`: with its full-size text encoder it is ~450 MB,
+    and one per test filled gigabytes of pytest's temporary folders."""
+    path = _checkpoint(folder, seed, preset)
+    import comfy.sd
     with torch.inference_mode():
         return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)[0]
 

@@ -9,7 +9,7 @@ OUR_NODES = {"SDAccelKSampler": "SD Accel/sampling", "SDAccelApply": "SD Accel/p
              "SDAccelVAEEncode": "SD Accel/vae", "SDAccelApplyVAE": "SD Accel/patches",
              "SDAccelCannyMap": "SD Accel/controlnet", "SDAccelDepthMap": "SD Accel/controlnet",
              "SDAccelPoseMap": "SD Accel/controlnet", "SDAccelConditionCache": "SD Accel/controlnet",
-             "SDAccelSaveImage": "SD Accel/image"}
+             "SDAccelSaveImage": "SD Accel/image", "SDAccelApplyCLIP": "SD Accel/patches"}
 
 
 def test_pack_imported_without_errors(comfy):
