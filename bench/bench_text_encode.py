@@ -103,7 +103,8 @@ def main():
         for i, kind in enumerate(kinds):
             recs.append(bench_kind(family, kind, clip, ours, info, 1000 * i))
         mem = cb.graph_mem_bytes(ENV.cuda)
-        cb.say("%s: driver graph memory after its calls: %s" % (family, "n/a" if mem is None else "%.1f MiB" % (mem / 2**20)))
+        cb.say("%s: driver graph memory after its calls: %s"
+               % (family, "n/a" if mem is None else "%.1f MiB" % (mem / 2**20)))
     cb.say("%-32s %9s %9s %7s %6s %s" % ("config", "stock ms", "ours ms", "x", "exact", "graphs"))
     for r in recs:
         cb.say("%-32s %9.2f %9.2f %7.2f %6s %s" % (r["config"], r["stock_ms"], r["ours_ms"], r["speedup"], r["exact"],
