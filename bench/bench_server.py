@@ -45,10 +45,10 @@ import urllib.error
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import comfy_bench as cb  # noqa: E402
-import server_graphs as sg  # noqa: E402
-import server_timing as st  # noqa: E402
 sys.path.insert(0, os.path.join(cb.REPO, "dev"))
 import comfy_server  # noqa: E402
+import server_graphs as sg  # noqa: E402
+import server_timing as st  # noqa: E402
 
 say = cb.say
 CONFIGS = {   # name: (family, size, batch, kind)

@@ -7,9 +7,10 @@ import numpy as np
 from PIL import Image
 
 import comfy_bench as cb
+import comfy_server
 
 TXT2IMG = os.path.join(cb.REPO, "workflows", "sd15_txt2img_accelerated.api.json")
-SAMPLER, DECODE, LATENT, POS_NODE, SAVE, CLIP_NODE = "3", "8", "5", "6", "9", "30"
+SAMPLER, DECODE, LATENT, POS_NODE, SAVE = "3", "8", "5", "6", "9"
 ACCEL_KEYS = ("fused_kernels", "cuda_graph", "channels_last")
 DENOISE = 0.6
 HINT, SOURCE = "sdaccel_bench_hint_%d.png", "sdaccel_bench_source_%d.png"
@@ -27,7 +28,7 @@ def sized(opt, cfg):
 
 def graph(opt, cfg, names, variant, seed, positive, prefix):
     """The API prompt of one config: stock (KSampler, VAE Decode) or ours (Accelerated KSampler with its defaults,
-    VAE Decode (SD Accel) unless --ours-decoder stock; Save Image (SD Accel) with --ours-saver sdaccel; the CLIP through
+    VAE Decode (SD Accel) unless --ours-decoder stock; Save Image (SD Accel) with --ours-saver sdaccel; the workflow's
     Apply SD Accel (CLIP) unless --ours-clip stock). Everything
     else is the same node for node."""
     family, size, batch, kind = cfg
@@ -39,6 +40,8 @@ def graph(opt, cfg, names, variant, seed, positive, prefix):
     wf[SAVE]["inputs"]["filename_prefix"] = "%s_%s" % (prefix, kind)
     node = wf[SAMPLER]["inputs"]
     node.update(seed=seed, steps=opt.steps, cfg=7.0, sampler_name="euler", scheduler="normal")
+    if variant == "stock" or opt.ours_clip == "stock":
+        comfy_server.without_node_class(wf, "SDAccelApplyCLIP")
     if variant == "stock":
         wf[SAMPLER]["class_type"] = "KSampler"
         for k in ACCEL_KEYS:
@@ -48,8 +51,6 @@ def graph(opt, cfg, names, variant, seed, positive, prefix):
             wf[DECODE] = {"class_type": "SDAccelVAEDecode", "inputs": dict(wf[DECODE]["inputs"], budget_gib=0.0)}
         if opt.ours_saver == "sdaccel":   # its default compress_level (1; SaveImage's is 4)
             wf[SAVE]["class_type"] = "SDAccelSaveImage"
-        if opt.ours_clip == "sdaccel":
-            _accelerate_clip(wf)
     if kind == "cn":
         _add_controlnet(wf, names["cn"], size)
     elif kind == "img2img":
@@ -67,14 +68,6 @@ def switch_previews(wf, method):
                                                                      "method": method}}
     wf[SAMPLER]["inputs"]["model"] = ["20", 0]
     return wf
-
-
-def _accelerate_clip(wf):
-    """The text encoders take the loader's CLIP through Apply SD Accel (CLIP)."""
-    wf[CLIP_NODE] = {"class_type": "SDAccelApplyCLIP", "inputs": {"clip": ["4", 1], "cuda_graph": True}}
-    for node in wf.values():
-        if node["class_type"] == "CLIPTextEncode" and node["inputs"].get("clip") == ["4", 1]:
-            node["inputs"]["clip"] = [CLIP_NODE, 0]
 
 
 def _add_controlnet(wf, cn_name, size):

@@ -226,6 +226,19 @@ def empty_frontend(work_dir):
     return ["--front-end-root", frontend]
 
 
+def without_node_class(wf, class_type):
+    """`wf` (an API prompt, changed in place) without its `class_type` nodes, each consumer of one's first output
+    wired to what fed its first input (a pass-through node: Apply SD Accel (CLIP) for a stock graph)."""
+    for node_id in [k for k, n in wf.items() if n["class_type"] == class_type]:
+        node = wf.pop(node_id)
+        source = next(v for v in node["inputs"].values() if isinstance(v, list))
+        for other in wf.values():
+            for name, v in other["inputs"].items():
+                if v == [node_id, 0]:
+                    other["inputs"][name] = list(source)
+    return wf
+
+
 def load_api_workflow(path, **overrides):
     """An API-format workflow from workflows/, with `{node_id: {input: value}}` overrides."""
     with open(path) as f:

@@ -2,6 +2,7 @@
 import json
 import os
 
+import comfy_server
 import numpy as np
 from PIL import Image
 
@@ -24,9 +25,10 @@ def txt2img(ckpt, sampler="SDAccelKSampler", seed=7, steps=2, prefix="t", lora=N
     node = wf["3"]
     node["class_type"] = sampler
     node["inputs"].update(seed=seed, steps=steps)
-    if sampler == "KSampler":
+    if sampler == "KSampler":   # the stock graph: stock nodes only
         for k in ("fused_kernels", "cuda_graph", "channels_last"):
             node["inputs"].pop(k)
+        comfy_server.without_node_class(wf, "SDAccelApplyCLIP")
     else:
         node["inputs"].update(accel)
     wf["9"]["inputs"]["filename_prefix"] = prefix
