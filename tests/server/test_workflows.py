@@ -152,12 +152,11 @@ def _provide_shipped_names(comfy):
     model files that fail to load, so the full-size run the accepted prompt starts ends at its first loader (on
     this CPU a 512-pixel run would take hours), and the photo LoadImage names, in the server's input folder."""
     import shutil
-    from conftest import MODELS
     for path in API_FILES:
         for node in load(path).values():
             for k, v in node["inputs"].items():
                 if k in SHIPPED_FOLDERS:
-                    stand_in = os.path.join(MODELS, SHIPPED_FOLDERS[k], v)
+                    stand_in = os.path.join(comfy.models_dir, SHIPPED_FOLDERS[k], v)
                     if not os.path.exists(stand_in):
                         with open(stand_in, "wb") as f:
                             f.write(b"not a model: stands for the user's file in test_workflows.py")
