@@ -24,14 +24,11 @@ back). Graphs only on a ComfyUI with ON_DETACH callbacks, where their memory goe
 encoder (as for the VAE, hosts/comfyui/vae_accel.py); elsewhere, and for a CLIP on the CPU, the input CLIP is
 returned with the reason.
 """
-import logging
-
 import torch
 
 from ...engine.graphs.graphed_forward import GraphedForward, Policy
 from . import object_patches
 
-log = logging.getLogger("sd_accel")
 _ENCODER_CLASS = ("comfy.clip_model", "CLIPEncoder")
 MAX_GRAPHS = 4   # per text encoder: prompt lengths / output layers kept before its graphs are dropped
 
