@@ -88,6 +88,10 @@ def _make_step(st, options, base_model, derived_copies=False):
         x = args[0]
         fn, args, kwargs = _with_deferred_control(call, args, kwargs)
         host_state = getattr(base_model, "current_weight_patches_uuid", None)
+        if derived_copies and hooks_patch_weights(base_model):
+            # a hook's weight patch is written in place, between the calls of one step, into tensors without a
+            # version counter: no copy derived from the weights can tell, so each call makes its copies again
+            host_state = (host_state, object())
         # derived weight copies (FP8, upcast fp8-stored weights) are keyed on the host's patch state too
         scope = fp8_weights.host_state(host_state) if derived_copies else contextlib.nullcontext()
         with scope:
@@ -105,6 +109,13 @@ def _make_step(st, options, base_model, derived_copies=False):
             key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
             return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
     return step
+
+
+def hooks_patch_weights(base_model):
+    """Whether current ComfyUI's hooks (Create Hook LoRA and the like, set on conditioning) have weight patches on
+    the patcher running this model: it patches them in place before each call whose rows carry the hook."""
+    patcher = getattr(base_model, "current_patcher", None)
+    return bool(getattr(patcher, "hook_patches", None))
 
 
 def _model_sampling_on(base_model, device):

@@ -28,14 +28,15 @@ def _conds(env, keyframes):
     return pos, env.neg
 
 
-def _sample(env, pos, neg, ours):
+def _sample(env, pos, neg, ours, model=None):
     import torch
+    model = model or env.model
     with torch.inference_mode():
         lat = env.nodes.EmptyLatentImage().generate(SIZE, SIZE, 1)[0]
         if ours:
-            res = env.ours.sample(env.model, 5, STEPS, 7.0, "euler", "normal", pos, neg, lat)
+            res = env.ours.sample(model, 5, STEPS, 7.0, "euler", "normal", pos, neg, lat)
             return res["result"][0]["samples"].float(), res["ui"]["sdaccel_report"][0]
-        out = env.nodes.KSampler().sample(env.model, 5, STEPS, 7.0, "euler", "normal", pos, neg, lat)[0]
+        out = env.nodes.KSampler().sample(model, 5, STEPS, 7.0, "euler", "normal", pos, neg, lat)[0]
         return out["samples"].float(), None
 
 
@@ -54,3 +55,30 @@ def test_a_hook_lora_on_the_positive_rows_equals_stock(comfy_env, keyframes):  #
     again, _ = _sample(env, env.pos, env.neg, ours=True)
     assert _rel(again, plain) < TOL, "the hook's weights stayed on the model after its run"
     assert reports[-1]["graphs"]["replays"] >= STEPS, reports[-1]["graphs"]
+
+
+def test_a_hook_lora_on_an_fp8_stored_unet_equals_stock(comfy_env, monkeypatch):  # noqa: F811
+    """The fp8-stored UNet runs on upcast fp16 copies of its weights (engine/fp8/upcast.py), which a hook's in-place
+    patch does not reach: with hooks, the copies are made again for every call. Without that rule (patched out
+    at the end) ours gives the unhooked weights' result on the hooked rows: the test shows the rule is needed."""
+    import os
+    import folder_paths
+    import patch_nodes
+    from sd_accel.hosts.comfyui import accelerate
+    from test_graphs_gpu import WORK
+    folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
+    env = comfy_env
+    model = patch_nodes.load_fp8_unet("gpu_small.safetensors")
+    plain, _ = _sample(env, env.pos, env.neg, ours=False, model=model)
+    pos, neg = _conds(env, keyframes=False)
+    ref, _ = _sample(env, pos, neg, ours=False, model=model)
+    assert _rel(ref, plain) > MIN_EFFECT, "the hook did not move stock's latent"
+    for _ in range(2):
+        out, report = _sample(env, pos, neg, ours=True, model=model)
+        assert any("upcast" in n for n in report["notes"]), report["line"]   # the copies were made and used
+        assert _rel(out, ref) < TOL, (_rel(out, ref), report["line"])
+    again, _ = _sample(env, env.pos, env.neg, ours=True, model=model)
+    assert _rel(again, plain) < TOL, "the hook's weights stayed on the model after its run"
+    monkeypatch.setattr(accelerate, "hooks_patch_weights", lambda base_model: False)
+    stale, _ = _sample(env, pos, neg, ours=True, model=model)
+    assert _rel(stale, ref) > TOL, "without the rule the copies followed the hook anyway: the rule is not needed"
