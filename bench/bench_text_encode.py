@@ -54,12 +54,17 @@ def same(a, b):
     return bool(torch.equal(ca, cb_) and ((pa is None and pb is None) or torch.equal(pa, pb)))
 
 
+def graph_counts(info):
+    """{encoder: its StepGraphs' counters, with the reasons its eager calls had}."""
+    return {name: dict(gf.graphs.stats, refused=dict(gf.graphs.refused)) for name, gf in info["forwards"].items()}
+
+
 def bench_kind(family, kind, stock_clip, ours_clip, info, k0):
     from sd_accel.hosts.comfyui import clip_accel
     if kind == "clip_skip":
         stock_clip = ENV.nodes.CLIPSetLastLayer().set_last_layer(stock_clip, -2)[0]
         ours_clip = ENV.nodes.CLIPSetLastLayer().set_last_layer(ours_clip, -2)[0]
-    before = clip_accel.graph_counts(info)
+    before = graph_counts(info)
     for k in range(3):   # warm-up: ours' first calls of a new length probe and capture
         encode(stock_clip, prompt(kind, k0 + k))
         encode(ours_clip, prompt(kind, k0 + k))
@@ -73,7 +78,7 @@ def bench_kind(family, kind, stock_clip, ours_clip, info, k0):
             dt, conds[side] = encode(stock_clip if side == "stock" else ours_clip, text)
             times[side].append(dt * 1e3)
         exact = exact and same(conds["stock"], conds["ours"])
-    after = clip_accel.graph_counts(info)
+    after = graph_counts(info)
     graphs = {n: {s: after[n][s] - before.get(n, {}).get(s, 0) for s in ("captures", "replays", "eager")}
               for n in after}
     stock_ms, ours_ms = statistics.median(times["stock"]), statistics.median(times["ours"])

@@ -30,28 +30,30 @@ from ...engine.graphs.graphed_forward import GraphedForward, Policy
 from . import object_patches
 
 _ENCODER_CLASS = ("comfy.clip_model", "CLIPEncoder")
-MAX_GRAPHS = 4   # per text encoder: prompt lengths / output layers kept before its graphs are dropped
 
 
 def accelerate_clip(clip, cuda_graph=True):
     """(accelerated copy of `clip`, info); `clip` itself where nothing applies, with the reason in
     info["reasons"]."""
-    info = {"encoders": [], "reasons": {}, "forwards": {}}
     why = _stock_reason(clip, cuda_graph)
     if why:
-        info["reasons"]["cuda_graph"] = why
-        return clip, info
-    return patched_copy(clip, info)
+        return clip, _info(reasons={"cuda_graph": why})
+    return patched_copy(clip)
 
 
-def patched_copy(clip, info):
-    """`clip.clone()` with the encoders' GraphedForwards as object patches (accelerate_clip, once it found
-    nothing against them)."""
+def _info(reasons=None):
+    return {"encoders": [], "reasons": reasons or {}, "forwards": {}}
+
+
+def patched_copy(clip):
+    """(`clip.clone()` with the encoders' GraphedForwards as object patches, info): accelerate_clip's copy, once
+    it found nothing against one."""
+    info = _info()
     out = clip.clone()
     for name, sd_clip in text_encoders(out.cond_stage_model):
         encoder = sd_clip.transformer.text_model.encoder
         gf = GraphedForward(encoder, "text encoder " + name, cuda_graph=True, channels_last=False,
-                            policy=Policy(refuse=_weight_function_rule(encoder), max_graphs=MAX_GRAPHS))
+                            policy=Policy(refuse=_weight_function_rule(encoder)))
         path = "%s.transformer.text_model.encoder.forward" % name
         out.patcher.add_object_patch(path, gf)
         info["encoders"].append(name)
@@ -83,10 +85,7 @@ def _stock_reason(clip, cuda_graph):
     device = torch.device(getattr(patcher, "load_device", "cpu"))
     if device.type != "cuda":
         return "text encoder on %s: CUDA graphs need a CUDA GPU" % device.type
-    if not hasattr(patcher, "add_callback_with_key"):
-        return ("this ComfyUI has no ON_DETACH callbacks: a graph's memory would stay reserved after ComfyUI "
-                "unloads the text encoder (update ComfyUI to 0.3.x)")
-    return None
+    return object_patches.no_detach_reason(patcher, "text encoder")
 
 
 def _weight_function_rule(encoder):
@@ -95,8 +94,8 @@ def _weight_function_rule(encoder):
     def refuse(args, kwargs):
         for m in casts:
             if m.weight_function or m.bias_function:
-                return ("a weight patch ComfyUI applies by Python on every call (low-VRAM LoRA) is on %s"
-                        % type(m).__name__)
+                return ("a weight function ComfyUI runs by Python on every call (a low-VRAM LoRA patch, a weight "
+                        "wrapper) is on %s" % type(m).__name__)
         return None
     return refuse
 
@@ -106,8 +105,3 @@ def patched_line(info):
     if info["reasons"]:
         return "text encoders: stock (%s)" % "; ".join("%s: %s" % kv for kv in info["reasons"].items())
     return "text encoders %s: a CUDA graph per prompt length and output layer" % ", ".join(info["encoders"])
-
-
-def graph_counts(info):
-    """{encoder: {"captures", "replays", "eager", ...}} so far, and the reasons eager calls had."""
-    return {name: dict(gf.graphs.stats, refused=dict(gf.graphs.refused)) for name, gf in info["forwards"].items()}

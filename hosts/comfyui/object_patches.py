@@ -260,6 +260,20 @@ def keep_restore_order(clone, patches):
     clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [_restore_ours_last]
 
 
+def calls_on_detach(patcher):
+    """Whether this ComfyUI calls ON_DETACH callbacks (0.3.x): its word for when it unloads a model."""
+    return hasattr(patcher, "add_callback_with_key")
+
+
+def no_detach_reason(patcher, what):
+    """Why no call of `what` (a model's name for the message) may keep a graph on this ComfyUI, or None: a graph's
+    memory must go when ComfyUI unloads the model to make room for another, and only ON_DETACH says when."""
+    if calls_on_detach(patcher):
+        return None
+    return ("this ComfyUI has no ON_DETACH callbacks: a graph's memory would stay reserved after ComfyUI unloads the "
+            "%s (update ComfyUI to 0.3.x)" % what)
+
+
 def free_graphs_on_unload(patcher, patches):
     """Current ComfyUI: when it detaches `patcher` (it loads another clone of the model, the user's own in a stock
     node, or unloads it), the conv weights of the GraphedForwards among `patches` go back to stock's layout, and
@@ -267,7 +281,7 @@ def free_graphs_on_unload(patcher, patches):
     has no callbacks: the graphs go when the weights change or the model dies). Returns whether this ComfyUI calls
     ON_DETACH callbacks (False: the caller puts the layout back itself)."""
     forwards = [gf for gf in patches.values() if isinstance(gf, GraphedForward)]
-    if not hasattr(patcher, "add_callback_with_key"):
+    if not calls_on_detach(patcher):
         return False
     if not forwards:
         return True

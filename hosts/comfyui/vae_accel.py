@@ -118,7 +118,7 @@ def _accelerate(vae, options):
         info["reasons"]["channels_last"] = ("a %s VAE keeps stock's layout (NHWC convolutions are kept for fp16 and "
                                             "bf16, where cuDNN runs them on tensor cores)"
                                             % str(getattr(vae, "vae_dtype", "")).replace("torch.", ""))
-    elif channels_last and not _says_when_it_detaches(clone):
+    elif channels_last and not object_patches.calls_on_detach(clone):
         channels_last = False   # the weights are the user's VAE's: a stock VAE Decode after ours runs on them
         info["reasons"]["channels_last"] = ("this ComfyUI has no ON_DETACH callbacks, which would put the conv "
                                             "weights back in stock's layout for a stock VAE Decode after ours")
@@ -181,18 +181,9 @@ def _kernels_reason(vae):
     return None if ok else why
 
 
-def _says_when_it_detaches(clone):
-    """Whether this ComfyUI calls ON_DETACH callbacks (object_patches.free_graphs_on_unload installs ours)."""
-    return hasattr(clone, "add_callback_with_key")
-
-
 def _no_graphs_reason(clone):
-    """Why no VAE call may keep a graph on this ComfyUI, or None. A graph's memory must go when ComfyUI unloads the
-    VAE to make room for another model; only a ComfyUI that calls ON_DETACH callbacks tells us when that is."""
-    if not _says_when_it_detaches(clone):
-        return ("this ComfyUI has no ON_DETACH callbacks: a graph's memory would stay reserved after ComfyUI "
-                "unloads the VAE (update ComfyUI to 0.3.x)")
-    return None
+    """Why no VAE call may keep a graph on this ComfyUI, or None."""
+    return object_patches.no_detach_reason(clone, "VAE")
 
 
 def _graph_memory_rule(method, estimate, no_graphs=None):

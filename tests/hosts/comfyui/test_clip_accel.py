@@ -41,8 +41,7 @@ def test_on_the_cpu_the_node_passes_the_clip_through_and_says_why(clip):
 
 def test_the_patched_copy_runs_the_layers_through_our_forward_and_gives_stocks_conditioning(clip):
     ref = _encode(clip, "a photograph of an (astronaut:1.2) riding a horse")
-    info = {"encoders": [], "reasons": {}, "forwards": {}}
-    acc, info = clip_accel.patched_copy(clip, info)
+    acc, info = clip_accel.patched_copy(clip)
     assert acc is not clip and acc.patcher is not clip.patcher and info["encoders"] == ["clip_l"]
     graphs = info["forwards"]["clip_l"].graphs
     calls = graphs.stats["eager"]
@@ -70,7 +69,7 @@ def test_weight_functions_on_the_layers_keep_the_call_out_of_graphs(clip):
     fc1 = _encoder(clip).layers[0].mlp.fc1
     fc1.weight_function = [lambda w: w]
     try:
-        assert "low-VRAM LoRA" in rule((), {})
+        assert "low-VRAM LoRA patch" in rule((), {})
     finally:
         del fc1.weight_function
     assert rule((), {}) is None
@@ -85,3 +84,19 @@ def test_no_clip_text_encoder_is_named_as_the_reason():
     holder.patcher = patcher
     out, info = clip_accel.accelerate_clip(holder)
     assert out is holder and info["reasons"]["cuda_graph"].startswith("no CLIP text encoder in NotClip")
+
+
+def test_on_a_cuda_text_encoder_graphs_need_a_comfyui_that_says_when_it_unloads_it(clip):
+    """What the GPU tests cannot reach on ComfyUI 2024 (tests/gpu runs the current one): a text encoder whose
+    patcher loads it on CUDA gets the graphs on a ComfyUI with ON_DETACH callbacks, and is passed through with that
+    reason on one without (no CUDA is touched to decide)."""
+    import comfy.model_patcher as mp
+    on_cuda = clip.clone()
+    on_cuda.patcher.load_device = torch.device("cuda", 0)
+    out, info = clip_accel.accelerate_clip(on_cuda)
+    if hasattr(mp.ModelPatcher, "add_callback_with_key"):
+        import comfy.patcher_extension as pe
+        assert out is not on_cuda and info["encoders"] == ["clip_l"] and not info["reasons"], info
+        assert out.patcher.get_all_callbacks(pe.CallbacksMP.ON_DETACH), "the graphs' memory goes with the encoder"
+    else:
+        assert out is on_cuda and info["reasons"]["cuda_graph"].startswith("this ComfyUI has no ON_DETACH"), info
