@@ -40,7 +40,8 @@
 # random weights with outlier channels, ~1.5 min), vae (bench_vae.py: VAE decode and encode, stock vs ours vs ours
 # without graphs, SD1.5 512² b1/b4, SDXL 1024² whole and tiled; deadline 200 s, killed at 240 s, ~2-3 min), fp8
 # (bench_fp8.py: stock vs ours fp16 vs ours fp8 (LOSSY), SD1.5 512² b1/b4, SDXL 1024² b1, plus per-layer FP8 errors;
-# deadline 240 s, killed at 300 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
+# deadline 240 s, killed at 300 s), fp8_gemm (bench_fp8_gemm.py --sweep: the FP8 GEMM kernel against cuBLAS fp16 and
+# _scaled_mm on SD1.5/SDXL's transformer Linears, with its launch configs swept; ~3 min, killed at 300 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
 # stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
 # same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s), diagnose_stock_after
 # (diagnose_stock_after.py: SDXL 1024² stock KSampler before and after one graph run of ours, with the GPU's
@@ -97,6 +98,11 @@ for p in "$@"; do
         vendor/forge/wheels/*.whl
       PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge 420 python3 bench/bench_forge.py ;;
     fp8) part fp8 300 python3 bench/bench_fp8.py --comfy-dir $COMFY --deadline 240 ;;
+    fp8_gemm)
+      mkdir -p "$OUT/fp8_gemm"
+      timeout 300 python3 bench/bench_fp8_gemm.py --sweep --out "$OUT/fp8_gemm" > "$OUT/fp8_gemm/log.txt" 2>&1
+      echo "== fp8_gemm exit $?"
+      grep -v "^\[W\|This is technically allowed" "$OUT/fp8_gemm/log.txt" | tail -20 | cut -c1-200 ;;
     fp8_tests)
       mkdir -p "$OUT/fp8_tests"
       timeout 240 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rA > "$OUT/fp8_tests/log.txt" 2>&1
@@ -153,10 +159,10 @@ for p in "$@"; do
       grep -v "^\[W\|This is technically allowed" "$OUT/h2d/log.txt" | tail -16 ;;
     kernels)
       mkdir -p "$OUT/kernels"
-      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add quantize_rows; do
+      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add quantize_rows fp8_gemm; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_tests text_encode tests_clip)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
   esac
 done

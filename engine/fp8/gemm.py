@@ -1,9 +1,11 @@
 """One FP8 Linear: `x @ w.T + bias` with x quantized per token (kernels/quantize_rows.py), w quantized per output
-channel once per load, `torch._scaled_mm` accumulating in fp32, the bias added in its epilogue.
+channel once per load, a GEMM accumulating in fp32, the bias added in its epilogue.
 
-Which `_scaled_mm` recipe a device takes varies with the torch version (some accept rowwise scales only with a
-bfloat16 output), so the first call on a device tries the recipes on a tiny problem, fastest first, and keeps
-the first that runs and agrees with an fp32 reference:
+The first call on a device tries the recipes on a tiny problem, fastest first, and keeps the first that runs (on
+its fast path) and agrees with an fp32 reference:
+  * "triton": kernels/fp8_gemm.py, scales, bias (and GEGLU where asked) in the GEMM's epilogue, fp16 out: one pass
+    over the output. `torch._scaled_mm` takes rowwise scales only with a bfloat16 output on sm_89/sm_90, so the
+    recipes below pay a cast and a bias add afterwards, which cost about what FP8 saves;
   * "rowwise_fp16": per-token activation scales and per-channel weight scales in `_scaled_mm`, fp16 out, bias
     fused;
   * "rowwise_bf16": the same with a bfloat16 output, cast to fp16, bias added after (in fp16);
@@ -12,11 +14,24 @@ the first that runs and agrees with an fp32 reference:
 """
 import torch
 
+from ...kernels._dispatch import TRITON
+from ...kernels.fp8_gemm import fp8_gemm
 from ...kernels.quantize_rows import quantize_rows, quantize_tensor_reference, quantize_weight_per_channel
 
-RECIPES = ("rowwise_fp16", "rowwise_bf16", "tensorwise")
+RECIPES = ("triton", "rowwise_fp16", "rowwise_bf16", "tensorwise")
+GEGLU_RECIPES = ("triton",)     # the recipes with GEGLU in their epilogue (fp8_geglu)
 _PROBE_TOL = 6e-2
 _chosen = {}      # (device type, index) -> recipe name, or None when none runs
+
+
+def _triton(x, wq, ws, bias, geglu=False):
+    xq, xs = quantize_rows(x)
+    return fp8_gemm(xq, xs, wq, ws, bias, geglu=geglu)
+
+
+def _triton_ran():
+    """Both of the "triton" recipe's kernels ran on the latest call (not their plain-torch references)."""
+    return quantize_rows.last_call.path == TRITON and fp8_gemm.last_call.path == TRITON
 
 
 def _rowwise_fp16(x, wq, ws, bias):
@@ -38,7 +53,8 @@ def _tensorwise(x, wq, ws, bias):
     return out.to(torch.float16)
 
 
-_RECIPE_FNS = {"rowwise_fp16": _rowwise_fp16, "rowwise_bf16": _rowwise_bf16, "tensorwise": _tensorwise}
+_RECIPE_FNS = {"triton": _triton, "rowwise_fp16": _rowwise_fp16, "rowwise_bf16": _rowwise_bf16,
+               "tensorwise": _tensorwise}
 
 
 def _key(device):
@@ -65,6 +81,8 @@ def _first_working(device):
             out = _RECIPE_FNS[name](x, wq, ws, bias)
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             continue
+        if name == "triton" and not _triton_ran():
+            continue
         if out.dtype == torch.float16 and out.shape == ref.shape and \
                 float((out.float() - ref).norm() / ref.norm()) < _PROBE_TOL:
             return name
@@ -74,6 +92,12 @@ def _first_working(device):
 def fp8_linear(x, wq, ws, bias, recipe):
     """fp16 [M, N] = x [M, K] fp16 @ dequant(wq [N, K] fp8, ws [1, N] fp32).T + bias [N] fp16 (or None)."""
     return _RECIPE_FNS[recipe](x, wq, ws, bias)
+
+
+def fp8_geglu(x, wq, ws, bias):
+    """GEGLU of the FP8 projection, `a * gelu(gate)` for `a, gate = fp8_linear(...).chunk(2, -1)`, with the
+    chunk, GELU and product in the GEMM's epilogue (recipe "triton" only)."""
+    return _triton(x, wq, ws, bias, geglu=True)
 
 
 def shapes_refusal(in_features, out_features):

@@ -12,6 +12,8 @@ A weight already stored as float8_e4m3fn (an fp8 checkpoint) is used as stored, 
 import torch
 
 from ...kernels._dispatch import REFERENCE, Outcome
+from ..patches import fused_modules as fm
+from ..patches import stock_path
 from ..patches.forward_patches import ForwardPatch
 from ..reports import kernel_report
 from . import gemm, weights
@@ -23,17 +25,31 @@ class Fp8Forward(ForwardPatch):
     sdaccel_kind = "fp8_linear"
 
     def compute(self, x):
+        return self._fp8(x, geglu=False)
+
+    def sdaccel_geglu(self, x):
+        """GEGLU of this projection's output (`a * gelu(gate)` of its two halves) from one FP8 GEMM with the GEGLU
+        in its epilogue, for the fused GEGLU module that owns this Linear (engine/patches/fused_modules.py); None
+        where this forward would not compute in FP8 itself, or the recipe has no GEGLU epilogue."""
+        if stock_path.LOCAL.depth or fm.class_forward_replaced(type(self.module)):
+            return None
+        return self._fp8(x, geglu=True)
+
+    def _fp8(self, x, geglu):
         m = self.module
         why, recipe = fp8_refusal(m, x)
         if why:
             kernel_report.record(OP, Outcome(REFERENCE, why))
             return None
+        if geglu and recipe not in gemm.GEGLU_RECIPES:
+            return None
         wq, ws = fp8_weights(m)
         bias = m.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        out = gemm.fp8_linear(x.reshape(-1, x.shape[-1]), wq, ws, bias, recipe)
-        kernel_report.record(OP, Outcome("fp8", "", recipe))
+        x2 = x.reshape(-1, x.shape[-1])
+        out = gemm.fp8_geglu(x2, wq, ws, bias) if geglu else gemm.fp8_linear(x2, wq, ws, bias, recipe)
+        kernel_report.record(OP, Outcome("fp8", "", recipe + (" + geglu" if geglu else "")))
         return out.reshape(x.shape[:-1] + (out.shape[-1],))
 
 

@@ -78,12 +78,17 @@ class FusedLayerNorm:
 
 class FusedGEGLU:
     """`a, gate = proj(x).chunk(2, -1); a * gelu(gate)` with the chunk, GELU and product fused.
-    `proj` stays the host's own Linear module (it does its own casting and LoRA patching)."""
+    `proj` stays the host's own Linear module (it does its own casting and LoRA patching). Where `proj` computes in
+    FP8 (precision fp8: engine/fp8/linear.py), the GEGLU runs in that GEMM's epilogue instead."""
     sdaccel_kind = "geglu"
 
     def forward(self, x):
         if stock_path.LOCAL.depth or host_replaced(self):
             return original_class(self).forward(self, x)
+        in_epilogue = getattr(self.proj.__dict__.get("forward"), "sdaccel_geglu", None)
+        out = in_epilogue(x) if in_epilogue is not None else None
+        if out is not None:
+            return out
         h = self.proj(x)
         out = geglu(h)
         kernel_report.record("geglu", geglu.last_call)

@@ -170,3 +170,61 @@ def test_plan_takes_transformer_linears_only():
                             "diffusion_model.st.transformer_blocks.0.to_q.forward"]
     assert all(isinstance(p, Fp8Forward) for p in plan.values())
     assert plan["diffusion_model.st.proj_in.forward"].module is root.st.proj_in
+
+
+def test_plan_keeps_cross_attention_kv_in_fp16():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_q, self.to_k, self.to_v = nn.Linear(32, 32), nn.Linear(48, 32), nn.Linear(48, 32)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn1, self.attn2 = Attention(), Attention()
+
+    root = nn.Module()
+    root.transformer_blocks = nn.ModuleList([Block()])
+    plan = plan_fp8(root)
+    assert sorted(plan) == ["transformer_blocks.0.attn1.%s.forward" % n for n in ("to_k", "to_q", "to_v")] + [
+        "transformer_blocks.0.attn2.to_q.forward"]
+
+
+class GEGLU(nn.Module):
+    """ComfyUI's GEGLU (comfy/ldm/modules/attention.py): a projection to twice the width, then chunk, GELU, product."""
+
+    def __init__(self, dim_in, dim_out):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2)
+
+    def forward(self, x):
+        x, gate = self.proj(x).chunk(2, dim=-1)
+        return x * torch.nn.functional.gelu(gate)
+
+
+def test_geglu_runs_in_the_fp8_gemm_epilogue():
+    """A fused GEGLU whose projection computes in FP8 asks that projection for the GEGLU itself: one GEMM with the
+    GEGLU in its epilogue, the same values as GEGLU of the FP8 projection's output; in the stock scope both are the
+    host's."""
+    from sd_accel.engine.patches import fused_modules as fm
+    from sd_accel.engine.reports import kernel_report
+    torch.manual_seed(5)
+    host = GEGLU(64, 96).to(DEVICE, torch.float16).eval()
+    fused = fm.make_fused_geglu(host)
+    fp8_proj = make_fp8_linear(host.proj)
+    x = _x(2 * 24, 64).reshape(2, 24, 64)
+    with torch.no_grad():
+        ref = host(x)
+        host.proj.forward = fp8_proj              # the object patch at ff.net.0.proj.forward
+        before = kernel_report.snapshot()
+        out = fused(x)
+        calls = kernel_report.summarize(before, kernel_report.snapshot())
+        a, gate = fp8_proj(x).float().chunk(2, dim=-1)
+        with stock_path.stock_modules():
+            stock = fused(x)
+        del host.proj.forward
+    assert out.shape == (2, 24, 96) and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), a * torch.nn.functional.gelu(gate), rtol=2e-3, atol=2e-3)
+    assert 0 < _rel(out, ref) < REL_TOL
+    assert torch.equal(stock, ref)
+    assert calls.get("fp8_linear", {}).get("fused") == 1 and "geglu" not in calls, calls
