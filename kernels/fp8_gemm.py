@@ -110,14 +110,15 @@ class Config(tuple):
 
 def config_for(M, N, K, geglu):
     """The launch shape of one GEMM ([M, K] x [K, N] output columns N; with geglu two accumulators per tile).
-    Measured by bench/bench_fp8_gemm.py on the H200 over SD1.5 and SDXL's transformer Linears (see the
-    constants' section in bench/RESULTS.md); BLOCK_K divides K wherever SD's widths allow it."""
+    Swept by bench/bench_fp8_gemm.py on the H200 over SD1.5 and SDXL's transformer Linears (bench/RESULTS.md,
+    "The measurements behind the kernels' constants"); BLOCK_K divides K wherever SD's widths allow it."""
     block_k = 128 if K % 128 == 0 else 64
     if geglu:
-        return Config(128, 64 if M * N <= 2048 * 2560 else 128, block_k, 8, 3)
-    if M * N <= 1024 * 1280:
-        return Config(64, 128, block_k, 4, 4)
-    return Config(128, 128 if N <= 1280 else 256, block_k, 8, 3)
+        wide = M >= 2048 and N >= 5120
+        return Config(128, 128, block_k, 8, 3) if wide else Config(128, 64, block_k, 4, 3)
+    if M * N >= 4 * 2 ** 20:
+        return Config(128, 128, block_k, 8, 3)
+    return Config(64, 128, block_k, 4, 3)
 
 
 def _launch(xq, xs, wq, ws, bias, geglu, config):

@@ -1,5 +1,5 @@
-"""Per-row (per-token) FP8 e4m3 quantization, fused: one pass finds each row's absolute maximum, a second
-writes the row divided by its scale, rounded to float8_e4m3fn.
+"""Per-row (per-token) FP8 e4m3 quantization, fused: each row's absolute maximum, then the row divided by its
+scale, rounded to float8_e4m3fn, from one read of rows up to 4096 wide (two reads of wider ones).
 
 `quantize_rows(x)` -> (q, scale): `x` [M, K] fp16/bf16/fp32, `q` [M, K] float8_e4m3fn, `scale` [M, 1] fp32 with
 `x ~= q * scale`. The scale is amax / 448 (448: e4m3's largest finite value), so each row's largest element
@@ -7,20 +7,22 @@ lands on the format's largest value; a row of zeros gets a tiny positive scale, 
 never divides by zero. These are the activation scales `torch._scaled_mm` takes as `scale_a` (rowwise).
 
 Torch would need four passes over x for this (abs, amax, divide, cast) and a temporary the size of x; here the
-row is read twice and the fp8 copy written once, all on the GPU, so it can run inside a CUDA graph with no
-host sync.
+row is read once (twice past 4096 columns) and the fp8 copy written once, all on the GPU, so it can run inside a
+CUDA graph with no host sync.
 
-`_quantize_rows_kernel` grid (rows,): one program per row, walking the row in BLOCK_K chunks twice.
+`_quantize_rows_kernel` grid (row blocks,): BLOCK_M rows per program, held in registers whole (ONE_CHUNK) or
+walked in BLOCK_K chunks twice.
 """
 import torch
 
 from ._dispatch import fused_op
 from ._launch import launch
-from ._tiling import next_pow2, num_warps_for
+from ._tiling import cdiv, next_pow2, num_warps_for
 from ._triton import device_dtype_ineligible, forward_only_ineligible, get_triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK_K = 4096   # columns per chunk of the row walk
+_TILE = 8192          # elements a program holds: several rows of SD's widths, so no program is one short row
 E4M3_MAX = 448.0      # float8_e4m3fn's largest finite value
 MIN_SCALE = 1e-12     # a row of zeros: any positive scale quantizes it to zeros
 
@@ -45,25 +47,35 @@ if _tt is not None:
         X,                  # input [M, K], rows `stride_x` elements apart, unit stride along K
         Q,                  # output [M, K] float8_e4m3fn, contiguous
         SCALE,              # output [M] fp32: amax / E4M3_MAX per row
-        K, stride_x,
-        FP8_MAX: tl.constexpr, MIN_S: tl.constexpr, BLOCK_K: tl.constexpr,
+        M, K, stride_x,
+        FP8_MAX: tl.constexpr, MIN_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        ONE_CHUNK: tl.constexpr,    # K <= BLOCK_K: the rows are read once and quantized from registers
     ):
-        row = tl.program_id(0).to(tl.int64)
-        x_row = X + row * stride_x
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_S)
-        tl.store(SCALE + row, scale)
-        inv = 1.0 / scale
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = cols < K
-            v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            q = _round_to_e4m3(tl.minimum(tl.maximum(v * inv, -FP8_MAX), FP8_MAX))
-            tl.store(Q + row * K + cols, q.to(Q.dtype.element_ty), mask=mask)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        x_rows = X + rows.to(tl.int64)[:, None] * stride_x
+        q_rows = Q + rows.to(tl.int64)[:, None] * K
+        cols = tl.arange(0, BLOCK_K)
+        if ONE_CHUNK:
+            mask = row_ok[:, None] & (cols < K)[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), axis=1) / FP8_MAX, MIN_S)
+            q = _round_to_e4m3(tl.minimum(tl.maximum(v * (1.0 / scale)[:, None], -FP8_MAX), FP8_MAX))
+            tl.store(q_rows + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+        else:
+            amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
+                v = tl.load(x_rows + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
+            scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_S)
+            inv = (1.0 / scale)[:, None]
+            for k0 in range(0, K, BLOCK_K):
+                mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
+                v = tl.load(x_rows + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+                q = _round_to_e4m3(tl.minimum(tl.maximum(v * inv, -FP8_MAX), FP8_MAX))
+                tl.store(q_rows + (k0 + cols)[None, :], q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(SCALE + rows, scale, mask=row_ok)
 
 
 def _launch(x):
@@ -71,8 +83,10 @@ def _launch(x):
     q = torch.empty((M, K), device=x.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty((M, 1), device=x.device, dtype=torch.float32)
     block_k = min(_MAX_BLOCK_K, next_pow2(K))
-    launch(_quantize_rows_kernel, (M,), x, q, scale, K, x.stride(0),
-           FP8_MAX=E4M3_MAX, MIN_S=MIN_SCALE, BLOCK_K=block_k, num_warps=num_warps_for(block_k))
+    block_m = max(1, min(_TILE // block_k, next_pow2(M)))
+    launch(_quantize_rows_kernel, (cdiv(M, block_m),), x, q, scale, M, K, x.stride(0),
+           FP8_MAX=E4M3_MAX, MIN_S=MIN_SCALE, BLOCK_M=block_m, BLOCK_K=block_k, ONE_CHUNK=K <= block_k,
+           num_warps=num_warps_for(block_m * block_k))
     return q, scale
 
 

@@ -1,10 +1,11 @@
-"""Which modules compute in FP8 (precision "fp8"): the Linear layers of the transformers (attention's q/k/v/out
-projections, the feed-forward's GEGLU projection and output, SDXL's Linear proj_in/proj_out), where the
-compute of an SDXL step is. Kept in fp16, as FP8 recipes keep them: the first and last convolution, the
-timestep and label embeddings, the ResBlocks' embedding projections (a batch-sized GEMM, nothing to gain),
-attention's softmax path (its q/k/v are fp16 outputs of the FP8 projections), cross-attention's k/v projections
-of the text (`_KEPT_FP16`) and, for now, every convolution (3x3 and SD1.5's 1x1 proj_in/proj_out), which cuDNN
-runs in fp16.
+"""Which modules compute in FP8 (precision "fp8"): the feed-forward's GEGLU projection of every transformer block
+(`ff.net.0.proj`, C -> 8C, the widest GEMM of the block and a third of an SDXL step's FLOPs), where the GEGLU
+that follows runs in the FP8 GEMM's epilogue (kernels/fp8_gemm.py), so its [tokens, 8C] output is never written.
+
+Every other Linear stays fp16: on the H200 (bench/bench_fp8_gemm.py) the per-token quantization of the input
+plus an FP8 GEMM is slower than cuBLAS's fp16 GEMM for attention's q/k/v/out projections (C -> C), the
+feed-forward's output (4C -> C) and proj_in/proj_out, whose GEMMs are small and whose outputs are not fused
+with anything. Also fp16, as FP8 recipes keep them: convolutions, embeddings, attention's softmax path.
 """
 from torch import nn
 
@@ -12,15 +13,7 @@ from ..patches.forward_patches import path_of
 from . import gemm
 from .linear import make_fp8_linear
 
-_TRANSFORMER_PARTS = (".transformer_blocks.", )
-_PROJECTIONS = ("proj_in", "proj_out")
-# cross-attention's k/v project the text conditioning: 77 tokens a prompt, too few rows for FP8 to pay its
-# quantization, and the one input every step shares
-_KEPT_FP16 = ("attn2.to_k", "attn2.to_v")
-
-
-def _in_transformer(name):
-    return any(p in "." + name + "." for p in _TRANSFORMER_PARTS) or name.rsplit(".", 1)[-1] in _PROJECTIONS
+_FP8_LINEARS = (".ff.net.0.proj",)     # GEGLU's projection (ComfyUI's and ldm's FeedForward)
 
 
 def plan_fp8(root, prefix=""):
@@ -28,7 +21,8 @@ def plan_fp8(root, prefix=""):
     modified)."""
     out = {}
     for name, mod in root.named_modules():
-        if not name or not isinstance(mod, nn.Linear) or not _in_transformer(name) or name.endswith(_KEPT_FP16):
+        if not isinstance(mod, nn.Linear) or not ("." + name).endswith(_FP8_LINEARS) \
+                or ".transformer_blocks." not in "." + name:
             continue
         if gemm.shapes_refusal(mod.in_features, mod.out_features):
             continue

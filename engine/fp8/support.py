@@ -5,8 +5,8 @@ import torch
 from ...kernels import _device
 
 FP8_CAPABILITIES = ((8, 9), (9, 0))
-LOSSY_NOTE = ("precision fp8: LOSSY (FP8 e4m3 transformer Linear layers, per-channel weight and per-token "
-              "activation scales; the image changes slightly)")
+LOSSY_NOTE = ("precision fp8: LOSSY (the feed-forward's GEGLU projections in FP8 e4m3, per-channel weight and "
+              "per-token activation scales; the image changes slightly)")
 
 
 def refusal(device):

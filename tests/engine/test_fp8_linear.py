@@ -151,28 +151,9 @@ def test_fp8_stored_weight_used_as_stored():
     assert _rel(out, ref) < REL_TOL
 
 
-def test_plan_takes_transformer_linears_only():
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.to_q, self.odd = nn.Linear(32, 32), nn.Linear(30, 32)
-
-    class Transformer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj_in, self.transformer_blocks = nn.Linear(16, 32), nn.ModuleList([Block()])
-
-    root = nn.Module()
-    root.time_embed = nn.Sequential(nn.Linear(32, 64))
-    root.st = Transformer()
-    plan = plan_fp8(root, "diffusion_model.")
-    assert sorted(plan) == ["diffusion_model.st.proj_in.forward",
-                            "diffusion_model.st.transformer_blocks.0.to_q.forward"]
-    assert all(isinstance(p, Fp8Forward) for p in plan.values())
-    assert plan["diffusion_model.st.proj_in.forward"].module is root.st.proj_in
-
-
-def test_plan_keeps_cross_attention_kv_in_fp16():
+def test_plan_takes_the_feed_forward_geglu_projections_only():
+    """The GEGLU projection of each transformer block; attention's projections, the feed-forward's output,
+    proj_in/proj_out and Linears outside the transformers stay fp16."""
     class Attention(nn.Module):
         def __init__(self):
             super().__init__()
@@ -182,12 +163,23 @@ def test_plan_keeps_cross_attention_kv_in_fp16():
         def __init__(self):
             super().__init__()
             self.attn1, self.attn2 = Attention(), Attention()
+            self.ff = nn.Module()
+            self.ff.net = nn.Sequential(GEGLU(32, 128), nn.Dropout(0.0), nn.Linear(128, 32))
+
+    class Transformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj_in, self.transformer_blocks = nn.Linear(16, 32), nn.ModuleList([Block()])
+            self.proj_out = nn.Linear(32, 16)
 
     root = nn.Module()
-    root.transformer_blocks = nn.ModuleList([Block()])
-    plan = plan_fp8(root)
-    assert sorted(plan) == ["transformer_blocks.0.attn1.%s.forward" % n for n in ("to_k", "to_q", "to_v")] + [
-        "transformer_blocks.0.attn2.to_q.forward"]
+    root.time_embed = nn.Sequential(nn.Linear(32, 64))
+    root.st = Transformer()
+    plan = plan_fp8(root, "diffusion_model.")
+    assert sorted(plan) == ["diffusion_model.st.transformer_blocks.0.ff.net.0.proj.forward"]
+    assert all(isinstance(p, Fp8Forward) for p in plan.values())
+    assert plan["diffusion_model.st.transformer_blocks.0.ff.net.0.proj.forward"].module is \
+        root.st.transformer_blocks[0].ff.net[0].proj
 
 
 class GEGLU(nn.Module):
