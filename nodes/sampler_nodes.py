@@ -64,9 +64,15 @@ STEP_CACHE_INPUTS = {
 }
 
 
-# `precision` ("fp8", LOSSY: engine/fp8) is a keyword of the nodes' functions for benches and tests, not an input
-# users see: on the H200 it measured slower than fp16 (bench/bench_fp8.py, bench/RESULTS.md), so choosing it would
-# only cost quality. It is offered once it measures faster.
+PRECISION_INPUTS = {
+    "precision": (["fp16", "fp8"], {"default": "fp16", "tooltip":
+                  "LOSSY with fp8, which is off by default: the image changes slightly. fp8 runs each transformer block's "
+                  "feed-forward GEGLU projection (its widest matrix multiply) in FP8 e4m3 on the tensor cores, "
+                  "with per-channel weight and per-token activation scales and the GEGLU fused into the multiply; "
+                  "everything else stays fp16. A few percent faster on Ada and Hopper GPUs (sm_89/sm_90), most "
+                  "at SDXL sizes; elsewhere the model runs fp16 and the report says why. Weights are quantized "
+                  "once per load and again after every LoRA or weight change."}),
+}
 
 
 def _comfy_nodes():
@@ -84,7 +90,8 @@ class SDAccelKSampler:
     DESCRIPTION = ("KSampler with SD Accel's lossless accelerations: fused kernels, CUDA-graph replay and "
                    "channels_last convolutions, on the model and on the ControlNets in the conditioning. Same "
                    "inputs and the same LATENT output as KSampler; with every option off it is exactly "
-                   "KSampler. Opt-in lossy options (LOSSY in their tooltips): controlnet_cond_only and step_cache. "
+                   "KSampler. Opt-in lossy options (LOSSY in their tooltips): controlnet_cond_only, step_cache and "
+                   "precision fp8. "
                    "Reports it/s, seconds, peak VRAM "
                    "and what ran or fell back (and why) after each run.")
     CATEGORY = "SD Accel/sampling"
@@ -100,7 +107,8 @@ class SDAccelKSampler:
         req = dict(base["required"])
         req.update(ACCEL_INPUTS)
         # optional, so prompts and workflows saved before it existed still load
-        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS, **STEP_CACHE_INPUTS}}
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **CONTROLNET_INPUTS, **STEP_CACHE_INPUTS,
+                                               **PRECISION_INPUTS}}
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto",
@@ -119,8 +127,8 @@ class SDAccelApply:
     DESCRIPTION = ("Applies SD Accel to a MODEL for graphs that use other samplers (KSamplerAdvanced, "
                    "SamplerCustom, ...). The input model is untouched: the output is a patched clone, the "
                    "ComfyUI way, so removing this node restores stock behaviour. ControlNets are not reached "
-                   "from here (they travel in the conditioning): Accelerated KSampler accelerates those. One opt-in "
-                   "lossy option: step_cache.")
+                   "from here (they travel in the conditioning): Accelerated KSampler accelerates those. Opt-in "
+                   "lossy options: step_cache and precision fp8.")
     CATEGORY = "SD Accel/patches"
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model with SD Accel's patches on a clone.",)
@@ -130,7 +138,7 @@ class SDAccelApply:
     def INPUT_TYPES(cls):
         req = {"model": ("MODEL", {"tooltip": "The model to accelerate (a UNet: SD1.5, SDXL and relatives)."})}
         req.update(ACCEL_INPUTS)
-        return {"required": req, "optional": {**ATTENTION_INPUTS, **STEP_CACHE_INPUTS}}
+        return {"required": req, "optional": {**ATTENTION_INPUTS, **STEP_CACHE_INPUTS, **PRECISION_INPUTS}}
 
     def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True, attention="auto",
               step_cache="off", step_cache_branch=0, precision="fp16"):

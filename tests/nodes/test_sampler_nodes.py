@@ -71,3 +71,21 @@ def test_apply_says_lossy_or_why_it_refused(model):
     else:
         assert "step_cache non-uniform 3: refused: this ComfyUI has no DIFFUSION_MODEL" in line
     assert "step_cache" not in _nodes().SDAccelApply().apply(model, False, False, False)["ui"]["text"][0]
+
+
+@pytest.mark.parametrize("node", ["SDAccelKSampler", "SDAccelApply"])
+def test_precision_input_is_optional_fp16_by_default_and_says_lossy(node):
+    cls = _nodes().NODE_CLASS_MAPPINGS[node]
+    choices, spec = cls.INPUT_TYPES()["optional"]["precision"]
+    assert choices == ["fp16", "fp8"] and spec["default"] == "fp16"
+    assert spec["tooltip"].startswith("LOSSY") and "sm_89/sm_90" in spec["tooltip"]
+    assert "precision fp8" in cls.DESCRIPTION
+
+
+def test_fp8_on_this_cpu_samples_fp16_and_says_why(model):
+    fp8 = _ksampler(model, precision="fp8")
+    fp16 = _ksampler(model)
+    assert torch.equal(fp8["result"][0]["samples"], fp16["result"][0]["samples"])
+    report, line = fp8["ui"]["sdaccel_report"][0], fp8["ui"]["text"][0]
+    assert "sm_89/sm_90" in report["fell_back"]["precision fp8"], report
+    assert not any(r.startswith("fp8_linear") for r in report["ran"]) and "LOSSY" not in line
