@@ -14,7 +14,6 @@ from torch import nn
 from ..patches.forward_patches import ForwardPatch, path_of
 from . import weights
 
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
 class UpcastForward(ForwardPatch):
@@ -30,21 +29,13 @@ class UpcastForward(ForwardPatch):
 
     def sdaccel_weights(self, x):
         """(fp16 weight, bias) in x's dtype from the kept copy, or None where the host's cast must run."""
-        m = self.module
-        w, b = m.weight, m.bias
-        if getattr(m, "weight_function", None) or getattr(m, "bias_function", None) or \
-                w.device != x.device or getattr(m, "scale_weight", None) is not None:
-            return None
-        w = weights.upcast_of(w, x.dtype)[0] if w.dtype != x.dtype else w
-        if b is not None and b.dtype != x.dtype:
-            b = weights.upcast_of(b, x.dtype)[0]
-        return w, b
+        return weights.kept_upcast(self.module, x)
 
 
 def is_fp8_stored(m):
     """A host Linear/Conv2d whose weight is stored in fp8 and cast per call by the host (manual cast)."""
     w = getattr(m, "weight", None)
-    return isinstance(m, (nn.Linear, nn.Conv2d)) and w is not None and w.dtype in FP8_DTYPES and \
+    return isinstance(m, (nn.Linear, nn.Conv2d)) and w is not None and w.dtype in weights.FP8_DTYPES and \
         bool(getattr(m, "comfy_cast_weights", False))
 
 

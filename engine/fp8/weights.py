@@ -18,6 +18,8 @@ import torch
 
 from ...kernels.quantize_rows import quantize_weight_per_channel
 
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
 _lock = threading.Lock()
 _copies = {}            # (kind, id(weight)) -> _Entry
 _state = threading.local()
@@ -103,6 +105,22 @@ def upcast_of(w, dtype):
     """(`w` cast to `dtype`,) kept, layout kept (channels_last stays channels_last): what ComfyUI's manual cast
     computes on every call for an fp8-stored weight, computed once."""
     return _derived(("upcast", dtype), w, lambda t: (t.detach().to(dtype),))
+
+
+def kept_upcast(m, x):
+    """(weight, bias) of host module `m` in x's dtype from kept copies (`upcast_of`), where the host casts `m`'s
+    weights per call only to change their dtype: nothing patched per call (`weight_function`, `bias_function`:
+    LoRA on a low-VRAM model), the weights on x's device, no checkpoint scale. Else None: the host's cast must
+    run."""
+    w, b = m.weight, m.bias
+    if getattr(m, "weight_function", None) or getattr(m, "bias_function", None) or w is None or \
+            w.device != x.device or getattr(m, "scale_weight", None) is not None:
+        return None
+    if w.dtype != x.dtype:
+        w = upcast_of(w, x.dtype)[0]
+    if b is not None and b.dtype != x.dtype:
+        b = upcast_of(b, x.dtype)[0]
+    return w, b
 
 
 def bytes_on(device=None):

@@ -21,6 +21,7 @@ from torch import nn
 from ...kernels.geglu import geglu
 from ...kernels.group_norm_silu import group_norm_silu
 from ...kernels.layer_norm import layer_norm
+from ..fp8 import weights
 from ..reports import kernel_report
 from . import stock_path
 
@@ -46,8 +47,20 @@ def weights_of(m, x):
         if wb is not None:
             return wb
     if _host_cast is not None and _needs_host_cast(m):
+        if _fp8_stored_norm(m):
+            kept = weights.kept_upcast(m, x)
+            if kept is not None:
+                return kept
         return _host_cast(m, x)
     return m.weight, m.bias
+
+
+def _fp8_stored_norm(m):
+    """A norm (not a Linear/Conv2d, whose copies the host plans where VRAM allows: engine/fp8/upcast.py) with
+    fp8-stored weights: its fp16 copies are a few KB, and the host's cast of them costs every call a cast kernel
+    and a sync with its offload stream."""
+    w = getattr(m, "weight", None)
+    return w is not None and w.dtype in weights.FP8_DTYPES and not isinstance(m, (nn.Linear, nn.Conv2d))
 
 
 class FusedGroupNorm:

@@ -80,3 +80,42 @@ def test_the_patch_computes_with_what_the_host_puts_on_its_module_and_leaves_its
         patching.restore(fp8_unet, backup)
         lin.weight = original
         lin.__dict__.pop("comfy_patched_weights", None)
+
+
+def test_fp8_stored_norms_read_kept_copies_not_the_hosts_cast():
+    """ComfyUI's UNETLoader fp8 stores the norms' weights in fp8 too, and its manual cast casts them at every call
+    (a cast kernel and a sync with its offload stream each). The fused norms read kept fp16 copies instead: the
+    same values, made once; a weight function (low-VRAM LoRA) still goes through the host's cast."""
+    comfy_inproc.fixtures_module()
+    import comfy.ops
+    from sd_accel.engine.patches import fused_modules as fm
+    torch.manual_seed(0)
+    norms = [comfy.ops.manual_cast.GroupNorm(4, 32), comfy.ops.manual_cast.LayerNorm(32)]
+    x4, x3 = torch.randn(2, 32, 4, 4).half(), torch.randn(2, 5, 32).half()
+    calls = []
+
+    def counting_cast(m, x):
+        calls.append(m)
+        return comfy.ops.cast_bias_weight(m, x)
+
+    fm.set_host_weight_caster(counting_cast)
+    try:
+        for norm, x in zip(norms, (x4, x3)):
+            with torch.no_grad():
+                norm.weight.data = (norm.weight.data + torch.rand(32)).to(torch.float8_e4m3fn)
+                norm.bias.data = torch.randn(32).to(torch.float8_e4m3fn)
+                host_w, host_b = comfy.ops.cast_bias_weight(norm, x)
+                w, b = fm.weights_of(norm, x)
+                again = fm.weights_of(norm, x)
+            assert calls == [] and torch.equal(w, host_w) and torch.equal(b, host_b)
+            assert again[0] is w and again[1] is b          # kept, not cast again
+            double = lambda t: t * 2                        # noqa: E731
+            # current ComfyUI keeps a list of weight functions, ComfyUI 2024 one callable
+            norm.weight_function = [double] if isinstance(type(norm).weight_function, list) else double
+            with torch.no_grad():
+                patched_w, _ = fm.weights_of(norm, x)
+            del norm.weight_function
+            assert calls == [norm] and torch.equal(patched_w, host_w * 2)
+            calls.clear()
+    finally:
+        fm.set_host_weight_caster(None)
