@@ -123,6 +123,16 @@ def kept_upcast(m, x):
     return w, b
 
 
+def upcast_copies_of(w):
+    """The kept fp16 copies (`upcast_of`) of weight `w`: a conv weight's layout change (channels_last for the
+    graphs, back to stock's after a run) must reach them too, or convolutions over them run in the other layout
+    than their activations (cuDNN then transforms the weight at every call)."""
+    with _lock:
+        entries = [e for (kind, i), e in _copies.items()
+                   if i == id(w) and isinstance(kind, tuple) and kind[0] == "upcast" and e.ref() is w]
+    return [t for e in entries for t in e.value]
+
+
 def bytes_on(device=None):
     """VRAM held by the derived copies (on `device`, or all)."""
     with _lock:

@@ -26,6 +26,7 @@ from torch import nn
 
 from . import fused_modules as fm
 from . import fused_resblock, fused_transformer_block
+from ..fp8 import weights as fp8_weights
 from ..memory import residency
 
 ALL_OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
@@ -142,6 +143,11 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
                 with torch.no_grad(), torch.inference_mode(w.is_inference()):
                     w.data = relayout_in_place(w.data, memory_format)
                 n += 1
+            # an fp8-stored weight's kept fp16 copy is what the convolution reads: same layout, same storage
+            for copy in fp8_weights.upcast_copies_of(w):
+                if copy.dim() == 4 and not copy.is_contiguous(memory_format=memory_format):
+                    with torch.no_grad(), torch.inference_mode(copy.is_inference()):
+                        copy.data = relayout_in_place(copy.data, memory_format)
     return n
 
 

@@ -119,3 +119,35 @@ def test_fp8_stored_norms_read_kept_copies_not_the_hosts_cast():
             calls.clear()
     finally:
         fm.set_host_weight_caster(None)
+
+
+def test_conv_layout_changes_reach_the_kept_copies(fp8_unet):
+    """The copies are made in the first (eager) step, with the conv weights in stock's layout; the graphs run with
+    them channels_last. A layout change of the weights changes their kept copies' layout too, in their own storage
+    (a graph captured over a copy keeps reading it), values unchanged, and back again after the run."""
+    from sd_accel.engine.fp8 import weights
+    from sd_accel.engine.fp8.upcast import plan_upcast
+    from sd_accel.engine.patches import patching
+    x, t, ctx = _inputs(fp8_unet)
+    convs = [m for m in fp8_unet.modules() if isinstance(m, torch.nn.Conv2d)]
+    backup = patching.apply_patches(fp8_unet, plan_upcast(fp8_unet)[0])
+    try:
+        with torch.no_grad():
+            fp8_unet(x, t, context=ctx)
+            copies = [weights.upcast_copies_of(c.weight) for c in convs]
+            assert all(len(cs) == 1 and cs[0].is_contiguous() for cs in copies)
+            before = [(cs[0].data_ptr(), cs[0].clone()) for cs in copies]
+            patching.convert_conv_weights(fp8_unet, torch.channels_last)
+            for cs, (ptr, values) in zip(copies, before):
+                assert cs[0].is_contiguous(memory_format=torch.channels_last)
+                assert cs[0].data_ptr() == ptr and torch.equal(cs[0], values)
+            assert all(weights.upcast_copies_of(c.weight)[0] is cs[0] for c, cs in zip(convs, copies))  # kept
+            assert any(not cs[0].is_contiguous() for cs in copies)     # the 3x3 convs did change layout
+            out = fp8_unet(x, t, context=ctx)
+    finally:
+        patching.restore(fp8_unet, backup)
+    with torch.no_grad():
+        ref = fp8_unet(x, t, context=ctx)       # the host's own cast of the channels_last weights
+        patching.convert_conv_weights(fp8_unet, torch.contiguous_format)
+    assert torch.equal(out, ref)
+    assert all(cs[0].is_contiguous() and cs[0].data_ptr() == ptr for cs, (ptr, _) in zip(copies, before))
