@@ -82,6 +82,10 @@ def parse_args():
     ap.add_argument("--ours-clip", choices=("sdaccel", "stock"), default="sdaccel",
                     help="the checkpoint's CLIP through Apply SD Accel (CLIP) before the text encoders in the "
                          "accelerated graph, or straight from the loader")
+    ap.add_argument("--ours-precision", choices=("fp16", "fp8"), default="fp16",
+                    help="the Accelerated KSampler's precision; fp8 (LOSSY) adds _fp8 to the config names")
+    ap.add_argument("--ours-step-cache", default="off",
+                    help="the Accelerated KSampler's step_cache (LOSSY unless off); adds _stepcache_<mode>")
     opt = ap.parse_args()
     if opt.steps is None:
         opt.steps = 2 if opt.smoke else 20
@@ -187,7 +191,7 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
     replays = [(r.get("graphs") or {}).get("replays", 0) for r in reports]
     previews = {v: [r["previews"] for r in lat[v]] for v in VARIANTS}
     last = reports[-1] if reports else {}
-    config = name + SUFFIX[method] + ("_fastsave" if opt.ours_saver == "sdaccel" else "")
+    config = name + SUFFIX[method] + ("_fastsave" if opt.ours_saver == "sdaccel" else "") + sg.lossy_suffix(opt)
     rec = dict(vers, date=datetime.date.today().isoformat(), config=config, steps=opt.steps,
                sampler="euler", scheduler="normal", cfg=7.0, batch=batch, preview=method,
                stock_s_per_image=round(per["stock"], 4), ours_s_per_image=round(per["ours"], 4),
@@ -206,9 +210,9 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
         "server process %d of %d, launched with --preview-method %s (previews are a launch flag)" % (index, total, method)
     rec["notes"] = ("%s; "
                     "websocket client %s; reps %d, ABAB; a new seed and positive text per timed prompt; ours: "
-                    "%sSDAccelKSampler (defaults) + %s + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
+                    "%sSDAccelKSampler (%s) + %s + %s; graphs replays per timed prompt %s; ran: %s; fell back: %s%s" % (
                         where, "with supports_preview_metadata" if metadata else "without feature flags",
-                        opt.reps, "SDAccelApplyCLIP + " if opt.ours_clip == "sdaccel" else "",
+                        opt.reps, "SDAccelApplyCLIP + " if opt.ours_clip == "sdaccel" else "", sg.sampler_options(opt),
                         "SDAccelVAEDecode" if opt.ours_decoder == "sdaccel" else "VAEDecode",
                         "SDAccelSaveImage (compress level 1)" if opt.ours_saver == "sdaccel" else "SaveImage", replays,
                         ", ".join(last.get("ran", []) + [n for n in last.get("notes", []) if n.startswith("live previews")]),

@@ -31,7 +31,10 @@
 # with SDACCEL_DEFERRED_PREVIEWS=0, SD1.5 512² b1 and b4; ~2 min, killed at 300 s), server_fastsave (server's
 # SD1.5 configs without previews, ours saving with Save Image (SD Accel) at its default compress level; configs
 # named *_fastsave; ~2 min, killed at 300 s), server_sdxl_fastsave (the same for SDXL 1024² b1; ~3-4 min with the SDXL
-# build, killed at 300 s), tests_previews
+# build, killed at 300 s), server_sdxl_fp8 (SDXL 1024² b1 and b4, ours with precision fp8 (LOSSY) and Save Image (SD
+# Accel); configs *_fastsave_fp8; ~4 min with the SDXL build, killed at 300 s), server_sdxl_fp8_stepcache (SDXL b4, ours
+# with fp8 and step_cache interval 3, both LOSSY; ~3 min, killed at 300 s), patches_fp8stored (bench_patches' fresh pass
+# on RescaleCFG (a near-plain fp16 model) and the fp8-stored UNet alone; ~2 min, killed at 240 s), tests_previews
 # (tests/gpu/test_deferred_preview_gpu.py and test_previews_gpu.py alone, a GPU server with previews; ~1 min, killed
 # at 200 s), stepcache (bench_step_cache.py: SD1.5 512² b1 and b4, stock vs our fp16 vs step_cache interval 2,
 # interval 3, non-uniform 3, LOSSY modes; deadline 250 s, killed at 300 s), stepcache_sdxl (the same at SDXL 1024² b1,
@@ -127,6 +130,13 @@ for p in "$@"; do
       --ours-saver sdaccel --deadline 200 --configs server_sd15_512_b1,server_sd15_512_b4 ;;
     server_sdxl_fastsave) part server_sdxl_fastsave 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none \
       --ours-saver sdaccel --deadline 150 --configs server_sdxl_1024_b1 ;;
+    server_sdxl_fp8) part server_sdxl_fp8 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none \
+      --ours-saver sdaccel --ours-precision fp8 --deadline 150 --configs server_sdxl_1024_b1,server_sdxl_1024_b4 ;;
+    server_sdxl_fp8_stepcache) part server_sdxl_fp8_stepcache 300 python3 bench/bench_server.py --comfy-dir $COMFY \
+      --previews none --ours-saver sdaccel --ours-precision fp8 --ours-step-cache "interval 3" --deadline 150 \
+      --configs server_sdxl_1024_b4 ;;
+    patches_fp8stored) part patches_fp8stored 240 python3 bench/bench_patches.py --comfy-dir $COMFY --passes fresh \
+      --deadline 200 --configs patch_rescalecfg,patch_unetloader_fp8_e4m3fn ;;
     server_nodefer) part server_nodefer 300 env SDACCEL_DEFERRED_PREVIEWS=0 python3 bench/bench_server.py --comfy-dir \
       $COMFY --previews latent2rgb --deadline 200 --configs server_sd15_512_b1,server_sd15_512_b4 ;;
     tests_previews)
@@ -163,6 +173,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer server_sdxl_fp8 server_sdxl_fp8_stepcache patches_fp8stored tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
   esac
 done

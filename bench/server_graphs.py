@@ -51,11 +51,29 @@ def graph(opt, cfg, names, variant, seed, positive, prefix):
             wf[DECODE] = {"class_type": "SDAccelVAEDecode", "inputs": dict(wf[DECODE]["inputs"], budget_gib=0.0)}
         if opt.ours_saver == "sdaccel":   # its default compress_level (1; SaveImage's is 4)
             wf[SAVE]["class_type"] = "SDAccelSaveImage"
+        if opt.ours_precision != "fp16":
+            node["precision"] = opt.ours_precision
+        if opt.ours_step_cache != "off":
+            node["step_cache"] = opt.ours_step_cache
     if kind == "cn":
         _add_controlnet(wf, names["cn"], size)
     elif kind == "img2img":
         _img2img(wf, size, batch)
     return wf
+
+
+def lossy_suffix(opt):
+    """The config name's mark of the accelerated graph's LOSSY options (none by default)."""
+    return (("_fp8" if opt.ours_precision == "fp8" else "")
+            + ("_stepcache_" + opt.ours_step_cache.replace(" ", "").replace("-", "")
+               if opt.ours_step_cache != "off" else ""))
+
+
+def sampler_options(opt):
+    """How the accelerated graph's sampler was set, for the record's notes."""
+    lossy = [k for k, on in (("precision fp8, LOSSY", opt.ours_precision == "fp8"),
+                             ("step_cache %s, LOSSY" % opt.ours_step_cache, opt.ours_step_cache != "off")) if on]
+    return ", ".join(lossy) or "defaults"
 
 
 PREVIEW_SWITCH_NODES = os.path.join(cb.REPO, "bench", "server_nodes", "sdaccel_bench_previews")
