@@ -18,6 +18,10 @@ from . import weights
 
 class UpcastForward(ForwardPatch):
     sdaccel_kind = "fp8_upcast"
+    # where graphs do not run and the eager step takes the stock modules (engine/graphs/eager.py), the layer still
+    # reads its kept copy: the host's values, without the host's per-call cast, which made that step slower
+    # than stock's own
+    on_stock_path = True
 
     def compute(self, x):
         wb = self.sdaccel_weights(x)

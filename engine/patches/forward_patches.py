@@ -17,9 +17,13 @@ ATTR = "forward"
 
 class ForwardPatch:
     """Callable set as `module.forward`. Subclasses define `sdaccel_kind` and `compute(x)` (None: the host's
-    forward runs). Outside `stock_path.stock_modules()`, with no extra arguments and no other pack's forward on the
-    host class, `compute` decides; otherwise the host class's forward runs, as stock would."""
+    forward runs). Outside `stock_path.stock_modules()` (or inside it where `on_stock_path`), with no extra arguments
+    and no other pack's forward on the host class, `compute` decides; otherwise the host class's forward runs, as
+    stock would."""
     sdaccel_kind = None
+    # True for a patch that computes exactly the host's values for less than the host's forward costs even
+    # without graphs (fp8-stored weights upcast once instead of at every call): it stays on the stock path too
+    on_stock_path = False
 
     def __init__(self, module):
         self.module = module
@@ -32,7 +36,8 @@ class ForwardPatch:
         raise NotImplementedError
 
     def __call__(self, x, *args, **kwargs):
-        if stock_path.LOCAL.depth or args or kwargs or fm.class_forward_replaced(type(self.module)):
+        if (stock_path.LOCAL.depth and not self.on_stock_path) or args or kwargs or \
+                fm.class_forward_replaced(type(self.module)):
             return self.host_forward(x, *args, **kwargs)
         out = self.compute(x)
         return self.host_forward(x) if out is None else out

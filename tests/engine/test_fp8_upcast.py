@@ -151,3 +151,31 @@ def test_conv_layout_changes_reach_the_kept_copies(fp8_unet):
         patching.convert_conv_weights(fp8_unet, torch.contiguous_format)
     assert torch.equal(out, ref)
     assert all(cs[0].is_contiguous() and cs[0].data_ptr() == ptr for cs, (ptr, _) in zip(copies, before))
+
+
+def test_the_stock_path_still_reads_the_kept_copies(fp8_unet, monkeypatch):
+    """Where graphs do not run, an eager step may take the stock modules (engine/graphs/eager.py); the fp8-stored
+    layers then still compute from their kept copies, the host's values without the host's cast at every call
+    (which made that step slower than stock's own)."""
+    import comfy.ops
+    from sd_accel.engine.fp8.upcast import plan_upcast
+    from sd_accel.engine.patches import patching, stock_path
+    x, t, ctx = _inputs(fp8_unet)
+    with torch.no_grad():
+        ref = fp8_unet(x, t, context=ctx)
+    casts = []
+    host_cast = comfy.ops.cast_bias_weight
+
+    def counting(m, *args, **kwargs):
+        casts.append(type(m).__name__)
+        return host_cast(m, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", counting)
+    backup = patching.apply_patches(fp8_unet, plan_upcast(fp8_unet)[0])
+    try:
+        with torch.no_grad(), stock_path.stock_modules():
+            out = fp8_unet(x, t, context=ctx)
+    finally:
+        patching.restore(fp8_unet, backup)
+    assert torch.equal(out, ref)
+    assert casts and not [c for c in casts if "Linear" in c or "Conv2d" in c]   # only the norms' own casts
