@@ -194,6 +194,7 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
     config = name + SUFFIX[method] + ("_fastsave" if opt.ours_saver == "sdaccel" else "") + sg.lossy_suffix(opt)
     rec = dict(vers, date=datetime.date.today().isoformat(), config=config, steps=opt.steps,
                sampler="euler", scheduler="normal", cfg=7.0, batch=batch, preview=method,
+               precision=opt.ours_precision, step_cache=opt.ours_step_cache,
                stock_s_per_image=round(per["stock"], 4), ours_s_per_image=round(per["ours"], 4),
                latency_speedup=round(per["stock"] / per["ours"], 3),
                stock_img_s=round(img_s["stock"], 3), ours_img_s=round(img_s["ours"], 3),
