@@ -51,8 +51,8 @@
 # clocks, the layouts and the kernels by GPU time; a diagnosis, nothing for results.jsonl; ~2.5 min, killed at 240 s),
 # diagnose_eager (diagnose_eager.py: SD1.5 512² stock vs ours without graphs, plain and with a refused capture, under
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
-# diagnose_fp8_stored (diagnose_fp8_stored.py: SD1.5 512² fp16 vs fp8-stored UNet through the Accelerated KSampler,
-# it/s alternating and the kernels by GPU time of one run each; a diagnosis; ~1.5 min, killed at 200 s),
+# fp8_stored (bench_fp8_stored.py: SD1.5 512², the fp8-stored UNet through stock and ours and the fp16 one through
+# ours, rotated, then the kernels by GPU time of one image each; ~2 min, killed at 240 s),
 # eager (bench_eager.py: stock vs ours where graphs do not run, SD1.5 512² b1 and SDXL 1024² b1, 12 rotated reps;
 # ~4 min with the SDXL build, deadline 330 s, killed at 420 s),
 # text_encode (bench_text_encode.py: CLIP Text Encode on the checkpoint's CLIP vs on Apply SD Accel (CLIP)'s copy,
@@ -157,7 +157,7 @@ for p in "$@"; do
     stock_after) part stock_after 300 python3 bench/bench_stock_after.py --comfy-dir $COMFY --deadline 260 ;;
     diagnose_stock_after) part diagnose_stock_after 240 python3 bench/diagnose_stock_after.py --comfy-dir $COMFY ;;
     eager) part eager 420 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15,sdxl --deadline 330 ;;
-    diagnose_fp8_stored) part diagnose_fp8_stored 200 python3 bench/diagnose_fp8_stored.py --comfy-dir $COMFY ;;
+    fp8_stored) part fp8_stored 240 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 6 --profile ;;
     diagnose_eager) part diagnose_eager 240 python3 bench/diagnose_eager.py --comfy-dir $COMFY ;;
     text_encode) part text_encode 300 python3 bench/bench_text_encode.py --comfy-dir $COMFY --deadline 200 ;;
     tests_clip)
@@ -176,6 +176,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer server_sdxl_fp8 server_sdxl_fp8_stepcache patches_fp8stored diagnose_fp8_stored tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer server_sdxl_fp8 server_sdxl_fp8_stepcache patches_fp8stored fp8_stored tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
   esac
 done
