@@ -161,10 +161,8 @@ def relayout_in_place(t, memory_format):
     dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
     if not dense or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return t.contiguous(memory_format=memory_format)
-    # fp8 weights (an fp8-stored checkpoint) are moved as bytes: torch's fp8 copy kernel is a slow elementwise one
-    as_bytes = (lambda v: v.view(torch.uint8)) if t.dtype in fp8_weights.FP8_DTYPES else (lambda v: v)
-    tmp = as_bytes(t).contiguous(memory_format=memory_format)
+    tmp = t.contiguous(memory_format=memory_format)
     out = torch.empty(0, dtype=t.dtype, device=t.device)
     out.set_(t.untyped_storage(), t.storage_offset(), t.shape, tmp.stride())
-    as_bytes(out).copy_(tmp)
+    out.copy_(tmp)
     return out
