@@ -101,6 +101,9 @@ def fp8_stored(w, scale_weight=None):
     return _derived("fp8_stored", w, make)
 
 
+_UPCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)   # the compute dtypes a host casts fp8 weights to
+
+
 def upcast_of(w, dtype):
     """(`w` cast to `dtype`,) kept, layout kept (channels_last stays channels_last): what ComfyUI's manual cast
     computes on every call for an fp8-stored weight, computed once."""
@@ -128,9 +131,8 @@ def upcast_copies_of(w):
     graphs, back to stock's after a run) must reach them too, or convolutions over them run in the other layout
     than their activations (cuDNN then transforms the weight at every call)."""
     with _lock:
-        entries = [e for (kind, i), e in _copies.items()
-                   if i == id(w) and isinstance(kind, tuple) and kind[0] == "upcast" and e.ref() is w]
-    return [t for e in entries for t in e.value]
+        entries = [_copies.get((("upcast", dtype), id(w))) for dtype in _UPCAST_DTYPES]
+    return [t for e in entries if e is not None and e.ref() is w for t in e.value]
 
 
 def bytes_on(device=None):
