@@ -17,7 +17,6 @@ weights and of their kept fp16 copies (engine/fp8/weights.py).
   python3 bench/bench_fp8_stored.py --smoke --out /tmp/bench_fp8_stored
 """
 import argparse
-import collections
 import datetime
 import json
 import os
@@ -58,21 +57,6 @@ def size_of(family):
     return 64 if OPT.smoke else {"sd15": 512, "sdxl": 1024}[family]
 
 
-def kernels(run_once):
-    """(GPU ms per kernel name, launches per kernel name) over one image."""
-    times, counts = collections.Counter(), collections.Counter()
-    if not ENV.cuda:
-        return times, counts
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run_once()
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.key[:100]] += e.device_time_total / 1000.0
-            counts[e.key[:100]] += e.count
-    return times, counts
-
-
 def layouts(model):
     """How many 3x3 conv weights (and their kept fp16 copies) are channels_last right now."""
     from sd_accel.engine.fp8 import weights
@@ -89,7 +73,7 @@ def profile(family, models, clip, vae):
     size = size_of(family)
     prof = {}
     for name, model in models.items():
-        prof[name] = kernels(lambda: cb.run_graph(ENV, model, clip, vae, size, 1, 7, "ours", OPT.steps))
+        prof[name] = cb.cuda_kernel_times(ENV, lambda: cb.run_graph(ENV, model, clip, vae, size, 1, 7, "ours", OPT.steps))
         out("%-10s after its run: %s" % (name, layouts(model)))
     (t16, n16), (t8, n8) = prof["fp16"], prof["fp8_stored"]
     out("kernels by GPU ms over one image of %d steps: fp16 | fp8_stored | diff | launches fp16 / fp8_stored | name"

@@ -149,6 +149,22 @@ def run_graph(env, model, clip, vae, size, batch, seed, sampler, steps, add_to_c
             "line": line, "latent": out["samples"].float().cpu()}
 
 
+def cuda_kernel_times(env, run_once):
+    """(GPU ms per CUDA kernel name, launches per name) over `run_once()` under torch's profiler; empty on a CPU."""
+    import collections
+    times, counts = collections.Counter(), collections.Counter()
+    if not env.cuda:
+        return times, counts
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_once()
+    for e in prof.key_averages():
+        if e.device_type == env.torch.autograd.DeviceType.CUDA:
+            times[e.key[:100]] += e.device_time_total / 1000.0
+            counts[e.key[:100]] += e.count
+    return times, counts
+
+
 def load_family(env, opt, kind, loaded):
     """(model, clip, vae) of the random `kind` ("sd15"/"sdxl") checkpoint, built once under opt.work; one
     model family resident at a time, as a user's server would (`loaded` is the caller's cache)."""

@@ -92,16 +92,7 @@ def layouts(model):
 
 def kernels(model, clip, vae):
     """GPU time (ms) per kernel name over one stock run."""
-    if not ENV.cuda:
-        return collections.Counter()
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        cb.run_graph(ENV, model, clip, vae, SIZE, 1, 7, "stock", OPT.steps)
-    totals = collections.Counter()
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.key[:90]] += e.device_time_total / 1000.0
-    return totals
+    return cb.cuda_kernel_times(ENV, lambda: cb.run_graph(ENV, model, clip, vae, SIZE, 1, 7, "stock", OPT.steps))[0]
 
 
 def loaded():

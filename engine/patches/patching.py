@@ -137,18 +137,22 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
             if streamer is not None and streamer.relayout(w, memory_format):
                 n += 1
                 continue
-            if not w.is_contiguous(memory_format=memory_format):
-                # new data of the same kind as the old (weights loaded under inference_mode have no version
-                # counter): a graph's weights fingerprint reads the same before and after
-                with torch.no_grad(), torch.inference_mode(w.is_inference()):
-                    w.data = relayout_in_place(w.data, memory_format)
-                n += 1
+            n += _relayout_data(w, memory_format)
             # an fp8-stored weight's kept fp16 copy is what the convolution reads: same layout, same storage
             for copy in fp8_weights.upcast_copies_of(w):
-                if copy.dim() == 4 and not copy.is_contiguous(memory_format=memory_format):
-                    with torch.no_grad(), torch.inference_mode(copy.is_inference()):
-                        copy.data = relayout_in_place(copy.data, memory_format)
+                _relayout_data(copy, memory_format)
     return n
+
+
+def _relayout_data(t, memory_format):
+    """`t`'s data in `memory_format` in its own storage (`relayout_in_place`), the tensor object kept; 1 if it changed.
+    New data of the same kind as the old (weights loaded under inference_mode have no version counter): a graph's
+    weights fingerprint reads the same before and after."""
+    if t.is_contiguous(memory_format=memory_format):
+        return 0
+    with torch.no_grad(), torch.inference_mode(t.is_inference()):
+        t.data = relayout_in_place(t.data, memory_format)
+    return 1
 
 
 def relayout_in_place(t, memory_format):
