@@ -15,6 +15,9 @@ standing in for A1111's attention optimisation (`--attention`, below).
   UNetModel.forward, ...)`, the call A1111's `sd_unet` hook makes ("SD Unet" = Automatic), with
   `new_sampling_run` once per run of steps as the extension's `process` callback does.
 * ours without graphs (`ours_eager_its`): the same patches, the UNet called directly ("SD Unet" = None).
+* with --fp8, ours with the LOSSY `precision` fp8 setting too (hosts/a1111_fp8.py: the feed-forward GEGLU
+  projections in FP8), after ours in fp16, through the same graph call: a second record per attention,
+  `<config>_fp8`, with `precision` "fp8", `speedup_vs_fp16` and its `unet_rel_err` against stock.
 
 it/s = UNet forwards per second (one forward = one CFG-batch-2 denoising step; the sampler's own
 arithmetic is not timed): the median of `--reps` timed runs of `--steps` forwards after a warm-up.
@@ -67,6 +70,7 @@ ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny U
 ap.add_argument("--interpret", action="store_true",
                 help="with --smoke: the Triton kernels in Triton's CPU interpreter instead of the torch fallback "
                      "(slow: ~20 s a forward, minutes in all)")
+ap.add_argument("--fp8", action="store_true", help="also measure precision fp8 (LOSSY; sm_89/sm_90 GPUs)")
 OPT = ap.parse_args()
 if OPT.smoke and OPT.interpret:
     os.environ["TRITON_INTERPRET"] = "1"   # read by Triton at its first import
@@ -246,6 +250,18 @@ def measure(unet, inputs, attention, warm):
     res["graphs"] = {k: (v - g0.get(k, 0) if isinstance(v, int) else v) for k, v in g1.items()}
     say("ours  ", attention, "first run s: %.4f" % first, "run s:", ["%.4f" % s for s in times])
 
+    if OPT.fp8:
+        s8 = a1111.apply(unet, a1111.A1111Options(precision="fp8"))
+        before = kernel_report.snapshot()
+        peak_reset()
+        first = timed_runs(ours, n, 1, holder)[0]    # FP8 copies made, graphs captured again
+        times = timed_runs(ours, n, reps, holder)
+        res["fp8"] = {"its": n / statistics.median(times), "first_run_s": first - statistics.median(times),
+                      "peak_gib": peak_gib(), "rel_err": rel_err(ref, ours()), "precision": s8["precision"],
+                      "reasons": s8["reasons"], "fp8_linear": s8["counts"].get("fp8_linear", 0),
+                      "kernels": kernel_report.summarize(before, kernel_report.snapshot())}
+        say("ours fp8", attention, "precision", s8["precision"], s8["reasons"], "run s:", ["%.4f" % s for s in times])
+
     # ours without graphs: the same patches, the UNet called directly ("SD Unet" = None)
     a1111.apply(unet, a1111.A1111Options(cuda_graph=False))
     for _ in range(warm):
@@ -319,21 +335,36 @@ def main():
                    stock_peak_gib=round(r["stock_peak_gib"], 3), ours_peak_gib=round(r["ours_peak_gib"], 3),
                    unet_rel_err=r["unet_rel_err"], ours_eager_its=round(r["ours_eager_its"], 2),
                    allocator=alloc, attention=attention, notes=notes)
-        rows.append(rec)
-        say("RESULT", json.dumps(rec))
-        if CUDA:
-            os.makedirs(OPT.out, exist_ok=True)
-            with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        recs = [rec]
+        if "fp8" in r:
+            f8 = r["fp8"]
+            ran8 = ", ".join("%s x%d" % (op, e["fused"]) for op, e in sorted(f8["kernels"].items()) if e["fused"])
+            fell8 = {op: e["reasons"] for op, e in f8["kernels"].items() if e["fallback"]}
+            recs.append(dict(rec, config=config + "_fp8", precision=f8["precision"], ours_its=round(f8["its"], 2),
+                             speedup=round(f8["its"] / r["stock_its"], 3),
+                             speedup_vs_fp16=round(f8["its"] / r["ours_its"], 3),
+                             first_run_s=round(f8["first_run_s"], 2), ours_peak_gib=round(f8["peak_gib"], 3),
+                             unet_rel_err=f8["rel_err"], ours_eager_its=None,
+                             notes="LOSSY: precision fp8 (%d FP8 Linear forwards; not used: %s), ours through the "
+                                   "graph call after ours in fp16, same process and input; attention %s; ran: %s; "
+                                   "fell back: %s" % (f8["fp8_linear"], json.dumps(f8["reasons"]), attention,
+                                                      ran8 or "-", json.dumps(fell8))))
+        for rec in recs:
+            rows.append(rec)
+            say("RESULT", json.dumps(rec))
+            if CUDA:
+                os.makedirs(OPT.out, exist_ok=True)
+                with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
+                    f.write(json.dumps(rec) + "\n")
     if not CUDA:
         say("smoke/CPU run: nothing recorded")
     print("%-32s %9s %9s %7s %10s %8s %8s %8s %9s" % (
         "config", "stock it/s", "ours it/s", "x", "no-graph", "first s", "peak st", "peak us", "unet err"))
     for r in rows:
         print("%-32s %9.2f %9.2f %7.2f %10.2f %8.2f %8.3f %8.3f %9.2e" % (
-            r["config"], r["stock_its"], r["ours_its"], r["speedup"], r["ours_eager_its"], r["first_run_s"],
+            r["config"], r["stock_its"], r["ours_its"], r["speedup"], r["ours_eager_its"] or 0, r["first_run_s"],
             r["stock_peak_gib"], r["ours_peak_gib"], r["unet_rel_err"]))
-    if len(rows) < len(list(filter(None, OPT.attention.split(",")))):
+    if len(rows) < len(list(filter(None, OPT.attention.split(",")))) * (2 if OPT.fp8 else 1):
         sys.exit(1)
 
 

@@ -59,6 +59,8 @@
 # SD1.5 and SDXL, plain / weighted / long / clip-skip prompts; ~2 min with the SDXL build, killed at 300 s),
 # tests_clip (tests/gpu/test_clip_graphs_gpu.py alone, ~1 min, killed at 200 s),
 # png_save (bench_png_save.py on the GPU machine's host CPU: SaveImage's way vs Save Image (SD Accel)'s writer; ~30 s).
+# a1111_fp8 (bench_a1111_ldm.py --fp8 at sdp attention: A1111's ldm UNet stock vs ours fp16 vs ours with the LOSSY
+# precision fp8 setting, ~1.5 min; then tests/gpu/test_a1111_fp8_gpu.py, ~30 s; killed at 200 + 150 s).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).
@@ -165,6 +167,10 @@ for p in "$@"; do
       timeout 200 python3 -m pytest tests/gpu/test_clip_graphs_gpu.py -q -rA > "$OUT/tests_clip/log.txt" 2>&1
       echo "== tests_clip exit $?"
       tail -15 "$OUT/tests_clip/log.txt" ;;
+    a1111_fp8)
+      part a1111_fp8 200 python3 bench/bench_a1111_ldm.py --fp8 --attention sdp
+      timeout 150 python3 -m pytest tests/gpu/test_a1111_fp8_gpu.py -q -rA > "$OUT/a1111_fp8/tests_log.txt" 2>&1
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/a1111_fp8/tests_log.txt" | tail -12 | cut -c1-300 ;;
     png_save) mkdir -p "$OUT/png_save"; timeout 120 python3 bench/bench_png_save.py --reps 5 > "$OUT/png_save/log.txt" 2>&1; tail -16 "$OUT/png_save/log.txt" ;;
     h2d)
       mkdir -p "$OUT/h2d"

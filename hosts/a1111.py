@@ -27,7 +27,8 @@ import torch
 
 from ..engine.patches import fused_modules, patching
 from ..engine.graphs.step_graphs import StepGraphs
-from . import webui
+from ..engine.fp8 import weights as fp8_weights
+from . import a1111_fp8, a1111_lora, webui
 from .attached import state_on
 from .webui import kernel_summary  # noqa: F401 - the extension script's status route reads it here
 
@@ -50,6 +51,8 @@ class _UnetState:
         self.graphs = None
         self.epoch = None
         self.structure = None     # (epoch, signature) cache for the graph key
+        self.fp8 = {}             # path -> (Linear, its FP8 forward): precision fp8 (hosts/a1111_fp8.py)
+        self.fp8_reason = None    # why precision fp8 was asked for and not set
 
 
 _STATE_ATTR = "_sd_accel_state"
@@ -103,15 +106,7 @@ def _sync_host_attrs(src, dst):
 def _lora_pre_hook(module, args):
     """A1111's Lora extension applies norm-layer weights from its own `GroupNorm/LayerNorm.forward`
     patch, which a fused module's forward bypasses: call the same function first."""
-    nets = sys.modules.get("networks")
-    fn = getattr(nets, "network_apply_weights", None)
-    if fn is None or getattr(module, "network_layer_name", None) is None:
-        return None
-    shared = sys.modules.get("modules.shared")
-    if getattr(getattr(shared, "opts", None), "lora_functional", False):
-        return None
-    fn(module)
-    return None
+    a1111_lora.apply_weights(module)
 
 
 def _keys(unet):
@@ -176,25 +171,42 @@ def _set_channels_last(unet, st, on):
     return n
 
 
-def apply(unet, options, ops=patching.ALL_OPS):
-    """Brings `unet` to `options` (idempotent). Returns `status(unet)`."""
+def _set_fp8(unet, st, on):
+    if on == bool(st.fp8):
+        return
+    if on:
+        st.fp8 = a1111_fp8.set_forwards(unet)
+    else:
+        a1111_fp8.take_off(st.fp8)
+        st.fp8 = {}
+    if st.graphs is not None:
+        st.graphs.clear("precision changed")
+    log.info("[SD Accel] precision %s: %d FP8 Linear forwards set", "fp8 (LOSSY)" if on else "fp16", len(st.fp8))
+
+
+def apply(unet, options, ops=patching.ALL_OPS, lowvram=False):
+    """Brings `unet` to `options` (idempotent). `lowvram`: A1111 moves the UNet's weights per call (--medvram,
+    --lowvram). Returns `status(unet)`."""
     st = _state(unet)
     if options.want("fused_kernels"):
         apply_fused(unet, ops)
     else:
         remove_fused(unet)
     _set_channels_last(unet, st, options.want("channels_last") and _on_cuda(unet))
+    st.fp8_reason = a1111_fp8.refusal(unet, lowvram) if options.fp8() else None
+    _set_fp8(unet, st, options.fp8() and st.fp8_reason is None)
     if not options.want("cuda_graph") and st.graphs is not None:
         st.graphs.clear("CUDA graphs turned off")
     return status(unet)
 
 
 def remove(unet):
-    """Everything back as loaded: original modules, contiguous conv weights, no graphs."""
+    """Everything back as loaded: original modules and forwards, contiguous conv weights, no graphs."""
     n = remove_fused(unet)
     st = unet.__dict__.get(_STATE_ATTR)
     if st is not None:
         _set_channels_last(unet, st, False)
+        _set_fp8(unet, st, False)
         if st.graphs is not None:
             st.graphs.clear("SD Accel removed")
     return n
@@ -210,14 +222,19 @@ def check_keys(unet):
 
 
 def status(unet):
-    """JSON-able: which modules are patched, per op; channels_last; graphs; keys check."""
+    """JSON-able: which modules are patched (replaced, or their forward set: FP8), per op; precision; channels_last;
+    graphs; keys check; why an asked-for mode is not on."""
     if unet is None:
-        return {"model": None, "patched": 0, "counts": {}, "paths": [], "channels_last": False,
-                "state_dict_keys_unchanged": True, "graphs": {}}
+        return {"model": None, "patched": 0, "counts": {}, "paths": [], "channels_last": False, "precision": "fp16",
+                "state_dict_keys_unchanged": True, "graphs": {}, "reasons": {}}
     st = unet.__dict__.get(_STATE_ATTR)
     n_ours = sum(1 for m in unet.modules() if fused_modules.is_fused(m))
-    out = {"model": type(unet).__name__, "patched": n_ours,
-           "counts": dict(st.counts) if st else {},
+    counts = dict(st.counts) if st else {}
+    if st and st.fp8:
+        counts["fp8_linear"] = len(st.fp8)
+    out = {"model": type(unet).__name__, "patched": n_ours + (len(st.fp8) if st else 0),
+           "counts": counts, "precision": "fp8" if st and st.fp8 else "fp16",
+           "reasons": {"precision fp8": st.fp8_reason} if st and st.fp8_reason else {},
            "paths": sorted(st.replacements) if st else [],
            "channels_last": bool(st and st.channels_last),
            "state_dict_keys_unchanged": True if st is None or st.keys_ok is None else st.keys_ok,
@@ -245,12 +262,16 @@ def sync(sd_model, options, reason=""):
         log.error("[SD Accel] the UNet's state_dict keys changed since it was patched: restoring originals")
         remove(unet)
     if options.enabled:
-        s = apply(unet, options)
+        s = apply(unet, options, lowvram=bool(getattr(sd_model, "lowvram", False)))
     else:
         remove(unet)
         s = status(unet)
-    log.info("[SD Accel] %s: %d modules patched %s, channels_last %s, keys unchanged %s", reason or "sync",
-             s["patched"], s["counts"], s["channels_last"], s["state_dict_keys_unchanged"])
+    fp8_weights.drop_off_device()    # FP8 copies of a model A1111 moved off the GPU (checkpoint switch)
+    log.info("[SD Accel] %s: %d modules patched %s, precision %s, channels_last %s, keys unchanged %s",
+             reason or "sync", s["patched"], s["counts"], s["precision"], s["channels_last"],
+             s["state_dict_keys_unchanged"])
+    for what, why in s["reasons"].items():
+        log.info("[SD Accel] %s not used: %s", what, why)
     return s
 
 
@@ -275,14 +296,10 @@ def _structure(unet, st):
 def host_state(unet, st):
     """What A1111 changes without changing the weights' identity: LoRA set (A1111 applies it lazily
     in forward, which a replay skips), hypernetworks, autocast, module structure."""
-    nets = sys.modules.get("networks")
-    loras = tuple((x.name, x.te_multiplier, x.unet_multiplier, getattr(x, "dyn_dim", None))
-                  for x in getattr(nets, "loaded_networks", ()))
     shared = sys.modules.get("modules.shared")
     hns = tuple((getattr(h, "name", id(h)), getattr(h, "multiplier", None))
                 for h in getattr(shared, "loaded_hypernetworks", ()) or ())
-    functional = bool(getattr(getattr(shared, "opts", None), "lora_functional", False))
-    return (loras, functional, hns, webui.autocast_state(), _structure(unet, st))
+    return (a1111_lora.wanted_names(), a1111_lora.functional(), hns, webui.autocast_state(), _structure(unet, st))
 
 
 def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs):
@@ -300,7 +317,7 @@ def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs
             return original_forward(unet, *a, **k)
 
     return st.graphs.run(fn, (x, timesteps, context) + args, kwargs, epoch=st.epoch,
-                         host_state=host_state(unet, st))
+                         host_state=host_state(unet, st), warm_after_change=bool(st.fp8))
 
 
 def make_unet_option(sd_unet, get_sd_model, get_options, original_forward_for):

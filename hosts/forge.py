@@ -65,11 +65,18 @@ def _has_online_lora(patcher):
     return bool(fn()) if fn is not None else False
 
 
-def _summary(patches, skipped, fold, wrapper, graphs):
+# Forge builds its Linears from its own operations class (casting, offloading, its own LoRA path), which the A1111
+# host's FP8 forward does not know: not offered until it is checked on a real Forge
+FP8_REFUSAL = "not offered on Forge (its own Linear class): fp16"
+
+
+def _summary(patches, skipped, fold, wrapper, graphs, options=None):
     counts = webui.replacement_counts(patches)
+    fp8 = options is not None and options.fp8()
     return {"patched": sum(counts.values()), "counts": counts, "paths": sorted(patches),
             "fold_silu": fold, "skipped": {why: len(p) for why, p in skipped.items()},
-            "wrapper": wrapper, "cuda_graph": graphs}
+            "wrapper": wrapper, "cuda_graph": graphs, "precision": "fp16",
+            "reasons": {"precision fp8": FP8_REFUSAL} if fp8 else {}}
 
 
 def _plan_run(st, patcher, options):
@@ -100,7 +107,7 @@ def prepare(sd_model, options):
         st.last = _summary({}, {"not an SD1.x/SDXL UNet": ["*"]}, False, None, False)
         return st.last
     patches, skipped, fold = _plan_run(st, sd_model.forge_objects.unet, options)
-    st.last = _summary(patches, skipped, fold, None, options.want("cuda_graph"))
+    st.last = _summary(patches, skipped, fold, None, options.want("cuda_graph"), options)
     return st.last
 
 
@@ -200,7 +207,7 @@ def _accelerate(st, unet_patcher, options):
         wrapper = _install_wrapper(clone, st, options)
         _free_graphs_on_unload(clone, st)
     clone.sd_accel_options = options
-    st.last = _summary(patches, skipped, fold, wrapper, options.want("cuda_graph") and st.run_graphs)
+    st.last = _summary(patches, skipped, fold, wrapper, options.want("cuda_graph") and st.run_graphs, options)
     return clone, st.last
 
 

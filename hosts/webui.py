@@ -29,9 +29,17 @@ class WebUIOptions:
     fused_kernels: bool = True
     cuda_graph: bool = True
     channels_last: bool = True
+    precision: str = "fp16"       # "fp8": LOSSY, opt-in (A1111: hosts/a1111_fp8.py; Forge: not offered)
 
     def want(self, name):
         return bool(self.enabled and getattr(self, name))
+
+    def fp8(self):
+        return self.enabled and self.precision == "fp8"
+
+
+# the settings that take one of several values (a radio in the settings page), with their values
+CHOICES = {"precision": ("fp16", "fp8")}
 
 
 # (field, label, info) of every setting; the key is PREFIX + field, the default WebUIOptions'.
@@ -44,6 +52,9 @@ SETTINGS = (
      "CUDA only; A1111: works through 'SD Unet' = Automatic; replays are dropped when weights or LoRAs change"),
     ("channels_last", "channels_last conv weights",
      "CUDA only; values unchanged"),
+    ("precision", "Precision (fp8 is LOSSY)",
+     "fp16: the model's own, lossless. fp8: LOSSY, the feed-forward GEGLU projections in FP8 e4m3 on Ada/Hopper "
+     "GPUs (sm_89/sm_90), the image changes slightly; elsewhere, and on Forge, fp16 with the reason in the console"),
 )
 
 
@@ -55,7 +66,11 @@ def options_from(opts):
     """WebUIOptions from the WebUI's `shared.opts` (missing keys: defaults)."""
     d = {}
     for f in fields(WebUIOptions):
-        d[f.name] = bool(getattr(opts, setting_key(f.name), f.default))
+        value = getattr(opts, setting_key(f.name), f.default)
+        if f.name in CHOICES:
+            d[f.name] = value if value in CHOICES[f.name] else f.default
+        else:
+            d[f.name] = bool(value)
     return WebUIOptions(**d)
 
 

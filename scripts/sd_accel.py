@@ -92,10 +92,15 @@ def _sync(reason):
             _say("%s (Forge): each generation patches %s; CUDA graphs %s, channels_last %s" % (
                 reason, _describe(s), "on" if _options().want("cuda_graph") else "off",
                 "on" if _options().want("channels_last") else "off"))
+            for what, why in s.get("reasons", {}).items():
+                _say("%s not used: %s" % (what, why))
         return s
     s = host.sync(sd_model, _options(), reason)
-    _say("%s: %s patched, channels_last %s, state_dict keys unchanged %s"
-         % (reason, _describe(s), "on" if s["channels_last"] else "off", s["state_dict_keys_unchanged"]))
+    _say("%s: %s patched, precision %s, channels_last %s, state_dict keys unchanged %s"
+         % (reason, _describe(s), s["precision"] + (" (LOSSY)" if s["precision"] == "fp8" else ""),
+            "on" if s["channels_last"] else "off", s["state_dict_keys_unchanged"]))
+    for what, why in s["reasons"].items():
+        _say("%s not used: %s" % (what, why))
     return s
 
 
@@ -118,11 +123,25 @@ def _section_id():
     return webui.SECTION
 
 
+def _radio():
+    """gradio's Radio (the WebUI's own UI library), or None where it cannot be imported (a default component)."""
+    try:
+        import gradio
+        return gradio.Radio
+    except ImportError:
+        return None
+
+
 def _section():
     out = {}
     for name, label, info in webui.SETTINGS:
         default = getattr(webui.WebUIOptions, name)
-        out[webui.setting_key(name)] = shared.OptionInfo(default, label, onchange=_on_setting_change).info(info)
+        if name in webui.CHOICES:
+            option = shared.OptionInfo(default, label, _radio(), {"choices": list(webui.CHOICES[name])},
+                                       onchange=_on_setting_change)
+        else:
+            option = shared.OptionInfo(default, label, onchange=_on_setting_change)
+        out[webui.setting_key(name)] = option.info(info)
     return shared.options_section(_section_id(), out)
 
 

@@ -16,9 +16,9 @@ from .linear import make_fp8_linear
 _FP8_LINEARS = (".ff.net.0.proj",)     # GEGLU's projection (ComfyUI's and ldm's FeedForward)
 
 
-def plan_fp8(root, prefix=""):
-    """{prefix + path + ".forward": FP8 forward patch} for the eligible Linear layers under `root` (never
-    modified)."""
+def plan_fp8(root, prefix="", make=make_fp8_linear):
+    """{prefix + path + ".forward": FP8 forward patch (`make(linear)`)} for the eligible Linear layers under `root`
+    (never modified)."""
     out = {}
     for name, mod in root.named_modules():
         if not isinstance(mod, nn.Linear) or not ("." + name).endswith(_FP8_LINEARS) \
@@ -26,5 +26,5 @@ def plan_fp8(root, prefix=""):
             continue
         if gemm.shapes_refusal(mod.in_features, mod.out_features):
             continue
-        out[path_of(prefix + name)] = make_fp8_linear(mod)
+        out[path_of(prefix + name)] = make(mod)
     return out

@@ -141,6 +141,14 @@ def bytes_on(device=None):
         return sum(e.nbytes for e in _copies.values() if device is None or e.device == torch.device(device))
 
 
+def drop_copies_of(tensors):
+    """Frees every derived copy of `tensors` (a mode that used them turned off while the weights stay)."""
+    ids = {id(t) for t in tensors}
+    with _lock:
+        for k in [k for k, e in _copies.items() if k[1] in ids and e.ref() is not None and id(e.ref()) in ids]:
+            del _copies[k]
+
+
 def drop_off_device():
     """Frees the copies whose weight is gone or no longer on the copy's device."""
     with _lock:

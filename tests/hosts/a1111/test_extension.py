@@ -182,3 +182,31 @@ def test_reload_ui_reapplies(fake_a1111, stock_kernels):
     assert fused_count(unet) == 0
     load_extension_script()
     assert fused_count(unet) == 42
+
+
+def test_precision_setting_is_a_choice_and_says_why_fp8_is_not_used(fake_a1111, stock_kernels, capsys):
+    """`sd_accel_precision`: fp16 (default) or fp8 (LOSSY), a radio of those two; on this CPU fp8 is refused with
+    its reason in the console and the status route, and the UNet stays as with fp16."""
+    from modules import script_callbacks, shared
+    unet = make_unet()
+    inputs = unet_inputs()
+    ext, api_model, _ = start(fake_a1111, stock_kernels, FakeSdModel(unet))
+    info = shared.opts.data_labels["sd_accel_precision"]
+    assert info.default == "fp16" and info.component_args == {"choices": ["fp16", "fp8"]}
+    assert "LOSSY" in info.label and info.section == ("sd_accel", "SD Accel")
+    assert shared.api_get_options(api_model)["sd_accel_precision"] == "fp16"
+    ref = run(unet, inputs)
+    capsys.readouterr()
+    assert shared.opts.set("sd_accel_precision", "fp8", is_api=True)
+    said = capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert "precision fp8 not used: FP8 compute needs an Ada or Hopper GPU" in said, said
+        routes = {}
+        script_callbacks.app_started_callback(None, type("App", (), {
+            "add_api_route": lambda self, path, fn, methods: routes.__setitem__(path, fn)})())
+        s = routes["/sd_accel/status"]()
+        assert s["options"]["precision"] == "fp8" and s["precision"] == "fp16"
+        assert "sm_89/sm_90" in s["reasons"]["precision fp8"]
+        assert torch.equal(run(unet, inputs), ref)
+    shared.opts.data["sd_accel_precision"] = "int4"     # a value from another version's config.json
+    assert ext.webui.options_from(shared.opts).precision == "fp16"

@@ -78,3 +78,16 @@ def test_forge_disabled_gives_forge_its_own_patcher(fake_a1111, fake_forge, stoc
     shared.opts.set("sd_accel_enabled", True, is_api=True)
     run_generation(ext, sd_model)
     assert status()["patched"] == 47
+
+
+def test_forge_says_fp8_is_not_offered_and_runs_fp16(fake_a1111, fake_forge, stock_kernels, capsys):
+    from modules import shared
+    ext, _, status, _, sd_model = start_forge(stock_kernels)
+    ref = run_generation(ext, sd_model)
+    capsys.readouterr()
+    shared.opts.set("sd_accel_precision", "fp8", is_api=True)
+    assert "precision fp8 not used: not offered on Forge" in capsys.readouterr().out
+    out = run_generation(ext, sd_model)
+    s = status()
+    assert s["precision"] == "fp16" and s["reasons"] == {"precision fp8": ext.forge.FP8_REFUSAL}
+    assert torch.equal(out, ref)

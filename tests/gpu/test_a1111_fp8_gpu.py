@@ -1,0 +1,65 @@
+"""precision fp8 (LOSSY) on A1111's ldm UNet on the GPU machine (hosts/a1111_fp8.py): through the CUDA-graph call
+A1111's "SD Unet" hook makes, under autocast as A1111 runs fp16 UNets, with A1111's Lora extension (its stand-in,
+tests/hosts/a1111/lora_standin.py) changing networks between runs: each run near the fp16 UNet with the same
+network, never the FP8 weights of an earlier one, graphs replayed. `python3 -m pytest tests/gpu/test_a1111_fp8_gpu.py`."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hosts", "a1111"))
+
+import lora_standin  # noqa: E402
+from unet_util import make_unet, unet_inputs  # noqa: E402
+
+FP8_GPU = torch.cuda.get_device_capability() in ((8, 9), (9, 0))
+# the small random UNet's output, its four GEGLU projections in FP8 vs fp16
+FP8_TOL = 0.1
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90 (the refusal is tested on the CPU)")
+def test_lora_changes_through_graphs_never_replay_stale_fp8_weights(monkeypatch):
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+    from sd_accel.hosts import a1111
+    unet = make_unet().cuda().half()
+    nets = lora_standin.install(unet, monkeypatch)
+    x, t, ctx = (v.cuda() for v in unet_inputs(batch=2))
+    proj = [n for n, _ in unet.named_modules() if n.endswith("ff.net.0.proj")]
+    g = torch.Generator().manual_seed(9)
+
+    def network(name):
+        deltas = {p: (0.3 * torch.randn(a1111.patching.get_attr(unet, p).weight.shape, generator=g)).cuda()
+                  for p in proj}
+        return lora_standin.Network(name, deltas)
+
+    loras = {"none": [], "a": [network("a")], "b": [network("b")]}
+    order = ("a", "b", "none", "a")
+
+    def stock(name):
+        nets.loaded_networks[:] = loras[name]
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            return unet(x, t, context=ctx).float()
+
+    refs = {name: stock(name) for name in loras}
+    assert min(_rel(refs[a], refs[b]) for a in loras for b in loras if a < b) > 3 * FP8_TOL
+    s = a1111.apply(unet, a1111.A1111Options(precision="fp8"))
+    assert s["precision"] == "fp8" and s["counts"]["fp8_linear"] == len(proj), s
+    for name in order:
+        nets.loaded_networks[:] = loras[name]
+        a1111.new_sampling_run(type("M", (), {"model": type("W", (), {"diffusion_model": unet})})())
+        outs = []
+        for _ in range(4):      # warm-up after the weights changed, capture, replays
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+                outs.append(a1111.graph_forward(unet, UNetModel.forward, x, t, ctx).float())
+        errs = {other: _rel(outs[-1], ref) for other, ref in refs.items()}
+        assert errs[name] < FP8_TOL and all(e > 2 * FP8_TOL for o, e in errs.items() if o != name), (name, errs)
+        assert torch.equal(outs[-1], outs[-2]), name
+    graphs = a1111.status(unet)["graphs"]
+    assert graphs["replays"] >= 2 * len(order) and graphs["invalidations"] >= len(order) - 1, graphs
+    a1111.remove(unet)
+    assert torch.equal(stock("a"), refs["a"])
