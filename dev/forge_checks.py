@@ -9,7 +9,7 @@ import urllib.error
 from a1111_check import PSNR_MIN, call, psnr
 
 HR_STEPS = 2   # the hires-fix pass's steps
-KEYS = ["sd_accel_enabled", "sd_accel_fused_kernels", "sd_accel_cuda_graph", "sd_accel_channels_last"]
+KEYS = ["sd_accel_enabled", "sd_accel_fused_kernels", "sd_accel_cuda_graph", "sd_accel_channels_last", "sd_accel_precision"]
 OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
 # A fused block runs some of the modules patched inside it as one op with its neighbours: the ResBlock its
 # out_layers' GroupNorm+SiLU with the timestep add (resblock_add_norm), the transformer block its norm2 and norm3
@@ -94,6 +94,7 @@ class Checker:
     def run(self):
         self.check_options()
         img_on = self.check_kernels()
+        self.check_precision(img_on)
         self.set(sd_accel_enabled=False)
         s = self.status()
         self.check(s["patched"] == 0, "toggle off: nothing patched at the next generation (%d)" % s["patched"])
@@ -143,6 +144,16 @@ class Checker:
         self.check(module_calls(ran2) == want, "the counts rise by as much at the next generation")
         self.same(img, img2, "the same generation twice")
         return img
+
+    def check_precision(self, plain):
+        """precision fp8 is not offered on Forge: the status says so in one line and the image is fp16's."""
+        self.set(sd_accel_precision="fp8")
+        img, _ = self.txt2img("precision fp8 asked for on Forge")
+        s = self.status()
+        self.check(s.get("precision") == "fp16" and "not offered on Forge" in s.get("reasons", {}).get("precision fp8", ""),
+                   "precision fp8 on Forge: runs %s, reason %s" % (s.get("precision"), s.get("reasons")))
+        self.same(plain, img, "precision fp8 asked for vs fp16")
+        self.set(sd_accel_precision="fp16")
 
     def check_lora(self, plain):
         on, _ = self.txt2img("LoRA on SD Accel's modules, SD Accel on", lora=True)

@@ -15,6 +15,8 @@ A1111 has no object patches, so the UNet's leaves are swapped in place and swapp
   the loaded checkpoint while the toggle is on; A1111 deactivates it before every weight reload. Its
   forward calls the stock UNet forward through `engine.graphs.step_graphs.StepGraphs`. The UNet's own
   `forward` is never rebound.
+* precision fp8 (LOSSY, opt-in): the FP8 Linear forward set on each feed-forward GEGLU projection's
+  instance (hosts/a1111_fp8.py), taken off on fp16, off or remove.
 Forge has a host of its own (hosts/forge.py); what both share is in hosts/webui.py.
 
 This module imports nothing from A1111 at import time: the caller passes what it needs (the
