@@ -86,16 +86,10 @@ if "sd_accel" not in sys.modules:   # the repo root as the package `sd_accel`, a
 from sd_accel.engine.reports import kernel_report  # noqa: E402
 from sd_accel.hosts import a1111  # noqa: E402
 
-try:
-    import omegaconf.listconfig  # noqa: E402,F401  (A1111 ships it)
-except ImportError:
-    # ldm's UNetModel.__init__ imports omegaconf only for `isinstance(context_dim, ListConfig)`; the GPU
-    # machine has no omegaconf (and its antlr4 dependency has no wheel), so the bench gives it the one
-    # name it reads. A1111 itself always has the real package.
-    _oc, _lc = types.ModuleType("omegaconf"), types.ModuleType("omegaconf.listconfig")
-    _lc.ListConfig = type("ListConfig", (list,), {})
-    _oc.listconfig = _lc
-    sys.modules.update({"omegaconf": _oc, "omegaconf.listconfig": _lc})
+sys.path.insert(0, os.path.join(REPO, "dev"))
+from ldm_without_omegaconf import provide_list_config  # noqa: E402
+
+provide_list_config()
 import ldm.modules.attention as ldm_attention  # noqa: E402
 from ldm.modules.diffusionmodules.openaimodel import UNetModel  # noqa: E402
 

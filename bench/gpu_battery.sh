@@ -60,7 +60,8 @@
 # tests_clip (tests/gpu/test_clip_graphs_gpu.py alone, ~1 min, killed at 200 s),
 # png_save (bench_png_save.py on the GPU machine's host CPU: SaveImage's way vs Save Image (SD Accel)'s writer; ~30 s).
 # a1111_fp8 (bench_a1111_ldm.py --fp8 at sdp attention: A1111's ldm UNet stock vs ours fp16 vs ours with the LOSSY
-# precision fp8 setting, ~1.5 min; then tests/gpu/test_a1111_fp8_gpu.py, ~30 s; killed at 200 + 150 s).
+# precision fp8 setting, ~1.5 min; then tests/gpu/test_a1111_fp8_gpu.py, ~30 s; killed at 200 + 150 s; needs ldm: carry
+# stable-diffusion-sdkit==2.1.5's wheel in .whl/, `pip download --no-deps`; the part a1111 too).
 # Each part writes under $OUT/<part>/ (results.jsonl, log.txt) and prints its last lines; append the records
 # to bench/results.jsonl as ../shared/BENCH.md says. Needs vendor/ComfyUI (carry it) and, when the device's
 # Python lacks them, the wheels in .whl/ (carry it too).

@@ -8,7 +8,13 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hosts", "a1111"))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "hosts", "a1111"))
+sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "dev"))
+
+from ldm_without_omegaconf import provide_list_config  # noqa: E402
+
+provide_list_config()
 
 import lora_standin  # noqa: E402
 from unet_util import make_unet, unet_inputs  # noqa: E402
