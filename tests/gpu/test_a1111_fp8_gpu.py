@@ -4,6 +4,7 @@ tests/hosts/a1111/lora_standin.py) changing networks between runs: each run near
 network, never the FP8 weights of an earlier one, graphs replayed. `python3 -m pytest tests/gpu/test_a1111_fp8_gpu.py`."""
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def test_lora_changes_through_graphs_never_replay_stale_fp8_weights(monkeypatch)
     assert s["precision"] == "fp8" and s["counts"]["fp8_linear"] == len(proj), s
     for name in order:
         nets.loaded_networks[:] = loras[name]
-        a1111.new_sampling_run(type("M", (), {"model": type("W", (), {"diffusion_model": unet})})())
+        a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))
         outs = []
         for _ in range(4):      # warm-up after the weights changed, capture, replays
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
@@ -68,4 +69,4 @@ def test_lora_changes_through_graphs_never_replay_stale_fp8_weights(monkeypatch)
     graphs = a1111.status(unet)["graphs"]
     assert graphs["replays"] >= 2 * len(order) and graphs["invalidations"] >= len(order) - 1, graphs
     a1111.remove(unet)
-    assert torch.equal(stock("a"), refs["a"])
+    assert _rel(stock("a"), refs["a"]) < 1e-3     # the stock UNet again, LoRA and all (cuDNN may pick other algorithms)
