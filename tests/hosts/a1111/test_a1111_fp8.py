@@ -158,6 +158,6 @@ def test_functional_lora_runs_the_hosts_forward(fp8_on_cpu, monkeypatch):
     assert calls.get("fused") == 1                    # no network loaded: FP8 runs
     nets.loaded_networks[:] = [_lora(unet, 0.2, seed=5)]
     out, calls = _fp8_calls(lambda: _block(unet, x, ctx))
-    assert calls.get("fallback") and not calls.get("fused") and calls["reasons"] == [a1111_fp8.FUNCTIONAL_LORA]
+    assert calls.get("fallback") and not calls.get("fused") and a1111_fp8.FUNCTIONAL_LORA in calls["reasons"], calls
     a1111.apply(unet, a1111.A1111Options())
     assert torch.equal(out, _block(unet, x, ctx))     # exactly the host's fp16 forward with the LoRA added
