@@ -243,6 +243,9 @@ def status(unet):
            "graphs": dict(st.graphs.stats) if st and st.graphs is not None else {}}
     if st and st.graphs is not None and st.graphs.last_eager_reason:
         out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
+    if st and st.fp8:   # the FP8 weights are VRAM beside the fp16 ones (all derived copies on that GPU)
+        weight = next(iter(st.fp8.values()))[0].weight
+        out["derived_weight_copies_mib"] = round(fp8_weights.bytes_on(weight.device) / 2 ** 20, 2)
     return out
 
 
