@@ -182,7 +182,10 @@ def _set_fp8(unet, st, on):
         a1111_fp8.take_off(st.fp8)
         st.fp8 = {}
     if st.graphs is not None:
+        # new StepGraphs, not just no graphs: each key's next call must be an eager warm-up again (the FP8 kernels
+        # compiled and the FP8 weights made outside a capture), which the old one's records would skip
         st.graphs.clear("precision changed")
+        st.graphs = None
     log.info("[SD Accel] precision %s: %d FP8 Linear forwards set", "fp8 (LOSSY)" if on else "fp16", len(st.fp8))
 
 
