@@ -137,12 +137,12 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
             if streamer is not None and streamer.relayout(w, memory_format):
                 n += 1
                 continue
-            # an fp8-stored weight's kept fp16 copy is what the convolution reads: it takes the layout, in its own
-            # storage; the fp8 weight itself is then only moved back to stock's layout (where an earlier change left it)
-            copies = fp8_weights.upcast_copies_of(w)
-            if not copies or memory_format == torch.contiguous_format:
-                n += _relayout_data(w, memory_format)
-            n += max((_relayout_data(c, memory_format) for c in copies), default=0)
+            # an fp8-stored weight itself is relaid too, though the convolution reads its kept copy: a copy made later
+            # (after a LoRA patch) inherits the weight's layout, and must have the one a later relayout assumes
+            n += _relayout_data(w, memory_format)
+            # an fp8-stored weight's kept fp16 copy is what the convolution reads: same layout, same storage
+            for copy in fp8_weights.upcast_copies_of(w):
+                _relayout_data(copy, memory_format)
     return n
 
 
