@@ -30,7 +30,8 @@ LOWVRAM = ("A1111's --medvram/--lowvram moves the UNet's weights to the GPU per 
 
 class A1111Fp8Forward(Fp8Forward):
     def _fp8(self, x, geglu):
-        if a1111_lora.functional() and a1111_lora.wanted_names():
+        networks = a1111_lora.wanted_names()
+        if networks and a1111_lora.functional():
             kernel_report.record(OP, Outcome(REFERENCE, FUNCTIONAL_LORA))
             return None
         a1111_lora.apply_weights(self.module)
@@ -38,7 +39,7 @@ class A1111Fp8Forward(Fp8Forward):
         if x.dtype == torch.float32 and torch.is_autocast_enabled(device) \
                 and torch.get_autocast_dtype(device) == torch.float16:
             x = x.half()
-        with weights.host_state(("a1111 networks", a1111_lora.wanted_names())):
+        with weights.host_state(("a1111 networks", networks)):
             return super()._fp8(x, geglu)
 
 
