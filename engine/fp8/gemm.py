@@ -2,7 +2,9 @@
 channel once per load, a GEMM accumulating in fp32, the bias added in its epilogue.
 
 The first call on a device tries the recipes on a tiny problem, fastest first, and keeps the first that runs (on
-its fast path) and agrees with an fp32 reference:
+its fast path) and agrees with an fp32 reference. A try where the "triton" recipe's kernels were not compiled yet
+(a pass compiling kernels ahead, where each op runs its plain-torch reference meanwhile) says nothing of those
+kernels: its choice serves that call only, and the next call tries again:
   * "triton": kernels/fp8_gemm.py, scales, bias (and GEGLU where asked) in the GEMM's epilogue, fp16 out: one pass
     over the output. `torch._scaled_mm` takes rowwise scales only with a bfloat16 output on sm_89/sm_90, so the
     recipes below pay a cast and a bias add afterwards, which cost about what FP8 saves;
@@ -14,7 +16,9 @@ its fast path) and agrees with an fp32 reference:
 """
 import torch
 
+from ...kernels._compile_ahead import CompilingAhead
 from ...kernels._dispatch import TRITON
+from ...kernels._launch import NotWarmedUp
 from ...kernels.fp8_gemm import fp8_gemm
 from ...kernels.quantize_rows import quantize_rows, quantize_tensor_reference, quantize_weight_per_channel
 
@@ -29,9 +33,17 @@ def _triton(x, wq, ws, bias, geglu=False):
     return fp8_gemm(xq, xs, wq, ws, bias, geglu=geglu)
 
 
+_NOT_COMPILED_YET = (CompilingAhead.reason, NotWarmedUp.reason)
+
+
 def _triton_ran():
     """Both of the "triton" recipe's kernels ran on the latest call (not their plain-torch references)."""
     return quantize_rows.last_call.path == TRITON and fp8_gemm.last_call.path == TRITON
+
+
+def _triton_not_compiled_yet():
+    """The latest call of the "triton" recipe ran a reference only because a kernel had no binary yet."""
+    return any(op.last_call.reason in _NOT_COMPILED_YET for op in (quantize_rows, fp8_gemm))
 
 
 def _rowwise_fp16(x, wq, ws, bias):
@@ -62,31 +74,42 @@ def _key(device):
 
 
 def probe(device):
-    """The recipe `device` runs (see the module doc), tried once per device; None when none runs."""
+    """The recipe `device` runs (see the module doc), tried until a try settles it; None when none runs."""
     key = _key(device)
     if key not in _chosen:
-        _chosen[key] = _first_working(device)
+        name, settled = _first_working(device)
+        if not settled:
+            return name
+        _chosen[key] = name
     return _chosen[key]
 
 
+def probed(device):
+    """Whether `device`'s recipe is settled (a probe there would not run the tiny problem again)."""
+    return _key(device) in _chosen
+
+
 def _first_working(device):
+    """(the first recipe that runs and agrees, or None; whether that is settled for the device)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 64, generator=g).to(device, torch.float16)
     w = torch.randn(48, 64, generator=g).to(device, torch.float16)
     bias = torch.randn(48, generator=g).to(device, torch.float16)
     ref = torch.addmm(bias.float(), x.float(), w.float().t())
     wq, ws = quantize_weight_per_channel(w)
+    settled = True
     for name in RECIPES:
         try:
             out = _RECIPE_FNS[name](x, wq, ws, bias)
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             continue
         if name == "triton" and not _triton_ran():
+            settled = settled and not _triton_not_compiled_yet()
             continue
         if out.dtype == torch.float16 and out.shape == ref.shape and \
                 float((out.float() - ref).norm() / ref.norm()) < _PROBE_TOL:
-            return name
-    return None
+            return name, settled
+    return None, settled
 
 
 def fp8_linear(x, wq, ws, bias, recipe):

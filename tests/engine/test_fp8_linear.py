@@ -66,6 +66,35 @@ def test_probe_picks_a_recipe_that_runs():
     assert gemm.probe(torch.device(DEVICE)) == recipe
 
 
+def test_a_probe_whose_triton_kernels_are_still_compiling_chooses_again_on_the_next_call(monkeypatch):
+    """Inside a pass compiling kernels ahead, the "triton" recipe's ops run their references (its kernels have no
+    binary yet), which says nothing of the kernels: that call takes another recipe, and the next call, the
+    kernels compiled, probes again and keeps "triton" (a first fp8 step on a cold Triton cache had kept
+    rowwise_fp16 for the process, with no GEGLU epilogue)."""
+    from sd_accel.kernels import _compile_ahead, fp8_gemm as fp8_gemm_module
+    device = torch.device(DEVICE)
+    monkeypatch.setattr(gemm, "_chosen", {})
+    real_launch = fp8_gemm_module.launch
+
+    def still_compiling(kernel, grid, *args, **meta):
+        raise _compile_ahead.CompilingAhead(getattr(kernel, "__name__", "fp8_gemm"))
+    monkeypatch.setattr(fp8_gemm_module, "launch", still_compiling)
+    first = gemm.probe(device)
+    assert first != "triton" and not gemm.probed(device)
+    monkeypatch.setattr(fp8_gemm_module, "launch", real_launch)
+    assert gemm.probe(device) == "triton" and gemm.probed(device)
+
+
+def test_a_triton_recipe_that_fails_for_good_is_not_probed_again(monkeypatch):
+    """A kernel that cannot run (not one still compiling) settles the choice on the next recipe."""
+    from sd_accel.kernels import fp8_gemm as fp8_gemm_module
+    device = torch.device(DEVICE)
+    monkeypatch.setattr(gemm, "_chosen", {})
+    monkeypatch.setattr(fp8_gemm_module.fp8_gemm, "eligible", lambda *a: (False, "no Triton here"))
+    first = gemm.probe(device)
+    assert first != "triton" and gemm.probed(device)
+
+
 def test_the_forward_patch_set_on_the_host_linear_matches_fp16():
     """Set as the Linear's own forward (as ComfyUI sets an object patch at `<path>.forward`), the module stays the
     host's, with its own parameters, and calls run FP8; taken off, the host's forward runs again."""

@@ -88,3 +88,44 @@ def test_an_fp8_stored_unet_through_lora_changes_equals_stock_and_replays(comfy_
         assert "fp8-stored weights" not in rep["fell_back"], rep["fell_back"]
         assert _rel(out, ref) < 2e-2 and _rel(again, ref) < 2e-2, (strength, _rel(out, ref), _rel(again, ref))
         assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, (strength, rep2["graphs"])
+
+
+_COLD_CACHE_FIRST_CALL = r"""
+import json, os, sys, tempfile, types
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sdaccel_cold_triton_")
+repo = sys.argv[1]
+pkg = types.ModuleType("sd_accel")
+pkg.__path__ = [repo]
+sys.modules["sd_accel"] = pkg
+import torch
+from sd_accel.engine.fp8 import gemm
+from sd_accel.engine.fp8.linear import Fp8Forward
+from sd_accel.engine.graphs.eager import eager_call
+from sd_accel.kernels import _triton
+torch.manual_seed(0)
+lin = torch.nn.Linear(320, 2560).cuda().half()
+x = torch.randn(2, 64, 320, device="cuda", dtype=torch.float16)
+with torch.inference_mode():
+    out = eager_call(lambda: Fp8Forward(lin).sdaccel_geglu(x), (), {})
+print("RESULT " + json.dumps({"ahead": _triton.compile_ahead_available(), "geglu_in_epilogue": out is not None,
+                              "chosen": gemm._chosen.get(("cuda", x.device.index), "unsettled")}))
+"""
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90")
+def test_first_fp8_call_on_a_cold_triton_cache_keeps_the_triton_recipe():
+    """A process's first FP8 GEGLU call, on an empty Triton cache, inside the warm-up pass that compiles kernels
+    ahead (its ops run their references meanwhile): the recipe probe must not settle on a `_scaled_mm` recipe
+    then, or the GEGLU runs as its own kernel for the rest of the process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _COLD_CACHE_FIRST_CALL, repo], capture_output=True, text=True,
+                          timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["ahead"], result
+    assert result == {"ahead": True, "geglu_in_epilogue": True, "chosen": "triton"}, result
