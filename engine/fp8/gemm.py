@@ -70,7 +70,10 @@ _RECIPE_FNS = {"triton": _triton, "rowwise_fp16": _rowwise_fp16, "rowwise_bf16":
 
 
 def _key(device):
-    return device.type, device.index
+    index = device.index
+    if device.type == "cuda" and index is None:   # a host's "cuda" and a tensor's "cuda:0" are one device
+        index = torch.cuda.current_device()
+    return device.type, index
 
 
 def probe(device):

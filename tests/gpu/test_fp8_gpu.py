@@ -90,7 +90,7 @@ def test_an_fp8_stored_unet_through_lora_changes_equals_stock_and_replays(comfy_
         assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, (strength, rep2["graphs"])
 
 
-_COLD_CACHE_FIRST_CALL = r"""
+_COLD_CACHE_FIRST_STEP = r"""
 import json, os, sys, tempfile, types
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="sdaccel_cold_triton_")
 repo = sys.argv[1]
@@ -98,34 +98,37 @@ pkg = types.ModuleType("sd_accel")
 pkg.__path__ = [repo]
 sys.modules["sd_accel"] = pkg
 import torch
-from sd_accel.engine.fp8 import gemm
+from sd_accel.engine.fp8 import gemm, support
 from sd_accel.engine.fp8.linear import Fp8Forward
-from sd_accel.engine.graphs.eager import eager_call
+from sd_accel.engine.graphs import probe
 from sd_accel.kernels import _triton
 torch.manual_seed(0)
 lin = torch.nn.Linear(320, 2560).cuda().half()
 x = torch.randn(2, 64, 320, device="cuda", dtype=torch.float16)
+why = support.refusal(torch.device("cuda"))      # what a host asks when it plans precision fp8
 with torch.inference_mode():
-    out = eager_call(lambda: Fp8Forward(lin).sdaccel_geglu(x), (), {})
-print("RESULT " + json.dumps({"ahead": _triton.compile_ahead_available(), "geglu_in_epilogue": out is not None,
+    out, verdict = probe.probe(lambda x: Fp8Forward(lin).sdaccel_geglu(x), (x,), {}, [x])   # a key's first step
+print("RESULT " + json.dumps({"refusal": why, "ahead": _triton.compile_ahead_available(),
+                              "geglu_in_epilogue": out is not None, "capturable": verdict.reason,
                               "chosen": gemm._chosen.get(("cuda", x.device.index), "unsettled")}))
 """
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90")
-def test_first_fp8_call_on_a_cold_triton_cache_keeps_the_triton_recipe():
-    """A process's first FP8 GEGLU call, on an empty Triton cache, inside the warm-up pass that compiles kernels
-    ahead (its ops run their references meanwhile): the recipe probe must not settle on a `_scaled_mm` recipe
-    then, or the GEGLU runs as its own kernel for the rest of the process."""
+def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_graphs():
+    """A process's first FP8 GEGLU step, on an empty Triton cache, run as a key's first call is (eager, watched for
+    host reads, its kernels compiled ahead with their references running meanwhile): the recipe was chosen when the
+    host planned FP8, so the step neither reads a probe's result on the host (the key would get no graphs) nor
+    settles on a `_scaled_mm` recipe without the GEGLU epilogue."""
     import json
     import os
     import subprocess
     import sys
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _COLD_CACHE_FIRST_CALL, repo], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _COLD_CACHE_FIRST_STEP, repo], capture_output=True, text=True,
                           timeout=300)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    assert result["ahead"], result
-    assert result == {"ahead": True, "geglu_in_epilogue": True, "chosen": "triton"}, result
+    assert result == {"refusal": None, "ahead": True, "geglu_in_epilogue": True, "capturable": None,
+                      "chosen": "triton"}, result
