@@ -100,26 +100,31 @@ sys.modules["sd_accel"] = pkg
 import torch
 from sd_accel.engine.fp8 import gemm, support
 from sd_accel.engine.fp8.linear import Fp8Forward
-from sd_accel.engine.graphs import probe
+from sd_accel.engine.graphs.step_graphs import StepGraphs
 from sd_accel.kernels import _triton
 torch.manual_seed(0)
 lin = torch.nn.Linear(320, 2560).cuda().half()
 x = torch.randn(2, 64, 320, device="cuda", dtype=torch.float16)
 why = support.refusal(torch.device("cuda"))      # what a host asks when it plans precision fp8
-with torch.inference_mode():
-    out, verdict = probe.probe(lambda x: Fp8Forward(lin).sdaccel_geglu(x), (x,), {}, [x])   # a key's first step
+fp8 = Fp8Forward(lin)
+graphs = StepGraphs(lin, name="fp8 step")
+with torch.no_grad():     # the key's first calls (warm-ups, watched for host reads), its capture, then replays
+    outs = [graphs.run(fp8.sdaccel_geglu, (x,), {}, warm_after_change=True) for _ in range(5)]
 print("RESULT " + json.dumps({"refusal": why, "ahead": _triton.compile_ahead_available(),
-                              "geglu_in_epilogue": out is not None, "capturable": verdict.reason,
+                              "geglu_in_epilogue": outs[0] is not None, "refused": dict(graphs.refused),
+                              "captures": graphs.stats["captures"], "replayed": graphs.stats["replays"] >= 1,
+                              "replay_equal": bool(torch.equal(outs[-1], outs[-2])),
                               "chosen": gemm._chosen.get(("cuda", x.device.index), "unsettled")}))
 """
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90")
 def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_graphs():
-    """A process's first FP8 GEGLU step, on an empty Triton cache, run as a key's first call is (eager, watched for
-    host reads, its kernels compiled ahead with their references running meanwhile): the recipe was chosen when the
-    host planned FP8, so the step neither reads a probe's result on the host (the key would get no graphs) nor
-    settles on a `_scaled_mm` recipe without the GEGLU epilogue."""
+    """A process's first FP8 GEGLU steps, on an empty Triton cache, through StepGraphs as a host runs them (a key's
+    first calls eager, watched for host reads, their kernels compiled ahead with the references running meanwhile;
+    then a capture and replays): the recipe was chosen when the host planned FP8, so no step reads a probe's
+    result on the host (the key would get no graphs) or settles on a `_scaled_mm` recipe without the GEGLU
+    epilogue."""
     import json
     import os
     import subprocess
@@ -130,5 +135,5 @@ def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_g
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    assert result == {"refusal": None, "ahead": True, "geglu_in_epilogue": True, "capturable": None,
-                      "chosen": "triton"}, result
+    assert result == {"refusal": None, "ahead": True, "geglu_in_epilogue": True, "refused": {}, "captures": 1,
+                      "replayed": True, "replay_equal": True, "chosen": "triton"}, result
