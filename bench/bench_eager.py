@@ -7,6 +7,8 @@ pairs on one loaded model, 20 steps euler, the same seed for every variant of a 
   * `eager_<family>`: stock KSampler vs ours with cuda_graph off (the plain model);
   * `eager_refused_<family>`: both on a clone with dev/patch_nodes.py's capture-breaking patch, ours with its
     defaults (its capture fails once, then every call of that key is refused and runs eagerly).
+  * with --patches (dev/patch_nodes.py cases, e.g. LazyCache,EasyCache): `eager_<case>_<family>`, stock vs ours
+    with cuda_graph off, both on a clone with that patch node applied.
 Two warm-up runs of each variant, then --reps reps, the four variants in a rotated order each rep. Each record:
 medians (`stock_its`, `ours_its`, `speedup` of the medians), the per-rep paired ratios' median and range
 (`paired_ratio_*`: ours / stock of the same rep), and PSNR of ours' image against stock's.
@@ -28,6 +30,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 cb.add_common_args(ap, deadline=400.0)
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--families", default="sd15", help="comma-separated: sd15, sdxl")
+ap.add_argument("--patches", default="", help="comma-separated dev/patch_nodes.py cases to pair too (eager_<case>)")
 OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 sys.path.insert(0, os.path.join(cb.REPO, "dev"))
@@ -40,6 +43,10 @@ def variants(family, loaded):
     broken = patch_nodes.add_capture_breaking_patch(model)
     pairs = {"eager_%s" % family: (("stock", model, None), ("ours", model, {"cuda_graph": False})),
              "eager_refused_%s" % family: (("stock", broken, None), ("ours", broken, None))}
+    for case in filter(None, (c.strip() for c in OPT.patches.split(","))):
+        patched = patch_nodes.apply_case(model, patch_nodes.cases(64 if OPT.smoke else SIZE[family])[case])
+        pairs["eager_%s_%s" % (case.lower(), family)] = (("stock", patched, None),
+                                                         ("ours", patched, {"cuda_graph": False}))
     return pairs, clip, vae
 
 

@@ -11,6 +11,7 @@ kernel total) says whether the run is bound by the host or the GPU.
 
   python3 bench/diagnose_eager.py --comfy-dir vendor/ComfyUI --out $OUT
   python3 bench/diagnose_eager.py --smoke --steps 2 --reps 1 --out /tmp/diagnose_eager   (CPU plumbing check)
+  python3 bench/diagnose_eager.py --comfy-dir vendor/ComfyUI --out $OUT --patch LazyCache   (on a patched model)
 """
 import argparse
 import cProfile
@@ -26,6 +27,8 @@ import comfy_bench as cb  # noqa: E402
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 cb.add_common_args(ap)
 ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--patch", default=None,
+                help="a dev/patch_nodes.py case (e.g. LazyCache, EasyCache) applied to the model of every variant")
 ap.add_argument("--fingerprint", action="store_true",
                 help="also: per step of ours with graphs (plain and refused), whether the weights' fingerprint "
                      "came from its per-run cache, and on a miss which check failed")
@@ -39,6 +42,8 @@ torch = ENV.torch
 
 def variants():
     model, clip, vae = cb.load_family(ENV, OPT, "sd15", {})
+    if OPT.patch:
+        model = patch_nodes.apply_case(model, patch_nodes.cases(64 if OPT.smoke else 512)[OPT.patch])
     broken = patch_nodes.add_capture_breaking_patch(model)
     return [("stock_plain", model, "stock", None), ("ours_nographs_plain", model, "ours", {"cuda_graph": False}),
             ("stock_uncapturable", broken, "stock", None), ("ours_uncapturable", broken, "ours", None)], clip, vae

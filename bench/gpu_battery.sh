@@ -54,7 +54,8 @@
 # fp8_stored (bench_fp8_stored.py: SD1.5 512², the fp8-stored UNet through stock and ours and the fp16 one through
 # ours, rotated, then the kernels by GPU time of one image each; ~2 min, killed at 240 s),
 # eager (bench_eager.py: stock vs ours where graphs do not run, SD1.5 512² b1 and SDXL 1024² b1, 12 rotated reps;
-# ~4 min with the SDXL build, deadline 330 s, killed at 420 s),
+# ~4 min with the SDXL build, deadline 330 s, killed at 420 s), eager_caches (bench_eager.py at SD1.5 only, with
+# LazyCache and EasyCache pairs beside the plain and refused ones; ~2.5 min, deadline 170 s, killed at 240 s),
 # text_encode (bench_text_encode.py: CLIP Text Encode on the checkpoint's CLIP vs on Apply SD Accel (CLIP)'s copy,
 # SD1.5 and SDXL, plain / weighted / long / clip-skip prompts; ~2 min with the SDXL build, killed at 300 s),
 # tests_clip (tests/gpu/test_clip_graphs_gpu.py alone, ~1 min, killed at 200 s),
@@ -160,6 +161,8 @@ for p in "$@"; do
     stock_after) part stock_after 300 python3 bench/bench_stock_after.py --comfy-dir $COMFY --deadline 260 ;;
     diagnose_stock_after) part diagnose_stock_after 240 python3 bench/diagnose_stock_after.py --comfy-dir $COMFY ;;
     eager) part eager 420 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15,sdxl --deadline 330 ;;
+    eager_caches) part eager_caches 240 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15 \
+      --patches LazyCache,EasyCache --deadline 170 ;;
     fp8_stored) part fp8_stored 240 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 6 --profile ;;
     diagnose_eager) part diagnose_eager 240 python3 bench/diagnose_eager.py --comfy-dir $COMFY ;;
     text_encode) part text_encode 300 python3 bench/bench_text_encode.py --comfy-dir $COMFY --deadline 200 ;;
