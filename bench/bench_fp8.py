@@ -8,7 +8,9 @@ final image's PSNR of fp8 vs ours-fp16, and one UNet forward's relative error, f
 relative error of the FP8 Linear on random weights and on weights/activations with heavy-tailed outlier
 channels (a few channels 10-100x). Appends `<config>_fp8` records (../shared/BENCH.md) to $OUT/results.jsonl.
 
-  python3 bench/bench_fp8.py --comfy-dir vendor/ComfyUI --out $OUT [--configs sd15_512_b1,...]
+  python3 bench/bench_fp8.py --comfy-dir vendor/ComfyUI --out $OUT [--configs sd15_512_b1,...] [--profile]
+With --profile, one image of ours fp16 and of ours fp8 per config under torch's profiler: GPU time by kind of kernel
+(GEMMs, FP8 GEMMs, convolutions, attention, our norm kernels, the rest), which bounds what FP8 on one kind can give.
 Not covered yet: the fp8-stored checkpoint (UNETLoader weight_dtype fp8_e4m3fn) at precision fp16.
 """
 import argparse
@@ -24,6 +26,7 @@ ap = argparse.ArgumentParser()
 cb.add_common_args(ap, deadline=280.0)
 ap.add_argument("--configs", default="sd15_512_b1,sd15_512_b4,sdxl_1024_b1")
 ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--profile", action="store_true", help="also GPU time by kind of kernel, ours fp16 vs fp8")
 OPT = ap.parse_args()
 ENV = cb.boot(OPT, ("checkpoints",))
 torch = ENV.torch
@@ -86,6 +89,37 @@ def layer_errors():
     return out
 
 
+KINDS = (("fp8 GEMM (ours)", ("_fp8_gemm",)), ("fp8 quantize (ours)", ("_quantize_rows",)),
+         ("convolution", ("fprop", "conv", "implicit_convolve", "winograd")),
+         ("attention", ("sdpa", "flash", "fmha", "attention")),
+         ("GEMM (cuBLAS)", ("gemm", "nvjet", "cutlass", "gemv", "sm90_xmma")),
+         ("norms, GEGLU (ours)", ("_gn_", "group_norm", "layer_norm", "_geglu")))
+
+
+def kind_of(kernel):
+    name = kernel.lower()
+    return next((kind for kind, marks in KINDS if any(m in name for m in marks)), "other (elementwise, copies)")
+
+
+def profile_kinds(tag, model, clip, vae, size, batch):
+    """GPU ms per image by kind of kernel, ours fp16 vs ours fp8, printed; {variant: {kind: ms}}."""
+    out = {}
+    for variant, accel in (("fp16", None), ("fp8", {"precision": "fp8"})):
+        times, _ = cb.cuda_kernel_times(ENV, lambda: cb.run_graph(ENV, model, clip, vae, size, batch, 9, "ours",
+                                                                   OPT.steps, accel=accel))
+        kinds = {}
+        for k, ms in times.items():
+            kinds[kind_of(k)] = kinds.get(kind_of(k), 0.0) + ms
+        out[variant] = kinds
+    total = {v: sum(k.values()) for v, k in out.items()}
+    cb.say("PROFILE %s: GPU ms per image of %d steps, fp16 | fp8 (share of fp16's)" % (tag, OPT.steps))
+    for kind in sorted(set(out["fp16"]) | set(out["fp8"]), key=lambda k: -out["fp16"].get(k, 0.0)):
+        a, b = out["fp16"].get(kind, 0.0), out["fp8"].get(kind, 0.0)
+        cb.say("  %-28s %9.2f %9.2f  (%4.1f%%)" % (kind, a, b, 100.0 * a / max(total["fp16"], 1e-9)))
+    cb.say("  %-28s %9.2f %9.2f" % ("total", total["fp16"], total["fp8"]))
+    return out
+
+
 def main():
     env = cb.versions(ENV, OPT.comfy_dir)
     t0 = time.time()
@@ -109,6 +143,8 @@ def main():
                                                                                       fp8["report"]["fell_back"].items()]))
         rows.append(rec)
         cb.append_record(OPT, rec)
+        if OPT.profile:
+            profile_kinds(tag, model, clip, vae, size, batch)
     cb.say("%-16s %8s %8s %8s %8s %9s %8s" % ("config", "stock", "fp16", "fp8", "x_fp16", "rel_err", "psnr"))
     for r in rows:
         cb.say("%-16s %8.2f %8.2f %8.2f %8.3f %9.5f %8.2f" % (r["config"], r["stock_its"], r["ours_fp16_its"],

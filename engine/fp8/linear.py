@@ -75,7 +75,7 @@ def fp8_refusal(m, x):
         return "scaled fp8 checkpoint weights: fp16 (the host's own cast)", None
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return "autograd needed", None
-    if not gemm.probed(x.device) and torch.cuda.is_current_stream_capturing():
+    if x.is_cuda and not gemm.probed(x.device) and torch.cuda.is_current_stream_capturing():
         # the probe reads its result on the host, which a capture cannot: the graph keeps fp16 for this layer
         return "FP8 recipe not chosen before this graph capture: fp16", None
     recipe = gemm.probe(x.device)

@@ -85,6 +85,21 @@ def test_a_probe_whose_triton_kernels_are_still_compiling_chooses_again_on_the_n
     assert gemm.probe(device) == "triton" and gemm.probed(device)
 
 
+def test_a_first_fp8_call_before_any_probe_asks_no_cuda_question_of_a_cpu_tensor(monkeypatch):
+    """The capture check before a first probe is for CUDA inputs only: on a machine whose torch has CUDA but no
+    driver, asking torch.cuda about capture raises."""
+    monkeypatch.setattr(gemm, "_chosen", {})
+
+    def no_driver():
+        raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+    if DEVICE == "cpu":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", no_driver)
+    lin = _linear(320, 640)
+    with torch.no_grad():
+        out = make_fp8_linear(lin)(_x(16, 320))
+    assert out.shape == (16, 640) and gemm.probed(torch.device(DEVICE))
+
+
 def test_a_triton_recipe_that_fails_for_good_is_not_probed_again(monkeypatch):
     """A kernel that cannot run (not one still compiling) settles the choice on the next recipe."""
     from sd_accel.kernels import fp8_gemm as fp8_gemm_module
