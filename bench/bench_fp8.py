@@ -89,9 +89,10 @@ def layer_errors():
     return out
 
 
+# first match wins: cuDNN's attention kernels have "fprop" in their names as its convolutions do
 KINDS = (("fp8 GEMM (ours)", ("_fp8_gemm",)), ("fp8 quantize (ours)", ("_quantize_rows",)),
+         ("attention", ("sdpa", "flash", "fmha", "attention", "attn")),
          ("convolution", ("fprop", "conv", "implicit_convolve", "winograd")),
-         ("attention", ("sdpa", "flash", "fmha", "attention")),
          ("GEMM (cuBLAS)", ("gemm", "nvjet", "cutlass", "gemv", "sm90_xmma")),
          ("norms, GEGLU (ours)", ("_gn_", "group_norm", "layer_norm", "_geglu")))
 
@@ -111,6 +112,8 @@ def profile_kinds(tag, model, clip, vae, size, batch):
         for k, ms in times.items():
             kinds[kind_of(k)] = kinds.get(kind_of(k), 0.0) + ms
         out[variant] = kinds
+        for k, ms in times.most_common(12):     # the largest, so a kernel put under the wrong kind shows
+            cb.say("  %s %8.2f ms  %-20s %s" % (variant, ms, kind_of(k)[:20], k[:90]))
     total = {v: sum(k.values()) for v, k in out.items()}
     cb.say("PROFILE %s: GPU ms per image of %d steps, fp16 | fp8 (share of fp16's)" % (tag, OPT.steps))
     for kind in sorted(set(out["fp16"]) | set(out["fp8"]), key=lambda k: -out["fp16"].get(k, 0.0)):

@@ -60,8 +60,8 @@
 # SD1.5 and SDXL, plain / weighted / long / clip-skip prompts; ~2 min with the SDXL build, killed at 300 s),
 # tests_clip (tests/gpu/test_clip_graphs_gpu.py alone, ~1 min, killed at 200 s),
 # samplers_tests (tests/gpu/test_samplers_gpu.py alone: ComfyUI's samplers beyond euler with graphs, ~1.5 min, killed
-# at 240 s), fp8_profile (bench_fp8.py --profile at SD1.5 512² b4 and SDXL 1024² b1: the records, then GPU time by
-# kind of kernel, ours fp16 vs fp8; ~3.5 min with the SDXL build, killed at 300 s),
+# at 240 s), fp8_profile (bench_fp8.py --profile at SDXL 1024² b1: the record, then GPU time by
+# kind of kernel, ours fp16 vs fp8; ~2 min with the SDXL build, killed at 300 s),
 # png_save (bench_png_save.py on the GPU machine's host CPU: SaveImage's way vs Save Image (SD Accel)'s writer; ~30 s).
 # a1111_fp8 (bench_a1111_ldm.py --fp8 at sdp attention: A1111's ldm UNet stock vs ours fp16 vs ours with the LOSSY
 # precision fp8 setting, ~1.5 min; then tests/gpu/test_a1111_fp8_gpu.py, ~30 s; killed at 200 + 150 s; needs ldm: carry
@@ -123,7 +123,7 @@ for p in "$@"; do
       mkdir -p "$OUT/samplers_tests"
       timeout 240 python3 -m pytest tests/gpu/test_samplers_gpu.py -q -rA > "$OUT/samplers_tests/log.txt" 2>&1
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/samplers_tests/log.txt" | tail -24 | cut -c1-300 ;;
-    fp8_profile) part fp8_profile 300 python3 bench/bench_fp8.py --comfy-dir $COMFY --configs sd15_512_b4,sdxl_1024_b1 \
+    fp8_profile) part fp8_profile 300 python3 bench/bench_fp8.py --comfy-dir $COMFY --configs sdxl_1024_b1 \
       --reps 3 --profile --deadline 200 ;;
     patches) part patches 360 python3 bench/bench_patches.py --comfy-dir $COMFY --passes fresh --deadline 320 ;;
     patches_after_refused)
