@@ -81,6 +81,10 @@ def test_conditioning_with_graphs_equals_stock_and_reuses_its_graphs(comfy_env, 
     pos, neg, latent = _case(comfy_env, name)
     denoise = 0.7 if name == "latent_noise_mask" else 1.0
     stock, _ = _run(comfy_env, pos, neg, latent, ours=False, denoise=denoise)
+    # the node must change stock's result by more than the tolerance below, or a replay that ignored it would pass
+    unmasked = {"samples": latent["samples"]}
+    plain, _ = _run(comfy_env, comfy_env.pos, comfy_env.neg, unmasked, ours=False, denoise=denoise)
+    assert _rel(stock, plain) > 5e-2, (name, _rel(stock, plain))
     first, rep1 = _run(comfy_env, pos, neg, latent, ours=True, denoise=denoise)
     second, rep2 = _run(comfy_env, pos, neg, latent, ours=True, denoise=denoise)
     assert torch.isfinite(stock).all()
