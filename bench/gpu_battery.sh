@@ -59,8 +59,9 @@
 # text_encode (bench_text_encode.py: CLIP Text Encode on the checkpoint's CLIP vs on Apply SD Accel (CLIP)'s copy,
 # SD1.5 and SDXL, plain / weighted / long / clip-skip prompts; ~2 min with the SDXL build, killed at 300 s),
 # tests_clip (tests/gpu/test_clip_graphs_gpu.py alone, ~1 min, killed at 200 s),
-# samplers_tests (tests/gpu/test_samplers_gpu.py and test_conditioning_gpu.py alone: ComfyUI's samplers beyond euler
-# and its conditioning nodes with graphs, ~2 min, killed at 300 s), fp8_profile (bench_fp8.py --profile at SDXL 1024² b1: the record, then GPU time by
+# samplers_tests (tests/gpu/test_samplers_gpu.py, test_conditioning_gpu.py, test_workflows_gpu.py: samplers beyond euler,
+# conditioning nodes, hires fix and split schedules with graphs, ~2 min, killed at 300 s), fp8_profile
+# (bench_fp8.py --profile at SDXL 1024² b1: the record, then GPU time by
 # kind of kernel, ours fp16 vs fp8; ~2 min with the SDXL build, killed at 300 s),
 # png_save (bench_png_save.py on the GPU machine's host CPU: SaveImage's way vs Save Image (SD Accel)'s writer; ~30 s).
 # a1111_fp8 (bench_a1111_ldm.py --fp8 at sdp attention: A1111's ldm UNet stock vs ours fp16 vs ours with the LOSSY
@@ -121,7 +122,8 @@ for p in "$@"; do
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/fp8_tests/log.txt" | tail -12 | cut -c1-300 ;;
     samplers_tests)
       mkdir -p "$OUT/samplers_tests"
-      timeout 300 python3 -m pytest tests/gpu/test_samplers_gpu.py tests/gpu/test_conditioning_gpu.py -q -rA \
+      timeout 300 python3 -m pytest tests/gpu/test_samplers_gpu.py tests/gpu/test_conditioning_gpu.py \
+        tests/gpu/test_workflows_gpu.py -q -rA \
         > "$OUT/samplers_tests/log.txt" 2>&1
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/samplers_tests/log.txt" | tail -40 | cut -c1-300 ;;
     fp8_profile) part fp8_profile 300 python3 bench/bench_fp8.py --comfy-dir $COMFY --configs sdxl_1024_b1 \

@@ -1,0 +1,66 @@
+"""Multi-sampler workflows users build, with CUDA graphs: a hires fix (a second sampler on the upscaled latent at
+partial denoise, so one prompt samples at two resolutions) and a base/refiner-style split over one schedule with
+KSamplerAdvanced (leftover noise handed from the first sampler to the second) on an Apply SD Accel model.
+Each equals stock's latent within fp16 noise; the hires fix's second prompt replays both resolutions' graphs
+without capturing again.
+"""
+import torch
+
+from test_graphs_gpu import _rel, comfy_env  # noqa: F401  (the shared module fixture)
+
+SEED, STEPS, CFG = 5, 6, 7.0
+
+
+def _hires(env, ours):
+    """(final latent, [reports of our two samplers] or None): 256² txt2img, latent upscaled 1.5x (bicubic), then
+    the same model at denoise 0.55 on it, as ComfyUI's hires-fix example graph does."""
+    n = env.nodes
+    with torch.inference_mode():
+        lat = n.EmptyLatentImage().generate(256, 256, 1)[0]
+        reports = []
+
+        def sample(latent, denoise):
+            args = (env.model, SEED, STEPS, CFG, "euler", "normal", env.pos, env.neg, latent)
+            if ours:
+                res = env.ours.sample(*args, denoise=denoise)
+                reports.append(res["ui"]["sdaccel_report"][0])
+                return res["result"][0]
+            return n.KSampler().sample(*args, denoise=denoise)[0]
+        base = sample(lat, 1.0)
+        up = n.LatentUpscaleBy().upscale(base, "bicubic", 1.5)[0]
+        final = sample(up, 0.55)
+    return final["samples"].float(), (reports if ours else None)
+
+
+def test_hires_fix_equals_stock_and_its_second_prompt_replays_both_resolutions(comfy_env):
+    stock, _ = _hires(comfy_env, ours=False)
+    assert stock.shape[-1] == 48 and torch.isfinite(stock).all()
+    first, _ = _hires(comfy_env, ours=True)
+    second, reports = _hires(comfy_env, ours=True)
+    assert _rel(first, stock) < 2e-2 and _rel(second, stock) < 2e-2, (_rel(first, stock), _rel(second, stock))
+    for rep in reports:
+        g = rep["graphs"]
+        assert g["replays"] >= 1 and g["captures"] == 0 and not g.get("refused"), g
+
+
+def _split(env, model):
+    """Steps 0-3 with leftover noise, then 3-6 without adding noise: KSamplerAdvanced twice on `model`."""
+    n = env.nodes
+    adv = n.KSamplerAdvanced()
+    with torch.inference_mode():
+        lat = n.EmptyLatentImage().generate(256, 256, 1)[0]
+        mid = adv.sample(model, "enable", SEED, STEPS, CFG, "dpmpp_2m", "karras", env.pos, env.neg, lat, 0, 3,
+                         "enable")[0]
+        out = adv.sample(model, "disable", SEED, STEPS, CFG, "dpmpp_2m", "karras", env.pos, env.neg, mid, 3, 10000,
+                         "disable")[0]
+    return mid["samples"].float(), out["samples"].float()
+
+
+def test_a_split_schedule_on_an_apply_sd_accel_model_equals_stock(comfy_env):
+    from sd_accel.nodes.sampler_nodes import SDAccelApply
+    stock_mid, stock = _split(comfy_env, comfy_env.model)
+    ours_model = SDAccelApply().apply(comfy_env.model)["result"][0]
+    for _ in range(2):      # the second pass runs on the first one's graphs
+        mid, out = _split(comfy_env, ours_model)
+        assert _rel(mid, stock_mid) < 2e-2 and _rel(out, stock) < 2e-2, (_rel(mid, stock_mid), _rel(out, stock))
+    assert _rel(stock_mid, stock) > 5e-2     # the second half did sample: a skipped or stale half could not pass
