@@ -60,7 +60,10 @@ def test_a_split_schedule_on_an_apply_sd_accel_model_equals_stock(comfy_env):
     from sd_accel.nodes.sampler_nodes import SDAccelApply
     stock_mid, stock = _split(comfy_env, comfy_env.model)
     ours_model = SDAccelApply().apply(comfy_env.model)["result"][0]
+    errs = []
     for _ in range(2):      # the second pass runs on the first one's graphs
         mid, out = _split(comfy_env, ours_model)
-        assert _rel(mid, stock_mid) < 2e-2 and _rel(out, stock) < 2e-2, (_rel(mid, stock_mid), _rel(out, stock))
-    assert _rel(stock_mid, stock) > 5e-2     # the second half did sample: a skipped or stale half could not pass
+        errs += [_rel(mid, stock_mid), _rel(out, stock)]
+    # within fp16 noise of stock, and the second half's own effect well above that noise: a skipped or stale
+    # second half could not pass
+    assert max(errs) < 2e-2 and _rel(stock_mid, stock) > 4 * max(errs), (errs, _rel(stock_mid, stock))
