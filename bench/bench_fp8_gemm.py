@@ -7,8 +7,10 @@ in CUDA-graph replay (kernel_timing.graph_us), sm_89/sm_90 only:
   ours        quantize_rows + kernels/fp8_gemm.py (scales, bias and GEGLU in the epilogue), its chosen config
   gemm only   fp8_gemm alone (the activations already quantized), chosen config and, with --sweep, the
               fastest of the swept configs (which one is printed: how config_for's constants were chosen)
+  cuBLAS fp8  torch._scaled_mm alone on the same quantized operands, one scale per tensor, bf16 out (both
+              halves for a GEGLU row; no epilogue): how fast an FP8 GEMM of this shape runs on this GPU
 
-    python bench/bench_fp8_gemm.py [--sweep] [--out DIR]
+    python bench/bench_fp8_gemm.py [--sweep] [--models sdxl] [--out DIR]
 
 TFLOP/s count 2*M*N*K of the GEMM (both halves for a GEGLU row). Every row checks ours against the fp32
 reference of the dequantized operands.
@@ -37,7 +39,7 @@ for _model, _levels in (("sd15", ((8192, 320), (2048, 640), (512, 1280))),
 
 SWEEP = [Config(bm, bn, bk, w, s) for bm, bn, w in ((128, 128, 8), (128, 256, 8), (64, 128, 4), (128, 64, 4),
                                                     (64, 256, 8), (256, 128, 8))
-         for bk in (64, 128) for s in (3, 4)]
+         for bk, stages in ((64, (3, 4)), (128, (3, 4)), (256, (2, 3))) for s in stages]
 
 
 def scaled_mm_path(x, wq, ws, bias):
@@ -60,6 +62,9 @@ def row(model, M, K, N, is_geglu, sweep):
     err = (got.float() - fp8_gemm_reference(xq, xs, wq, ws, b, geglu=is_geglu).float()).abs().max().item()
     t16, t_ours = graph_us(fp16), graph_us(ours)
     t_mm = None if is_geglu else _try(lambda: graph_us(lambda: scaled_mm_path(x, wq, ws, b)))
+    one = torch.ones((), device="cuda")
+    t_cublas8 = _try(lambda: graph_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
+                                                                out_dtype=torch.bfloat16)))
     chosen = config_for(M, N // 2 if is_geglu else N, K, is_geglu)
     t_gemm = graph_us(lambda: fp8_gemm(xq, xs, wq, ws, b, geglu=is_geglu))
     best = (t_gemm, chosen)
@@ -71,9 +76,10 @@ def row(model, M, K, N, is_geglu, sweep):
             if t is not None and t < best[0]:
                 best = (t, cfg)
     tf = lambda t: flop / (t * 1e-6) / 1e12  # noqa: E731
-    return ("%-5s %6d %6d %6d %-5s %9.1f %9s %9.1f %6.2fx %9.1f %6.0f %6.0f %9.1f %-24s %8.1e" % (
+    return ("%-5s %6d %6d %6d %-5s %9.1f %9s %9.1f %6.2fx %9.1f %6.0f %6.0f %9.1f %-24s %9s %6s %8.1e" % (
         model, M, K, N, "yes" if is_geglu else "", t16, "%.1f" % t_mm if t_mm else "-", t_ours, t16 / t_ours,
-        t_gemm, tf(t16), tf(t_gemm), best[0], tuple(best[1]), err))
+        t_gemm, tf(t16), tf(t_gemm), best[0], tuple(best[1]), "%.1f" % t_cublas8 if t_cublas8 else "-",
+        "%.0f" % tf(t_cublas8) if t_cublas8 else "-", err))
 
 
 def _try(fn):
@@ -87,14 +93,15 @@ def _try(fn):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--models", default="sd15,sdxl", help="comma-separated: which models' shapes")
     ap.add_argument("--out", default=None)
     opt = ap.parse_args()
     torch.manual_seed(0)
-    lines = ["%-5s %6s %6s %6s %-5s %9s %9s %9s %7s %9s %6s %6s %9s %-24s %8s" % (
+    lines = ["%-5s %6s %6s %6s %-5s %9s %9s %9s %7s %9s %6s %6s %9s %-24s %9s %6s %8s" % (
         "model", "M", "K", "N", "geglu", "fp16 us", "s_mm us", "ours us", "x fp16", "gemm us", "TF16", "TF8",
-        "best us", "best config", "max err")]
+        "best us", "best config", "cuBLAS8us", "TFcb8", "max err")]
     print(lines[0], flush=True)
-    for shape in SHAPES:
+    for shape in [s for s in SHAPES if s[0] in opt.models.split(",")]:
         lines.append(row(*shape, opt.sweep))
         print(lines[-1], flush=True)
     save_lines(opt.out, "fp8_gemm.txt", lines)

@@ -44,7 +44,8 @@
 # without graphs, SD1.5 512² b1/b4, SDXL 1024² whole and tiled; deadline 200 s, killed at 240 s, ~2-3 min), fp8
 # (bench_fp8.py: stock vs ours fp16 vs ours fp8 (LOSSY), SD1.5 512² b1/b4, SDXL 1024² b1, plus per-layer FP8 errors;
 # deadline 240 s, killed at 300 s), fp8_gemm (bench_fp8_gemm.py --sweep: the FP8 GEMM kernel against cuBLAS fp16 and
-# _scaled_mm on SD1.5/SDXL's transformer Linears, with its launch configs swept; ~3 min, killed at 300 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
+# _scaled_mm on SD1.5/SDXL's transformer Linears, with its launch configs swept; ~3 min, killed at 300 s), fp8_gemm_sdxl
+# (the same on SDXL's shapes only, BLOCK_K 256 in the sweep, cuBLAS's own FP8 GEMM beside it; ~2 min, killed at 240 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
 # stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
 # same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s), diagnose_stock_after
 # (diagnose_stock_after.py: SDXL 1024² stock KSampler before and after one graph run of ours, with the GPU's
@@ -116,6 +117,12 @@ for p in "$@"; do
       timeout 300 python3 bench/bench_fp8_gemm.py --sweep --out "$OUT/fp8_gemm" > "$OUT/fp8_gemm/log.txt" 2>&1
       echo "== fp8_gemm exit $?"
       grep -v "^\[W\|This is technically allowed" "$OUT/fp8_gemm/log.txt" | tail -20 | cut -c1-200 ;;
+    fp8_gemm_sdxl)
+      mkdir -p "$OUT/fp8_gemm_sdxl"
+      timeout 240 python3 bench/bench_fp8_gemm.py --sweep --models sdxl --out "$OUT/fp8_gemm_sdxl" \
+        > "$OUT/fp8_gemm_sdxl/log.txt" 2>&1
+      echo "== fp8_gemm_sdxl exit $?"
+      grep -v "^\[W\|This is technically allowed\|skipped" "$OUT/fp8_gemm_sdxl/log.txt" | tail -10 | cut -c1-230 ;;
     fp8_tests)
       mkdir -p "$OUT/fp8_tests"
       timeout 240 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rA > "$OUT/fp8_tests/log.txt" 2>&1
