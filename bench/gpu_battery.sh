@@ -45,7 +45,9 @@
 # (bench_fp8.py: stock vs ours fp16 vs ours fp8 (LOSSY), SD1.5 512² b1/b4, SDXL 1024² b1, plus per-layer FP8 errors;
 # deadline 240 s, killed at 300 s), fp8_gemm (bench_fp8_gemm.py --sweep: the FP8 GEMM kernel against cuBLAS fp16 and
 # _scaled_mm on SD1.5/SDXL's transformer Linears, with its launch configs swept; ~3 min, killed at 300 s), fp8_gemm_sdxl
-# (the same on SDXL's shapes only, BLOCK_K 256 in the sweep, cuBLAS's own FP8 GEMM beside it; ~2 min, killed at 240 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
+# (the same on SDXL's shapes only, BLOCK_K 256 in the sweep, cuBLAS's own FP8 GEMM beside it; ~2 min, killed at 240 s),
+# fp8_tma_trial (bench/fp8_gemm_tma_trial.py: the FP8 GEMM with TMA loads, plain and persistent, against ours and
+# cuBLAS's FP8 GEMM on SDXL's shapes; a trial for #20, nothing uses its kernel; ~1 min, killed at 200 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
 # stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
 # same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s), diagnose_stock_after
 # (diagnose_stock_after.py: SDXL 1024² stock KSampler before and after one graph run of ours, with the GPU's
@@ -117,6 +119,11 @@ for p in "$@"; do
       timeout 300 python3 bench/bench_fp8_gemm.py --sweep --out "$OUT/fp8_gemm" > "$OUT/fp8_gemm/log.txt" 2>&1
       echo "== fp8_gemm exit $?"
       grep -v "^\[W\|This is technically allowed" "$OUT/fp8_gemm/log.txt" | tail -20 | cut -c1-200 ;;
+    fp8_tma_trial)
+      mkdir -p "$OUT/fp8_tma_trial"
+      timeout 200 python3 bench/fp8_gemm_tma_trial.py --out "$OUT/fp8_tma_trial" > "$OUT/fp8_tma_trial/log.txt" 2>&1
+      echo "== fp8_tma_trial exit $?"
+      grep -v "^\[W\|This is technically allowed" "$OUT/fp8_tma_trial/log.txt" | tail -12 | cut -c1-260 ;;
     fp8_gemm_sdxl)
       mkdir -p "$OUT/fp8_gemm_sdxl"
       timeout 240 python3 bench/bench_fp8_gemm.py --sweep --models sdxl --out "$OUT/fp8_gemm_sdxl" \
