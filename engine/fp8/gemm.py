@@ -25,6 +25,7 @@ from ...kernels.quantize_rows import quantize_rows, quantize_tensor_reference, q
 RECIPES = ("triton", "rowwise_fp16", "rowwise_bf16", "tensorwise")
 GEGLU_RECIPES = ("triton",)     # the recipes with GEGLU in their epilogue (fp8_geglu)
 _PROBE_TOL = 6e-2
+NO_RECIPE = "no torch._scaled_mm recipe runs on this device: fp16"   # the reason where the probe finds none
 _chosen = {}      # (device type, index) -> recipe name, or None when none runs
 
 

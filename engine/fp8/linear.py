@@ -80,7 +80,7 @@ def fp8_refusal(m, x):
         return "FP8 recipe not chosen before this graph capture: fp16", None
     recipe = gemm.probe(x.device)
     if recipe is None:
-        return "no torch._scaled_mm recipe runs on this device: fp16", None
+        return gemm.NO_RECIPE, None
     return None, recipe
 
 

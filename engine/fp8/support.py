@@ -27,5 +27,5 @@ def refusal(device):
     if (major, minor) not in FP8_CAPABILITIES:
         return "FP8 compute needs an Ada or Hopper GPU (sm_89/sm_90); this GPU is sm_%d%d: fp16" % (major, minor)
     if gemm.probe(device) is None:
-        return "no torch._scaled_mm recipe runs on this device: fp16"
+        return gemm.NO_RECIPE
     return None
