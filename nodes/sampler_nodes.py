@@ -146,6 +146,8 @@ class SDAccelApply:
         patched, info = host.accelerate(model, opts)
         parts = ["%s x%d" % kv for kv in sorted(info.get("patched", {}).items())]
         line = "patched: %s; step wrapper: %s" % (", ".join(parts) or "nothing", info.get("wrapper") or "none")
+        if info.get("reasons", {}).get(host.WHOLE_MODEL):
+            line += "; " + info["reasons"][host.WHOLE_MODEL]
         if step_cache != "off":
             why = info.get("reasons", {}).get("step_cache")
             line += "; step_cache %s: %s" % (step_cache, "refused: " + why if why else

@@ -161,6 +161,14 @@ class StepGraphs:
         device = next((t.device for t in tensors if t.is_cuda), None)
         return self._eager(fn, args, kwargs, reason, key=("host refused",) + key, device=device)
 
+    def run_stock(self, fn, args, kwargs, reason):
+        """A call the host keeps to its own modules for `reason` (no graphs, no fused kernels; counted in
+        `refused`)."""
+        self.refused[reason] += 1
+        self.stats["eager"] += 1
+        self.last_eager_reason = reason
+        return self.eager_paths.run_stock(fn, args, kwargs)
+
     def _refused(self, key):
         """The reason a key whose probes are done was refused, or None (a key not seen, still probing, or
         capturable)."""

@@ -7,6 +7,9 @@ from ...kernels import _launch
 from ..fp8.support import LOSSY_NOTE
 
 LOSSY_OPS = ("fp8_linear",)   # ops that change the image: labelled LOSSY wherever they are listed
+# a host reason under this key is why SD Accel left the whole model alone (torch.compile in the graph, say): the
+# report then says that one line instead of what each option found
+WHOLE_MODEL = "SD Accel"
 
 
 class RunTimer:
@@ -46,9 +49,13 @@ def compile_note(before, after):
 def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None, step_cache=None):
     """A JSON-able dict: it_s, seconds, peak_vram_gib, ran, fell_back ({what: why}), graphs, notes.
     `host_reasons`: {what: why} the host knows better than the counts (why the attention backend could act in
-    no block, why nothing was fused); each replaces the generic reason of a `fell_back` entry of that name.
+    no block, why nothing was fused); each replaces the generic reason of a `fell_back` entry of that name, and one
+    under WHOLE_MODEL is the report's only `fell_back` entry.
     `step_cache`: the run's step-cache summary (engine/step_cache/run_state.summary), None where none ran."""
     ran, fell_back, notes = [], {}, list(notes)
+    whole = (host_reasons or {}).get(WHOLE_MODEL)
+    if whole:
+        return _report(steps, timer, ran, {WHOLE_MODEL: whole}, graphs, notes, step_cache)
     for op, e in sorted(kernels.items()):
         if e["fused"]:
             ran.append("%s%s x%d" % (op, " (LOSSY)" if op in LOSSY_OPS else "", e["fused"]))
@@ -93,6 +100,10 @@ def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None, s
     for k in ("fused_kernels", "cuda_graph", "channels_last"):
         if not options.get(k):
             fell_back.setdefault(k, "off")
+    return _report(steps, timer, ran, fell_back, graphs, notes, step_cache)
+
+
+def _report(steps, timer, ran, fell_back, graphs, notes, step_cache):
     return {"it_s": round(steps / timer.seconds, 3) if timer.seconds > 0 else None,
             "seconds": round(timer.seconds, 4),
             "steps": steps,

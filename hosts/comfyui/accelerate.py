@@ -22,8 +22,10 @@ import torch
 from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
 from ...engine.fp8 import weights as fp8_weights
 from ...engine.patches import attention, fused_modules, patching
+from ...engine.reports import run_report
 from ...engine.graphs.step_graphs import StepGraphs
 from ..attached import state_on
+from . import compiled
 from . import control_graph
 from . import conv_layout
 from . import object_patches
@@ -34,6 +36,7 @@ log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
 ATTENTION_BACKENDS = attention.BACKENDS   # the nodes' `attention` choices
 STEP_CACHE_MODES = step_cache.MODES        # the nodes' `step_cache` choices
+WHOLE_MODEL = run_report.WHOLE_MODEL       # the reason under which SD Accel left the whole model alone
 STEP_CACHE_KEYS = 4                        # graph keys per kind kept with the step cache on
 
 
@@ -87,6 +90,10 @@ def _make_step(st, options, base_model, derived_copies=False):
     def step(call, args, kwargs, transformer_options=None):
         x = args[0]
         fn, args, kwargs = _with_deferred_control(call, args, kwargs)
+        why = compiled.in_call(transformer_options, base_model)
+        if why:   # compiled after SD Accel was applied: the host's own modules, traced by torch.compile
+            conv_layout.set_layout(st, base_model, False)
+            return st.graphs.run_stock(fn, args, kwargs, why)
         host_state = getattr(base_model, "current_weight_patches_uuid", None)
         if derived_copies and hooks_patch_weights(base_model):
             # a hook's weight patch is written in place, between the calls of one step, into tensors without a
@@ -186,7 +193,8 @@ def runs_controlnets_in_graph(patched, info):
     a GPU, and its step the first to see apply_model's control (our keyed wrapper outermost, or our
     model_function_wrapper not chained to another pack's, which would get the deferred chain instead of
     residuals)."""
-    if not (info.get("options") or {}).get("cuda_graph") or not _loads_on_cuda(patched):
+    if not (info.get("options") or {}).get("cuda_graph") or not _loads_on_cuda(patched) or \
+            (info.get("reasons") or {}).get(WHOLE_MODEL):
         return False
     if hasattr(patched, "add_wrapper_with_key"):
         if "model_function_wrapper" in patched.model_options:
@@ -341,6 +349,12 @@ def _accelerate(model, options):
     parent_beyond_the_cache(clone, model)
     info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None, "reasons": {}}
     if not options.any():
+        return clone, info
+    why = compiled.reason(clone)
+    if why:
+        object_patches.drop_ours(clone)
+        info["reasons"][run_report.WHOLE_MODEL] = why
+        log.info("[SD Accel] %s", why)
         return clone, info
     _register_weight_caster()
     base_model = clone.model
