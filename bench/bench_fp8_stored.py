@@ -7,7 +7,11 @@ sd15,sdxl` adds SDXL 1024²): the random checkpoint's UNet in fp16 (CheckpointLo
 UNETLoader fp8_e4m3fn, both resident; stock KSampler on the fp8 UNet, the Accelerated KSampler (defaults) on the
 fp8 UNet and on the fp16 one, a warm-up of each, then rotated run by run (--reps each: the host's noise), medians.
 One record per family (config `fp8_stored_<family>`): stock_its / ours_its on the fp8-stored UNet, `fp16_ours_its`
-and `ratio_vs_fp16` (ours fp8-stored / ours fp16), psnr_db against stock's image (same fp8 weights), peak VRAM.
+and `ratio_vs_fp16` (ours fp8-stored / ours fp16), psnr_db against stock's image (same fp8 weights), peak VRAM;
+`as_stored_*`: the Accelerated KSampler with `fp8_weights` "as stored" (no fp16 copies: cast per call, as ComfyUI
+does), its speed, peak and PSNR. It runs after the default variant has made its copies in the same process, so its
+peak counts them too: `as_stored_peak_gib` is a speed run's peak, not the VRAM "as stored" saves (see the notes'
+derived-copies line of the default variant for that).
 
 `--profile` then runs one accelerated image of each UNet under torch's profiler and prints the CUDA kernels by GPU
 time side by side (a diagnosis: which kernels make a difference between the two), with the layouts of the conv
@@ -43,8 +47,10 @@ folder_paths.add_model_folder_path("diffusion_models", os.path.join(OPT.work, "c
 torch = ENV.torch
 say = cb.say
 LINES = []
-# variant: (model, sampler)
-VARIANTS = {"stock": ("fp8_stored", "stock"), "ours": ("fp8_stored", "ours"), "fp16_ours": ("fp16", "ours")}
+# variant: (model, sampler, Accelerated KSampler inputs)
+VARIANTS = {"stock": ("fp8_stored", "stock", None), "ours": ("fp8_stored", "ours", None),
+            "ours_as_stored": ("fp8_stored", "ours", {"fp8_weights": "as stored"}),
+            "fp16_ours": ("fp16", "ours", None)}
 
 
 def out(*a):
@@ -85,14 +91,19 @@ def profile(family, models, clip, vae):
                                                        sum(n8.values())))
 
 
+def copies_bytes():
+    from sd_accel.engine.fp8 import weights
+    return weights.bytes_on()
+
+
 def measure(family, vers):
     fp16_model, clip, vae = cb.load_family(ENV, OPT, family, {})
     models = {"fp16": fp16_model, "fp8_stored": patch_nodes.load_fp8_unet("random_%s_fp16.safetensors" % family)}
     size = size_of(family)
 
     def run(variant, seed):
-        model, sampler = VARIANTS[variant]
-        return cb.run_graph(ENV, models[model], clip, vae, size, 1, seed, sampler, OPT.steps)
+        model, sampler, accel = VARIANTS[variant]
+        return cb.run_graph(ENV, models[model], clip, vae, size, 1, seed, sampler, OPT.steps, accel=accel)
 
     first = {v: run(v, 1) for v in VARIANTS}
     runs = {v: [] for v in VARIANTS}
@@ -109,6 +120,12 @@ def measure(family, vers):
                stock_its=round(its["stock"], 2), ours_its=round(its["ours"], 2),
                speedup=round(its["ours"] / its["stock"], 3), fp16_ours_its=round(its["fp16_ours"], 2),
                ratio_vs_fp16=round(its["ours"] / its["fp16_ours"], 3),
+               as_stored_its=round(its["ours_as_stored"], 2),
+               as_stored_ratio_vs_fp16=round(its["ours_as_stored"] / its["fp16_ours"], 3),
+               as_stored_peak_gib=round(max(r["peak_gib"] for r in runs["ours_as_stored"]), 3),
+               fp16_ours_peak_gib=round(max(r["peak_gib"] for r in runs["fp16_ours"]), 3),
+               fp16_copies_gib=round(copies_bytes() / 2 ** 30, 3),
+               as_stored_psnr_db=round(cb.psnr(first["stock"]["img"], first["ours_as_stored"]["img"]), 2),
                first_run_s=round(first["ours"]["sample_s"] - statistics.median(r["sample_s"] for r in runs["ours"]), 2),
                stock_e2e_s=round(statistics.median(r["e2e_s"] for r in runs["stock"]), 3),
                ours_e2e_s=round(statistics.median(r["e2e_s"] for r in runs["ours"]), 3),

@@ -11,6 +11,7 @@ class AccelOptions:
     step_cache: str = "off"        # LOSSY, opt-in: DeepCache's schedule (engine/step_cache/schedule.MODES)
     step_cache_branch: int = 0     # the skip branch: input blocks 0..branch run on cached steps
     precision: str = "fp16"        # "fp8": LOSSY, opt-in: FP8 transformer Linears on sm_89/sm_90 (engine/fp8)
+    fp8_weights: str = "fp16 copies"   # fp8-stored weights: kept upcast where VRAM allows, or "as stored"
 
     def any(self):
         return (self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"

@@ -72,6 +72,13 @@ PRECISION_INPUTS = {
                   "everything else stays fp16. A few percent faster on Ada and Hopper GPUs (sm_89/sm_90), most "
                   "at SDXL sizes; elsewhere the model runs fp16 and the report says why. Weights are quantized "
                   "once per load and again after every LoRA or weight change."}),
+    "fp8_weights": (list(host.FP8_WEIGHTS), {"default": "fp16 copies", "tooltip":
+                    "Lossless either way; only for checkpoints stored in fp8 (UNETLoader weight_dtype fp8_e4m3fn, "
+                    "fp8 checkpoints), ignored for fp16 ones. 'fp16 copies': one fp16 copy of each weight where the "
+                    "GPU has room, so no step casts weights (fastest; the UNet's weights then take three times the "
+                    "VRAM of the fp8 ones). 'as stored': the weights stay fp8 and each layer's are cast per call, as "
+                    "ComfyUI does (the UNet's weights in half the VRAM of an fp16 model; slower). Copies made "
+                    "earlier for the same loaded model are freed when ComfyUI unloads it."}),
 }
 
 
@@ -81,9 +88,10 @@ def _comfy_nodes():
 
 
 def _options(fused_kernels, cuda_graph, channels_last, attention="auto", step_cache="off", step_cache_branch=0,
-             precision="fp16"):
+             precision="fp16", fp8_weights="fp16 copies"):
     return host.AccelOptions(bool(fused_kernels), bool(cuda_graph), bool(channels_last), attention,
-                             step_cache=step_cache, step_cache_branch=int(step_cache_branch), precision=precision)
+                             step_cache=step_cache, step_cache_branch=int(step_cache_branch), precision=precision,
+                             fp8_weights=fp8_weights)
 
 
 class SDAccelKSampler:
@@ -112,9 +120,11 @@ class SDAccelKSampler:
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                denoise=1.0, fused_kernels=True, cuda_graph=True, channels_last=True, controlnet=True, attention="auto",
-               controlnet_cond_only=False, step_cache="off", step_cache_branch=0, precision="fp16"):
+               controlnet_cond_only=False, step_cache="off", step_cache_branch=0, precision="fp16",
+               fp8_weights="fp16 copies"):
         common_ksampler = _comfy_nodes().common_ksampler
-        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch, precision)
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch, precision,
+                        fp8_weights)
         run = host_run.prepare(model, positive, negative, opts, controlnet=controlnet, cond_only=controlnet_cond_only)
         out = run.sample(lambda m, pos, neg: common_ksampler(m, seed, steps, cfg, sampler_name, scheduler, pos, neg,
                                                              latent_image, denoise=denoise))
@@ -141,8 +151,9 @@ class SDAccelApply:
         return {"required": req, "optional": {**ATTENTION_INPUTS, **STEP_CACHE_INPUTS, **PRECISION_INPUTS}}
 
     def apply(self, model, fused_kernels=True, cuda_graph=True, channels_last=True, attention="auto",
-              step_cache="off", step_cache_branch=0, precision="fp16"):
-        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch, precision)
+              step_cache="off", step_cache_branch=0, precision="fp16", fp8_weights="fp16 copies"):
+        opts = _options(fused_kernels, cuda_graph, channels_last, attention, step_cache, step_cache_branch, precision,
+                        fp8_weights)
         patched, info = host.accelerate(model, opts)
         parts = ["%s x%d" % kv for kv in sorted(info.get("patched", {}).items())]
         line = "patched: %s; step wrapper: %s" % (", ".join(parts) or "nothing", info.get("wrapper") or "none")

@@ -88,6 +88,12 @@ def tiny_clip(folder, seed=5, preset="tiny"):
         return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=True)[1]
 
 
+def tiny_checkpoint(folder, seed=5, preset="tiny"):
+    """The path of `tiny_model_patcher`'s checkpoint file (written once per (preset, seed) and process), with
+    ComfyUI importable, for a test that loads it its own way."""
+    return _checkpoint(folder, seed, preset)
+
+
 def tiny_model_patcher(folder, seed=5, preset="tiny"):
     """A real ComfyUI ModelPatcher: a random SD1.5 checkpoint at a reduced preset (dev/fixtures.py) loaded by
     ComfyUI's own load_checkpoint_guess_config (UNet only), a new one per call. The file is written once per

@@ -36,6 +36,11 @@ class UpcastForward(ForwardPatch):
         return weights.kept_upcast(self.module, x)
 
 
+# what an fp8-stored checkpoint's weights become (the nodes' `fp8_weights`): one fp16 copy each where the GPU has
+# room (fastest), or kept as stored, cast per call as the host does (the UNet's weights in half an fp16 model's VRAM)
+MODES = ("fp16 copies", "as stored")
+
+
 def is_fp8_stored(m):
     """A host Linear/Conv2d whose weight is stored in fp8 and cast per call by the host (manual cast)."""
     w = getattr(m, "weight", None)

@@ -49,8 +49,8 @@ def compile_note(before, after):
 def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None, step_cache=None):
     """A JSON-able dict: it_s, seconds, peak_vram_gib, ran, fell_back ({what: why}), graphs, notes.
     `host_reasons`: {what: why} the host knows better than the counts (why the attention backend could act in
-    no block, why nothing was fused); each replaces the generic reason of a `fell_back` entry of that name, and one
-    under WHOLE_MODEL is the report's only `fell_back` entry.
+    no block, why nothing was fused); each replaces the generic reason of a `fell_back` entry of that name (one with
+    no such entry becomes a note), and one under WHOLE_MODEL is the report's only `fell_back` entry.
     `step_cache`: the run's step-cache summary (engine/step_cache/run_state.summary), None where none ran."""
     ran, fell_back, notes = [], {}, list(notes)
     whole = (host_reasons or {}).get(WHOLE_MODEL)
@@ -97,6 +97,8 @@ def build(steps, timer, kernels, graphs, options, notes=(), host_reasons=None, s
     for k, why in (host_reasons or {}).items():
         if k in fell_back:
             fell_back[k] = why
+        else:   # a choice the host made that no count shows (fp8-stored weights kept as stored, say)
+            notes.append("%s: %s" % (k, why))
     for k in ("fused_kernels", "cuda_graph", "channels_last"):
         if not options.get(k):
             fell_back.setdefault(k, "off")

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
+from ...engine.fp8 import upcast as fp8_upcast
 from ...engine.fp8 import weights as fp8_weights
 from ...engine.patches import attention, fused_modules, patching
 from ...engine.reports import run_report
@@ -36,6 +37,7 @@ log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
 ATTENTION_BACKENDS = attention.BACKENDS   # the nodes' `attention` choices
 STEP_CACHE_MODES = step_cache.MODES        # the nodes' `step_cache` choices
+FP8_WEIGHTS = fp8_upcast.MODES             # the nodes' `fp8_weights` choices
 WHOLE_MODEL = run_report.WHOLE_MODEL       # the reason under which SD Accel left the whole model alone
 STEP_CACHE_KEYS = 4                        # graph keys per kind kept with the step cache on
 
@@ -71,7 +73,7 @@ def _state(base_model):
 def _inert(fn, options, role):
     """Marks one of our callables for graph keys: it computes what its options say, whichever object it is."""
     fn.sd_accel_inert = (role, options.fused_kernels, options.cuda_graph, options.channels_last, options.attention,
-                         options.step_cache, options.step_cache_branch, options.precision)
+                         options.step_cache, options.step_cache_branch, options.precision, options.fp8_weights)
     return fn
 
 
@@ -361,7 +363,7 @@ def _accelerate(model, options):
     layout = options.channels_last and _loads_on_cuda(clone)
     object_patches.drop_ours(clone)
     fp8 = precision.fp8_planned(clone, options, info)
-    upcast = precision.upcast_planned(clone, info, _loads_on_cuda(clone))
+    upcast = precision.upcast_planned(clone, info, _loads_on_cuda(clone), options.fp8_weights)
     if options.fused_kernels or layout or fp8 or upcast:
         # folded only where the restore order can be kept (current ComfyUI, which re-applies patches per prompt)
         why = object_patches.foreign_modules_reason(clone)

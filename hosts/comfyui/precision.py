@@ -26,14 +26,19 @@ def fp8_planned(clone, options, info):
 _UPCAST_HEADROOM = 0.25
 
 
-def upcast_planned(clone, info, on_cuda):
-    """True when the model has fp8-stored weights (manual cast) and their fp16 copies fit on its GPU, leaving
-    _UPCAST_HEADROOM of it for the activations; else False (with the reason where it has such weights)."""
+def upcast_planned(clone, info, on_cuda, fp8_weights="fp16 copies"):
+    """True when the model has fp8-stored weights (manual cast), `fp8_weights` asks for fp16 copies and they fit on
+    its GPU, leaving _UPCAST_HEADROOM of it for the activations; else False (with the reason where it has such
+    weights)."""
     modules = [m for m in clone.model.diffusion_model.modules() if fp8_upcast.is_fp8_stored(m)]
     if not modules or not on_cuda:
         return False
-    import comfy.model_management as mm
     need = sum(m.weight.numel() * 2 for m in modules)
+    if fp8_weights == "as stored":
+        info["reasons"]["fp8-stored weights"] = ("kept as stored (fp8_weights 'as stored'): cast per call, as ComfyUI "
+                                                 "does, instead of %.1f GiB of fp16 copies" % (need / 2 ** 30))
+        return False
+    import comfy.model_management as mm
     total = mm.get_total_memory(clone.load_device)
     if total - clone.model_size() - need < _UPCAST_HEADROOM * total:
         info["reasons"]["fp8-stored weights"] = ("their fp16 copies (%.1f GiB) do not fit next to the model: "
