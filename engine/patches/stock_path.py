@@ -7,6 +7,8 @@ calls its host class's own forward (a fused GroupNorm+SiLU runs the GroupNorm an
 run), so the result is stock's, bit for bit, at stock's speed. Per thread: a scope on one thread never changes
 what another computes.
 """
+import contextlib
+
 from ..thread_scope import ThreadScope
 
 _SCOPE = ThreadScope()
@@ -20,3 +22,14 @@ def active():
 
 def stock_modules():
     return _SCOPE.entered()
+
+
+@contextlib.contextmanager
+def fused_modules():
+    """Leaves any `stock_modules()` scope of this thread for the calls inside: the stand-ins compute their own way
+    again (a call that reaches SD Accel's step from inside a scope a host entered around another pack's code)."""
+    depth, LOCAL.depth = LOCAL.depth, 0
+    try:
+        yield
+    finally:
+        LOCAL.depth = depth

@@ -32,6 +32,7 @@ from . import conv_layout
 from . import object_patches
 from . import precision
 from . import step_cache
+from . import unet_bypass
 
 log = logging.getLogger("sd_accel")
 WRAPPER_KEY = "sd_accel"
@@ -271,12 +272,14 @@ def _install_wrapper(clone, st, options, cache=None, derived_copies=False):
     if getattr(prev, "sd_accel_step", None) is not None:
         prev = getattr(prev, "sd_accel_prev", None)   # re-applying: replace ours, keep what we chained
 
+    outer = unet_bypass.guarded(prev, st.graphs.refused) if prev is not None else None
+
     def model_function_wrapper(apply_model, a):
         c = dict(a["c"])
         to = c.get("transformer_options")
-        if prev is None:
+        if outer is None:
             return step(apply_model, (a["input"], a["timestep"]), c, to)
-        return prev(lambda x, t, **kw: step(apply_model, (x, t), kw, kw.get("transformer_options")), a)
+        return outer(lambda x, t, **kw: step(apply_model, (x, t), kw, kw.get("transformer_options")), a)
     model_function_wrapper.sd_accel_step = step
     model_function_wrapper.sd_accel_prev = prev
     if prev is None:
@@ -307,6 +310,8 @@ def _install_keyed(clone, st, options, step):
     clone.wrappers.setdefault(pe.WrappersMP.APPLY_MODEL, {})[WRAPPER_KEY] = [wrapper]
     if hasattr(pe.WrappersMP, "OUTER_SAMPLE"):
         def outer_sample(executor, *args, **kwargs):
+            # another pack's model_function_wrapper on this run (set before or after ours) is guarded
+            unet_bypass.guard_run(getattr(executor.class_obj, "model_options", None), st.graphs.refused)
             # the end of any sampler node's run on this clone (Apply SD Accel then stock KSampler, say):
             # the conv weights back in stock's layout for the nodes that run the model next
             try:

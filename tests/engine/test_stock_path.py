@@ -58,6 +58,20 @@ def test_the_switch_is_per_thread():
     assert seen == [False, True] and not stock_path.active()
 
 
+def test_fused_modules_leaves_the_stock_scope_for_its_calls_only():
+    """A call passed through to SD Accel's step from inside a stock scope (hosts/comfyui/unet_bypass.py) computes
+    the stand-ins' own way; the scope holds again after it, also when the call raised."""
+    with stock_path.stock_modules(), stock_path.stock_modules():
+        with stock_path.fused_modules():
+            assert not stock_path.active()
+        assert stock_path.LOCAL.depth == 2
+        with pytest.raises(RuntimeError):
+            with stock_path.fused_modules():
+                raise RuntimeError("inside")
+        assert stock_path.LOCAL.depth == 2
+    assert not stock_path.active()
+
+
 def test_a_host_forward_another_pack_replaced_is_what_the_stand_in_runs():
     """AnimateDiff v1 swaps GroupNorm's forward (to normalise across frames) for the UNet's call: our fused
     GroupNorm must compute that, not its own kernel."""

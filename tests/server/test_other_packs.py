@@ -129,7 +129,7 @@ def check_orders(srv, build, fused_kernels, orders=ORDERS):
 
 
 STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
-             "ImpactLikeDetailer")
+             "ImpactLikeDetailer", "DeepCacheLikeApply")
 
 
 def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
@@ -349,3 +349,32 @@ def test_detailer_sampling_the_impact_way_on_an_accelerated_model_is_stock(comfy
                           orders=("apply",))
     plain, _ = run_output(comfy_packs, detailer_graph(models, "stock", prefix="det_impact", detail=False))
     assert_changed(ref, plain, "the detailer")
+
+
+# -- DeepCache packs: a model_function_wrapper that runs the UNet's blocks itself --------------------------------
+def deepcache(interval=4, depth=0):
+    """The first of 4 steps whole, the other 3 stopping after the first input block."""
+    return ("DeepCacheLikeApply", {"cache_interval": interval, "cache_depth": depth})
+
+
+def _is_2024(srv):
+    return not srv.get("/system_stats").get("system", {}).get("comfyui_version")
+
+
+def test_deepcache_loop_runs_the_hosts_modules_bit_for_bit_and_says_so(comfy_packs, models):
+    """Its loop never calls apply_model, where SD Accel's step is: without the guard (hosts/comfyui/unet_bypass.py)
+    the fused modules ran eagerly inside it (here their torch references, a few last bits off stock's). Guarded, it
+    runs the host's own modules: stock's image to the bit, fused kernels on, in each order SD Accel meets it, and
+    the report names the wrapper. ComfyUI 2024 has no OUTER_SAMPLE wrappers, through which current ComfyUI guards a
+    run whose pack came after Apply SD Accel (the pack's single-slot wrapper replaces ours there): that order is
+    checked on current ComfyUI only (README, Limits)."""
+    nodes = [deepcache()]
+    orders = ("ours", "apply_last") if _is_2024(comfy_packs) else ORDERS
+    ref, entries = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, True, prefix="dc", steps=4),
+                                fused_kernels=False, orders=orders)
+    report = report_of(entries["ours"])
+    assert "ran the UNet's blocks itself" in report["fell_back"].get("cuda_graph", ""), report["fell_back"]
+    assert "DeepCacheLikeApply" in report["fell_back"]["cuda_graph"], report["fell_back"]
+    plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="dc_none", steps=4))
+    assert_changed(ref, plain, "the DeepCache stand-in")
+
