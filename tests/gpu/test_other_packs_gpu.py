@@ -39,7 +39,8 @@ def _load_pack(name):
 
 @pytest.fixture(scope="module")
 def packs(comfy_env):  # noqa: F811
-    return {n: _load_pack("standin_" + n) for n in ("ipadapter", "animatediff", "advanced_controlnet", "impact")}
+    return {n: _load_pack("standin_" + n) for n in ("ipadapter", "animatediff", "advanced_controlnet", "impact",
+                                                      "deepcache")}
 
 
 # -- sampling ---------------------------------------------------------------------------------------------
@@ -243,3 +244,39 @@ def test_detailer_with_graphs_inside_is_stock(comfy_env, packs, monkeypatch):  #
     impact_ref, _ = _detail(comfy_env, packs, image, comfy_env.model, "impact")
     impact_ours, _ = _detail(comfy_env, packs, image, _apply_ours(comfy_env.model), "impact")
     assert _rel(impact_ours, impact_ref) < FP16_NOISE, _rel(impact_ours, impact_ref)
+
+
+# -- DeepCache packs: the UNet run by the wrapper, never through apply_model --------------------------------
+def test_deepcache_loop_runs_the_hosts_modules_and_is_stock_in_every_order(comfy_env, packs):  # noqa: F811
+    """Its calls never reach our step (no graphs there): the guard runs them on the host's own modules, so the
+    latent is stock's to the bit in every order, and the report names the wrapper."""
+    build = lambda m: packs["deepcache"].DeepCacheLikeApply().apply(m, 3, 1)[0]  # noqa: E731
+    by_order = _models_in_order(build, comfy_env.model)
+    ref, _ = _run(comfy_env, by_order["stock"][0], "stock")
+    for order in ORDERS:
+        out, report = _run(comfy_env, by_order[order][0], by_order[order][1])
+        assert torch.equal(out, ref), (order, _rel(out, ref))
+        if report is not None:
+            assert any("ran the UNet's blocks itself" in r for r in report["graphs"]["refused"]), report["graphs"]
+
+
+# -- torch.compile (ComfyUI's TorchCompileModel): SD Accel leaves the UNet to it -------------------------------
+def test_torch_compile_model_in_every_order_is_stock_with_the_same_compile(comfy_env):  # noqa: F811
+    """backend "cudagraphs" (the node's other choice; inductor compiles for minutes): dynamo traces what runs inside
+    the compiled diffusion model, which must never be SD Accel's stand-ins, and SD Accel captures nothing around it.
+    One compiled model serves stock and the orders that compile before SD Accel; Apply SD Accel then the compile
+    node is a second compile, over the host's own modules."""
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+    compile_ = lambda m: TorchCompileModel.execute(m, "cudagraphs")[0]  # noqa: E731
+    compiled = compile_(comfy_env.model)
+    ref, _ = _run(comfy_env, compiled, "stock")
+    runs = {"ours": _run(comfy_env, compiled, "ours"),
+            "apply_last": _run(comfy_env, _apply_ours(compiled), "apply"),
+            "apply_first": _run(comfy_env, compile_(_apply_ours(comfy_env.model)), "apply")}
+    for order, (out, report) in runs.items():
+        assert _rel(out, ref) < FP16_NOISE, (order, _rel(out, ref))
+        if report is not None:
+            assert list(report["fell_back"]) == ["SD Accel"] and "torch.compile" in report["fell_back"]["SD Accel"], \
+                report
+            assert not report["graphs"].get("captures"), report["graphs"]
+
