@@ -105,6 +105,18 @@ def tiny_model_patcher(folder, seed=5, preset="tiny"):
         return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)[0]
 
 
+def sample_tiny(model, steps=1, cfg=1.0, batch=1):
+    """ComfyUI's own common_ksampler (seed 3, euler, normal) on `model` over a zero latent [batch, 4, 8, 8], with
+    random 768-wide cond and uncond (seeded): the latent, for tests that compare a sampling run with stock's."""
+    import nodes
+    g = torch.Generator().manual_seed(11)
+    cond = [[torch.randn(1, 77, 768, generator=g), {}]]
+    neg = [[torch.randn(1, 77, 768, generator=g), {}]]
+    with torch.inference_mode():
+        return nodes.common_ksampler(model, 3, steps, cfg, "euler", "normal", cond, neg,
+                                     {"samples": torch.zeros(batch, 4, 8, 8)})[0]["samples"]
+
+
 class TaggedModule(torch.nn.Module):
     """Another pack's object patch, for tests: runs the module it replaces and counts its calls."""
 

@@ -26,16 +26,6 @@ def _compiled(model, path="diffusion_model"):
     return m
 
 
-def _sample(model):
-    import nodes
-    g = torch.Generator().manual_seed(11)
-    cond = [[torch.randn(1, 77, 768, generator=g), {}]]
-    neg = [[torch.randn(1, 77, 768, generator=g), {}]]
-    with torch.inference_mode():
-        return nodes.common_ksampler(model, 3, 1, 1.0, "euler", "normal", cond, neg,
-                                     {"samples": torch.zeros(1, 4, 8, 8)})[0]["samples"]
-
-
 def _host():
     from sd_accel.hosts.comfyui import accelerate as host
     return host
@@ -46,14 +36,14 @@ def test_a_model_compiled_before_sd_accel_is_left_to_torch_compile(model, path):
     import comfy.model_management as mm
     host = _host()
     compiled = _compiled(model, path)
-    ref = _sample(compiled)
+    ref = comfy_inproc.sample_tiny(compiled)
     mm.unload_all_models()
     ours, info = host.accelerate(compiled, host.AccelOptions())
     why = info["reasons"].get(host.WHOLE_MODEL) or ""
     assert "torch.compile" in why and path in why, info["reasons"]
     assert info["patched"] == {} and info["wrapper"] is None, info
     assert not [k for k in ours.object_patches if k not in compiled.object_patches]
-    got = _sample(ours)
+    got = comfy_inproc.sample_tiny(ours)
     mm.unload_all_models()
     assert torch.equal(got, ref), float((got - ref).abs().max())
 
@@ -63,11 +53,11 @@ def test_the_diffusion_model_compiled_after_sd_accel_runs_the_hosts_modules(mode
     they are put in. Each call's step finds it compiled and runs the host's own modules, which dynamo traces."""
     import comfy.model_management as mm
     host = _host()
-    ref = _sample(_compiled(model))
+    ref = comfy_inproc.sample_tiny(_compiled(model))
     mm.unload_all_models()
     ours, info = host.accelerate(model, host.AccelOptions())
     assert info["patched"], info
-    got = _sample(_compiled(ours))
+    got = comfy_inproc.sample_tiny(_compiled(ours))
     mm.unload_all_models()
     assert torch.equal(got, ref), float((got - ref).abs().max())
     refused = info["graph_state"].graphs.refused

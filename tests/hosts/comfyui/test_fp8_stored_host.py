@@ -23,16 +23,6 @@ def _fp8_model(folder):
                                                      model_options={"dtype": torch.float8_e4m3fn})[0]
 
 
-def _sample(model):
-    import nodes
-    g = torch.Generator().manual_seed(11)
-    cond = [[torch.randn(1, 77, 768, generator=g), {}]]
-    neg = [[torch.randn(1, 77, 768, generator=g), {}]]
-    with torch.inference_mode():
-        return nodes.common_ksampler(model, 3, 2, 5.0, "euler", "normal", cond, neg,
-                                     {"samples": torch.zeros(1, 4, 8, 8)})[0]["samples"]
-
-
 def _stored(model):
     from sd_accel.engine.fp8.upcast import is_fp8_stored
     return [m for m in model.model.diffusion_model.modules() if is_fp8_stored(m)]
@@ -46,12 +36,12 @@ def test_fp8_weights_choice_plans_copies_or_none_and_both_are_stock(tmp_path, mo
     from sd_accel.hosts.comfyui import accelerate as host
     stored = _stored(model)
     assert stored, "ComfyUI loaded no weight as fp8 with manual cast"
-    ref = _sample(model)
+    ref = comfy_inproc.sample_tiny(model, steps=2, cfg=5.0)
     mm.unload_all_models()
     monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
     ours, info = host.accelerate(model, host.AccelOptions(fused_kernels=False, channels_last=False,
                                                           fp8_weights=fp8_weights))
-    got = _sample(ours)
+    got = comfy_inproc.sample_tiny(ours, steps=2, cfg=5.0)
     mm.unload_all_models()
     assert torch.equal(got, ref), float((got - ref).abs().max())
     copies = [c for m in stored for c in weights.upcast_copies_of(m.weight)]
