@@ -28,6 +28,7 @@ from ...engine.graphs.step_graphs import StepGraphs
 from ..attached import state_on
 from . import compiled
 from . import control_graph
+from . import families
 from . import conv_layout
 from . import object_patches
 from . import precision
@@ -357,7 +358,7 @@ def _accelerate(model, options):
     info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None, "reasons": {}}
     if not options.any():
         return clone, info
-    why = compiled.reason(clone)
+    why = compiled.reason(clone) or families.unsupported_reason(clone)
     if why:
         object_patches.drop_ours(clone)
         info["reasons"][run_report.WHOLE_MODEL] = why
