@@ -8,12 +8,13 @@ import torch
 
 from ...engine.memory import offload as block_offload, promoted_blocks, stream_units
 from ...engine.memory.vram_plan import GIB
+from . import families
 from .memory_scopes import budget_supported
 
 
 def streaming_unavailable(mm, patcher, device, settings=None):
     """None when lowvram block streaming can run for this model here, else why not."""
-    why = budget_supported(mm, patcher)
+    why = budget_supported(mm, patcher) or families.unsupported_reason(patcher)
     if why:
         return why
     if device.type != "cuda" and not (settings is not None and settings.stream_every_block):

@@ -51,3 +51,22 @@ def test_a_flux_model_is_left_to_comfyui_and_samples_as_stock():
     got = _sample(ours)
     mm.unload_all_models()
     assert torch.equal(got, ref), float((got - ref).abs().max())
+
+
+def test_the_vram_pool_streams_no_block_of_a_flux_model_and_says_why():
+    """lowvram block streaming cuts an SD UNet into units; a Flux model runs with ComfyUI's own partial loading under
+    the budget, and the pool's notes say why (here with streaming forced, as the pool's tests force it on a CPU)."""
+    flux = _tiny_flux()
+    import comfy.model_management as mm
+    from sd_accel.hosts.comfyui import memory as host_memory
+    from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
+    ref = _sample(flux)
+    mm.unload_all_models()
+    clone = SDAccelVRAMPool().apply(flux, 8.0, "lowvram")["result"][0]
+    settings = host_memory.pool_settings(clone)
+    settings.stream_every_block = True
+    got = _sample(clone)
+    mm.unload_all_models()
+    assert torch.equal(got, ref), float((got - ref).abs().max())
+    notes = " ".join(settings.last_notes)
+    assert "lowvram: off (the diffusion model is a Flux, not an SD UNet" in notes, notes
