@@ -28,8 +28,8 @@ from ...engine.graphs.step_graphs import StepGraphs
 from ..attached import state_on
 from . import compiled
 from . import control_graph
-from . import families
 from . import conv_layout
+from . import families
 from . import object_patches
 from . import precision
 from . import step_cache

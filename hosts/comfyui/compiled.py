@@ -9,6 +9,7 @@ left to torch.compile: SD Accel plans nothing on it, and where it was applied fi
 TorchCompileModel) its step runs the host's own modules, without graphs. One line in the report says so.
 """
 COMPILE_KEY = "torch.compile"     # comfy_api.torch_helpers.torch_compile's wrapper key
+_SEEN = "_sd_accel_compiled_patches"   # on a patcher: (its object_patches dict, their count, the reason or None)
 WHY = ("torch.compile in the graph (%s): SD Accel leaves the UNet to it (remove the compile node to use SD Accel's "
        "kernels and graphs instead)")
 
@@ -55,6 +56,3 @@ def in_call(transformer_options, base_model):
         seen = patcher.__dict__[_SEEN] = (patches, len(patches),
                                           WHY % ("a compiled object patch at %s" % found) if found else None)
     return seen[2]
-
-
-_SEEN = "_sd_accel_compiled_patches"
