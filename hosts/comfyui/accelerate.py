@@ -358,16 +358,15 @@ def _accelerate(model, options):
     info = {"options": options.__dict__.copy(), "patched": {}, "wrapper": None, "reasons": {}}
     if not options.any():
         return clone, info
+    object_patches.drop_ours(clone)
     why = compiled.reason(clone) or families.unsupported_reason(clone)
     if why:
-        object_patches.drop_ours(clone)
         info["reasons"][run_report.WHOLE_MODEL] = why
         log.info("[SD Accel] %s", why)
         return clone, info
     _register_weight_caster()
     base_model = clone.model
     layout = options.channels_last and _loads_on_cuda(clone)
-    object_patches.drop_ours(clone)
     fp8 = precision.fp8_planned(clone, options, info)
     upcast = precision.upcast_planned(clone, info, _loads_on_cuda(clone), options.fp8_weights)
     if options.fused_kernels or layout or fp8 or upcast:

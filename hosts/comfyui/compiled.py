@@ -21,6 +21,11 @@ def is_compiled_module(obj):
     return cls.__name__ == "OptimizedModule" and (cls.__module__ or "").startswith("torch._dynamo")
 
 
+def _compiled_patch(object_patches):
+    """The path of the first object patch that is a compiled module, or None."""
+    return next((path for path, value in object_patches.items() if is_compiled_module(value)), None)
+
+
 def _keyed(wrappers):
     return any(COMPILE_KEY in (keyed or {}) for keyed in (wrappers or {}).values())
 
@@ -29,9 +34,9 @@ def reason(patcher):
     """The one-line reason SD Accel leaves `patcher` (a ModelPatcher) to torch.compile, or None."""
     if _keyed(getattr(patcher, "wrappers", None)):
         return WHY % "TorchCompileModel"
-    for path, value in (getattr(patcher, "object_patches", None) or {}).items():
-        if is_compiled_module(value):
-            return WHY % ("a compiled object patch at %s" % path)
+    path = _compiled_patch(getattr(patcher, "object_patches", None) or {})
+    if path is not None:
+        return WHY % ("a compiled object patch at %s" % path)
     base = getattr(patcher, "model", None)
     if is_compiled_module(getattr(base, "diffusion_model", None)):
         return WHY % "the diffusion model compiled in place"
@@ -52,7 +57,7 @@ def in_call(transformer_options, base_model):
     seen = patcher.__dict__.get(_SEEN)
     if seen is None or seen[0] is not patches or seen[1] != len(patches):
         # read once per patch set: a run's calls find the same dict
-        found = next((p for p, v in patches.items() if is_compiled_module(v)), None)
+        found = _compiled_patch(patches)
         seen = patcher.__dict__[_SEEN] = (patches, len(patches),
                                           WHY % ("a compiled object patch at %s" % found) if found else None)
     return seen[2]
