@@ -41,13 +41,25 @@ def _marker(dead):
 
 
 class WeightsFingerprint:
+    """The modules are referred to weakly: the fingerprint lives in state kept on the module it reads (a host's
+    per-model graphs), and a strong reference back would keep a model the user dropped (its weights too) until
+    a garbage collection."""
+
     def __init__(self, module, token_module=None):
-        self.module = module
-        self.token_module = module if token_module is None else token_module
+        self._module = weakref.ref(module)
+        self._token_module = self._module if token_module is None else weakref.ref(token_module)
         self.dicts, self.names = (), ()   # slot i: the tensor at names[i] of the module dict dicts[i]
         self.tree = ()
         self.epoch = _NO_EPOCH
         self._last = None     # this epoch's last full read (a _Read)
+
+    @property
+    def module(self):
+        return self._module()
+
+    @property
+    def token_module(self):
+        return self._token_module()
 
     def refresh(self):
         modules = list(self.module.modules())

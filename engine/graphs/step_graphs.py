@@ -83,7 +83,8 @@ class StepGraphs:
 
     def clear_if_offloaded(self):
         """Frees the graph memory once the weights have left the GPU (the host unloaded the model)."""
-        p = next(self.fp.module.parameters(), None)
+        module = self.fp.module   # None while the model itself is being freed
+        p = next(module.parameters(), None) if module is not None else None
         if p is None or not p.is_cuda:
             self.clear("model unloaded")
 

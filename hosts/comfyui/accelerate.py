@@ -343,13 +343,38 @@ _CLONES_ATTR = "_sd_accel_clones"
 
 def accelerate(model, options):
     """Returns (clone of `model` with SD Accel applied, info dict). `model` itself is untouched."""
+    keep_while_loaded(model)
     clones = model.__dict__.setdefault(_CLONES_ATTR, {})
     cached = clones.get(options)
     if cached is not None and cached[2] == getattr(model, "patches_uuid", None):
         return cached[0], cached[1]
+    if cached is not None:
+        keep_while_loaded(model, cached[0])
     clone, info = _accelerate(model, options)
     clones[options] = (clone, info, getattr(model, "patches_uuid", None))
     return clone, info
+
+
+_RETIRED_ATTR = "_sd_accel_retired_clones"
+
+
+def keep_while_loaded(model, old_clone=None):
+    """A cached clone replaced (its input's patches changed in place) while ComfyUI still has it loaded is kept,
+    on its input, until ComfyUI has let go of it (checked on each call for the input): freed while loaded, with
+    no parent to fall back to (a root input's clone has none: parent_beyond_the_cache), its loaded entry would
+    outlive it beside its live BaseModel, which ComfyUI takes for a leak (a full garbage collection on every
+    later load)."""
+    kept = list(model.__dict__.get(_RETIRED_ATTR, ()))
+    if old_clone is not None:
+        kept.append(old_clone)
+    if not kept:
+        return
+    try:
+        import comfy.model_management as mm
+    except ImportError:
+        return
+    loaded = {id(lm.model) for lm in list(getattr(mm, "current_loaded_models", ()))}
+    model.__dict__[_RETIRED_ATTR] = [c for c in kept if id(c) in loaded]
 
 
 def _accelerate(model, options):
@@ -406,17 +431,16 @@ def _accelerate(model, options):
 
 
 def parent_beyond_the_cache(clone, model):
-    """The clone's `parent` (whom ComfyUI's LoadedModel falls back to when the clone is freed) skips its input
-    when the input has a parent of its own. The input holds the clone (_CLONES_ATTR); a clone that referred back
-    to it would make a cycle, freed only by a garbage collection, which frees both at once: ComfyUI then finds
-    no patcher of the loaded model alive while its weights are ("memory leak with model BaseModel") and runs a
-    full collection on every later load, stock samplers' included. Without the cycle the input is freed the
-    moment the user's graph drops it, the clone with it, and ComfyUI falls back to the input's parent, as it
-    would have from the input itself. A root input (a checkpoint loader's model) stays the parent: it is freed
-    with its weights, so a collection finds no loaded model half alive."""
-    up = getattr(model, "parent", None)
-    if up is not None and getattr(clone, "parent", None) is model:
-        clone.parent = up
+    """The clone's `parent` (whom current ComfyUI's LoadedModel falls back to when the clone is freed while loaded)
+    skips its input, which holds the clone (_CLONES_ATTR): a clone that referred back to it would make a cycle,
+    freed only by a garbage collection. Until one ran, a model the user's graph had dropped kept its weights; and
+    a collection inside ComfyUI's free_memory (any allocation there can start one) freed a patcher its unload loop
+    had already listed, which failed on it (`.model` None) and left the loaded list broken for every later
+    prompt. So the parent is the input's parent, or none for a root input (a checkpoint loader's model): the
+    clone is freed with its input, by reference counting, and its BaseModel with them, which drops ComfyUI's
+    loaded entry (its finalizer), as stock's loader output is freed."""
+    if getattr(clone, "parent", None) is model:
+        clone.parent = getattr(model, "parent", None)
 
 
 def _loads_on_cuda(patcher):

@@ -49,6 +49,7 @@ from ...engine.options import AccelOptions
 from ...engine.patches import fused_vae
 from ...engine.reports import kernel_report
 from ...kernels import _triton
+from . import accelerate
 from . import object_patches
 
 log = logging.getLogger("sd_accel")
@@ -81,10 +82,15 @@ def accelerate_vae(vae, options=VAEOptions()):
     vae = original_of(vae)
     patcher = getattr(vae, "patcher", None)
     copies = patcher.__dict__.setdefault(_COPIES_ATTR, {}) if patcher is not None else {}
+    if patcher is not None:
+        accelerate.keep_while_loaded(patcher)
     key = (options, _forced_fused())
     hit = copies.get(key)
     if hit is not None and hit[2] == getattr(patcher, "patches_uuid", None) and hit[3]() is vae:
         return hit[0], hit[1]
+    old = getattr(hit[0], "patcher", None) if hit is not None else None
+    if old is not None and old is not patcher:
+        accelerate.keep_while_loaded(patcher, old)
     acc, info = _accelerate(vae, options)
     if patcher is not None:
         copies[key] = (acc, info, getattr(patcher, "patches_uuid", None), weakref.ref(vae))
@@ -102,7 +108,6 @@ def _accelerate(vae, options):
     if why:
         info["reasons"]["SD Accel"] = why
         return vae, info
-    from . import accelerate
     accelerate._register_weight_caster()
     clone = vae.patcher.clone()
     accelerate.parent_beyond_the_cache(clone, vae.patcher)   # the copies are cached on vae.patcher

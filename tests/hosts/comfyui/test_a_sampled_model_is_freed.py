@@ -75,3 +75,75 @@ def test_dropping_a_patched_input_model_leaves_comfyui_no_dead_loaded_model(tmp_
             nodes.KSampler().sample(base, 1, 1, 7.0, "euler", "normal", cond, cond, latent)
     assert not [r for r in caplog.records if "memory leak" in r.getMessage()]
     mm.unload_all_models()
+
+
+def _tracks_patchers_weakly(mm):
+    """Current ComfyUI's loaded list refers to patchers weakly (a dropped one is freed while loaded); 2024's holds
+    them until unloaded."""
+    return hasattr(mm.LoadedModel, "_set_model")
+
+
+def _sampled_both_ways(model):
+    """The checkpoint through Accelerated KSampler, then through Apply SD Accel and stock KSampler."""
+    from sd_accel.nodes.sampler_nodes import SDAccelApply, SDAccelKSampler
+    nodes = comfy_inproc.comfy_nodes()
+    dim = model.model.model_config.unet_config["context_dim"]
+    cond = [[torch.randn(1, 77, dim), {}]]
+    latent = {"samples": torch.zeros(1, 4, 8, 8)}
+    with torch.inference_mode():
+        SDAccelKSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)
+        applied = SDAccelApply().apply(model)["result"][0]
+        nodes.KSampler().sample(applied, 1, 2, 7.0, "euler", "normal", cond, cond, latent)
+
+
+def test_a_dropped_checkpoint_is_freed_at_once_without_a_garbage_collection(tmp_path):
+    """Freed by reference counting, as stock's is, not left to a garbage collection: the accelerated clone's parent
+    was the checkpoint that caches it (a cycle). Until a collection ran, the dropped model kept its weights and,
+    on current ComfyUI, its loaded entry; a collection started by an allocation inside ComfyUI's free_memory then
+    freed a patcher its unload loop had listed, which failed on it (AttributeError on `.model.model`) and left the
+    loaded list broken for every later prompt (tests/gpu's full run met it in unload_all_models). The per-model
+    graph state on the BaseModel referred back to it too (its weights fingerprint)."""
+    import comfy.model_management as mm
+    model = comfy_inproc.tiny_model_patcher(tmp_path)
+    _sampled_both_ways(model)
+    if not _tracks_patchers_weakly(mm):
+        mm.unload_all_models()
+    patcher, base = weakref.ref(model), weakref.ref(model.model)
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert patcher() is None, _holders(patcher())
+        assert base() is None, _holders(base())
+        assert all(lm.model is not None for lm in mm.current_loaded_models)
+        mm.unload_all_models()
+    finally:
+        gc.enable()
+
+
+def test_a_clone_replaced_while_loaded_is_kept_until_comfyui_lets_go_of_it(tmp_path):
+    """The checkpoint's own patches changed in place (a pack patching the loader's model without cloning it): the
+    cached clone is replaced. ComfyUI still has the old one loaded, and a root input's clone has no parent to
+    fall back to, so it stays alive until ComfyUI unloads it: freed while loaded, its entry would outlive it
+    beside the live weights (ComfyUI's "memory leak" and a full collection on every later load)."""
+    import comfy.model_management as mm
+    from sd_accel.hosts.comfyui import accelerate as host
+    model = comfy_inproc.tiny_model_patcher(tmp_path)
+    first, _ = host.accelerate(model, host.AccelOptions())
+    comfy_inproc.sample_tiny(first)
+    old = weakref.ref(first)
+    del first
+    key = next(iter(model.model.diffusion_model.state_dict()))
+    model.add_patches({key: (torch.zeros_like(model.model.diffusion_model.state_dict()[key]),)}, 0.0)
+    second, _ = host.accelerate(model, host.AccelOptions())
+    assert second is not old()
+    gc.collect()
+    assert old() is not None and any(lm.model is old() for lm in mm.current_loaded_models)
+    assert not _dead_loaded_models(mm)
+    comfy_inproc.sample_tiny(second)          # loading the new clone unloads the old one
+    assert not any(lm.model is old() for lm in mm.current_loaded_models)
+    host.accelerate(model, host.AccelOptions())   # the next call lets it go
+    gc.collect()
+    assert old() is None
+    assert not _dead_loaded_models(mm)
+    mm.unload_all_models()

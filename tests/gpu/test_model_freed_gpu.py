@@ -1,0 +1,41 @@
+"""GPU only: a checkpoint the user switches away from, after SD Accel ran on it with everything it keeps (the step's
+CUDA graphs and their weights fingerprint, the VAE's graphed copy, the eager-path choice), is freed by reference
+counting the moment the user's graph drops it, as stock's is: none of it may refer back in a cycle that only a
+garbage collection frees. Until one runs, its weights stay in VRAM, and on current ComfyUI its loaded entry stays
+listed with a live patcher; a collection started inside ComfyUI's free_memory then frees a patcher the unload loop
+has listed, which fails on it and leaves the loaded list broken for every later prompt (tests/gpu's full run met
+it in test_host_mirror_gpu's unload_all_models, and every later test failed)."""
+import gc
+import weakref
+
+import torch
+
+from test_graphs_gpu import comfy_env  # noqa: F401  (the shared module fixture)
+
+
+def test_a_dropped_checkpoint_with_graphs_is_freed_without_a_garbage_collection(comfy_env):  # noqa: F811
+    import comfy.model_management as mm
+    from sd_accel.nodes.sampler_nodes import SDAccelApply
+    from sd_accel.nodes.vae_nodes import SDAccelVAEDecode
+    env = comfy_env
+    with torch.inference_mode():
+        model, clip, vae = env.nodes.CheckpointLoaderSimple().load_checkpoint("gpu_small.safetensors")[:3]
+        lat = env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+        for _ in range(2):   # the second prompt replays the first's graphs
+            res = env.ours.sample(model, 5, 4, 7.0, "euler", "normal", env.pos, env.neg, lat)
+        assert res["ui"]["sdaccel_report"][0]["graphs"]["replays"] >= 1, res["ui"]["sdaccel_report"][0]["graphs"]
+        applied = SDAccelApply().apply(model)["result"][0]
+        out = env.nodes.KSampler().sample(applied, 5, 4, 7.0, "euler", "normal", env.pos, env.neg, lat)[0]
+        SDAccelVAEDecode().decode(out, vae)
+    refs = {"patcher": weakref.ref(model), "BaseModel": weakref.ref(model.model),
+            "VAE": weakref.ref(vae.first_stage_model)}
+    gc.collect()
+    gc.disable()
+    try:
+        del model, clip, vae, applied, res, out
+        alive = [name for name, r in refs.items() if r() is not None]
+        assert not alive, alive
+        assert all(lm.model is not None for lm in mm.current_loaded_models)
+        mm.unload_all_models()
+    finally:
+        gc.enable()
