@@ -31,7 +31,7 @@ class Fp8Forward(ForwardPatch):
         """GEGLU of this projection's output (`a * gelu(gate)` of its two halves) from one FP8 GEMM with the GEGLU
         in its epilogue, for the fused GEGLU module that owns this Linear (engine/patches/fused_modules.py); None
         where this forward would not compute in FP8 itself, or the recipe has no GEGLU epilogue."""
-        if stock_path.LOCAL.depth or fm.class_forward_replaced(type(self.module)):
+        if stock_path.LOCAL.depth or stock_path.compiling() or fm.class_forward_replaced(type(self.module)):
             return None
         return self._fp8(x, geglu=True)
 

@@ -36,7 +36,7 @@ class ForwardPatch:
         raise NotImplementedError
 
     def __call__(self, x, *args, **kwargs):
-        if (stock_path.LOCAL.depth and not self.on_stock_path) or args or kwargs or \
+        if (stock_path.LOCAL.depth and not self.on_stock_path) or stock_path.compiling() or args or kwargs or \
                 fm.class_forward_replaced(type(self.module)):
             return self.host_forward(x, *args, **kwargs)
         out = self.compute(x)

@@ -42,7 +42,8 @@ class FusedResBlock:
 
     def _forward(self, x, emb, transformer_options=None):
         # transformer_options: Forge's ResBlock takes them, and hands its norms to a `group_norm_wrapper` in them
-        if (stock_path.LOCAL.depth or fm.host_replaced(self) or fm.class_forward_replaced(type(self.out_layers[0]))
+        if (stock_path.LOCAL.depth or stock_path.compiling() or fm.host_replaced(self)
+                or fm.class_forward_replaced(type(self.out_layers[0]))
                 or (transformer_options and "group_norm_wrapper" in transformer_options)):
             more = () if transformer_options is None else (transformer_options,)
             return fm.original_class(self)._forward(self, x, emb, *more)

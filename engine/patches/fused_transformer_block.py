@@ -37,7 +37,8 @@ class FusedTransformerBlock:
 
     def forward(self, x, context=None, transformer_options={}):  # noqa: B006 - the host's signature
         to = transformer_options
-        if stock_path.LOCAL.depth or fm.host_replaced(self) or fm.class_forward_replaced(type(self.norm2)):
+        if stock_path.LOCAL.depth or stock_path.compiling() or fm.host_replaced(self) or \
+                fm.class_forward_replaced(type(self.norm2)):
             return fm.original_class(self).forward(self, x, context=context, transformer_options=to)
         if not _plain_call(to):
             kernel_report.record("transformer_add_norm", _HOST_STEPS)

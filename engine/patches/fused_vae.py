@@ -58,7 +58,7 @@ class FusedVAEResnetBlock:
 def _host_call_reason(m, x, temb, kwargs):
     """None when the stand-in computes this call; "" when the host's forward runs it as SD Accel means to
     (the stock path, another pack's forward); else the reason, for the report."""
-    if stock_path.LOCAL.depth or fm.host_replaced(m) or \
+    if stock_path.LOCAL.depth or stock_path.compiling() or fm.host_replaced(m) or \
             any(fm.class_forward_replaced(type(c)) for c in (m.norm1, m.norm2, m.swish)):
         return ""
     if temb is not None or kwargs:

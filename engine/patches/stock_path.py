@@ -9,10 +9,17 @@ what another computes.
 """
 import contextlib
 
+import torch
+
 from ..thread_scope import ThreadScope
 
 _SCOPE = ThreadScope()
 LOCAL = _SCOPE.local    # `LOCAL.depth` (> 0: active): the stand-ins' per-call test, read without a call
+
+# True while torch.compile traces (a TorchCompileModel placed after Apply SD Accel compiles a UNet holding the
+# stand-ins): they then trace as the host's own modules. The scope alone did not reach them there: dynamo on
+# the GPU machine's torch traced a fused kernel's launch inside one and failed the prompt. ~70 ns a call.
+compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
 def active():

@@ -425,7 +425,8 @@ def _accelerate(model, options):
         st = _state(base_model)
         if cache is not None:   # each kind of call is its own key: room for both kinds of each shape
             st.graphs.max_graphs = max(st.graphs.max_graphs, 2 * STEP_CACHE_KEYS)
-        info["wrapper"] = _install_wrapper(clone, st, options, cache, derived_copies=fp8 or upcast)
+        info["wrapper"] = _install_wrapper(clone, st, options, cache,
+                                           derived_copies=precision.keeps_derived_copies(clone, fp8, upcast))
         info["graph_state"] = st
     return clone, info
 

@@ -5,6 +5,7 @@ import logging
 
 from ...engine.fp8 import support as fp8_support
 from ...engine.fp8 import upcast as fp8_upcast
+from ...engine.fp8 import weights as kept_weights
 
 log = logging.getLogger("sd_accel")
 
@@ -24,6 +25,16 @@ def fp8_planned(clone, options, info):
 
 # what the kept fp16 copies of fp8-stored weights may leave of the GPU's memory for everything else, at least
 _UPCAST_HEADROOM = 0.25
+
+
+def keeps_derived_copies(clone, fp8, upcast):
+    """True when the step makes weight copies of its own (FP8 weights, fp16 copies of fp8-stored ones, and the
+    fp8-stored norms' fp16 copies, which the fused norms keep whatever `fp8_weights` says): a key's first step
+    after a weight change then runs eagerly, so no copy is first made inside a capture (which fails it; with
+    fp8_weights "as stored" every capture failed on a norm's copy and the steps ran eagerly, slower than stock)."""
+    if fp8 or upcast:
+        return True
+    return any(p.dtype in kept_weights.FP8_DTYPES for p in clone.model.diffusion_model.parameters())
 
 
 def upcast_planned(clone, info, on_cuda, fp8_weights="fp16 copies"):

@@ -47,6 +47,28 @@ def test_every_stand_in_in_stock_mode_is_the_stock_module_bit_for_bit(unet):
     assert torch.equal(_forward(unet, x, t, ctx), ref), "restored"
 
 
+def test_under_torch_compile_every_stand_in_traces_as_the_stock_module(unet):
+    """A TorchCompileModel placed after Apply SD Accel compiles a UNet that holds the stand-ins: dynamo must trace
+    the host's own modules there (it failed the prompt tracing a fused kernel's launch), whatever scope it sees.
+    No scope here: the test is the compile alone. Backend "eager": dynamo's trace, run as traced."""
+    import torch._dynamo
+    x, t, ctx = comfy_inproc.unet_inputs(unet)
+    ref = _forward(unet, x, t, ctx)
+    plan = dict(layout_modules.plan_layout_patches(unet))
+    plan.update(patching.plan_patches(unet, patching.COMFY_OPS).patches)
+    backup = patching.apply_patches(unet, plan)
+    try:
+        compiled = torch.compile(unet, backend="eager", fullgraph=False)
+        k0 = kernel_report.snapshot()
+        out = _forward(compiled, x, t, ctx)
+        ran = kernel_report.summarize(k0, kernel_report.snapshot())
+    finally:
+        patching.restore(unet, backup)
+        torch._dynamo.reset()
+    assert ran == {}, ran
+    assert torch.equal(out, ref)
+
+
 def test_the_switch_is_per_thread():
     import threading
     seen = []

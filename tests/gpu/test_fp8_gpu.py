@@ -137,3 +137,26 @@ def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_g
     result = json.loads(lines[-1][len("RESULT "):])
     assert result == {"refusal": None, "ahead": True, "geglu_in_epilogue": True, "refused": {}, "captures": 1,
                       "replayed": True, "replay_equal": True, "chosen": "triton"}, result
+
+
+def test_an_fp8_stored_unet_kept_as_stored_replays_graphs_and_equals_stock(comfy_env):
+    """fp8_weights "as stored": no fp16 copies of the Linears and convolutions (cast per call, inside the graph),
+    but the fused norms keep fp16 copies of their few fp8 weights. Those copies must be made before a capture:
+    made inside one, every capture failed and the steps ran eagerly, slower than stock (bench_fp8_stored)."""
+    import os
+    import folder_paths
+    import patch_nodes
+    from test_graphs_gpu import WORK
+    folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
+    unet = patch_nodes.load_fp8_unet("gpu_small.safetensors")
+    ref, _ = _sample(comfy_env, unet, ours=False)
+    with torch.inference_mode():
+        lat = comfy_env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+        runs = [comfy_env.ours.sample(unet, 5, 6, 7.0, "euler", "normal", comfy_env.pos, comfy_env.neg, lat,
+                                      fp8_weights="as stored") for _ in range(2)]
+    (out, rep), (again, rep2) = [(r["result"][0]["samples"].float(), r["ui"]["sdaccel_report"][0]) for r in runs]
+    assert "as stored" in rep["fell_back"].get("fp8-stored weights", ""), rep["fell_back"]
+    assert _rel(out, ref) < 2e-2 and _rel(again, ref) < 2e-2, (_rel(out, ref), _rel(again, ref))
+    for r in (rep, rep2):
+        assert not [why for why in r["graphs"].get("refused") or {} if "capture failed" in why], r["graphs"]
+    assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]

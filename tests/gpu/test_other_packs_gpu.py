@@ -252,22 +252,31 @@ def test_deepcache_loop_runs_the_hosts_modules_and_is_stock_in_every_order(comfy
     latent is stock's to the bit in every order, and the report names the wrapper."""
     build = lambda m: packs["deepcache"].DeepCacheLikeApply().apply(m, 3, 1)[0]  # noqa: E731
     by_order = _models_in_order(build, comfy_env.model)
-    ref, _ = _run(comfy_env, by_order["stock"][0], "stock")
+    # the packs pass the conditioning to the UNet's blocks as they find it: on the GPU in the ComfyUI they were
+    # written for; current ComfyUI leaves it on the CPU until apply_model, where stock fails with the pack alone
+    pos, neg = (_on_gpu(c) for c in (comfy_env.pos, comfy_env.neg))
+    ref, _ = _run(comfy_env, by_order["stock"][0], "stock", pos, neg)
     for order in ORDERS:
-        out, report = _run(comfy_env, by_order[order][0], by_order[order][1])
+        out, report = _run(comfy_env, by_order[order][0], by_order[order][1], pos, neg)
         assert torch.equal(out, ref), (order, _rel(out, ref))
         if report is not None:
             assert any("ran the UNet's blocks itself" in r for r in report["graphs"]["refused"]), report["graphs"]
 
 
+def _on_gpu(conditioning):
+    return [[t.cuda(), {k: v.cuda() if torch.is_tensor(v) else v for k, v in d.items()}] for t, d in conditioning]
+
+
 # -- torch.compile (ComfyUI's TorchCompileModel): SD Accel leaves the UNet to it -------------------------------
 def test_torch_compile_model_in_every_order_is_stock_with_the_same_compile(comfy_env):  # noqa: F811
-    """backend "cudagraphs" (the node's other choice; inductor compiles for minutes): dynamo traces what runs inside
-    the compiled diffusion model, which must never be SD Accel's stand-ins, and SD Accel captures nothing around it.
-    One compiled model serves stock and the orders that compile before SD Accel; Apply SD Accel then the compile
-    node is a second compile, over the host's own modules."""
+    """dynamo traces what runs inside the compiled diffusion model, which must never be SD Accel's stand-ins, and
+    SD Accel captures nothing around it. The node's backends do not serve here: "cudagraphs" fails in stock under
+    ComfyUI's default allocator (cudaMallocAsync: torch's CUDA graph trees check their pool's live allocations,
+    which that allocator cannot), and "inductor" compiles for minutes; "aot_eager" traces the same graph through
+    dynamo and AOTAutograd. One compiled model serves stock and the orders that compile before SD Accel; Apply SD
+    Accel then the compile node is a second compile, over the host's own modules."""
     from comfy_extras.nodes_torch_compile import TorchCompileModel
-    compile_ = lambda m: TorchCompileModel.execute(m, "cudagraphs")[0]  # noqa: E731
+    compile_ = lambda m: TorchCompileModel.execute(m, "aot_eager")[0]  # noqa: E731
     compiled = compile_(comfy_env.model)
     ref, _ = _run(comfy_env, compiled, "stock")
     runs = {"ours": _run(comfy_env, compiled, "ours"),
