@@ -10,8 +10,8 @@ One record per family (config `fp8_stored_<family>`): stock_its / ours_its on th
 and `ratio_vs_fp16` (ours fp8-stored / ours fp16), psnr_db against stock's image (same fp8 weights), peak VRAM;
 `as_stored_*`: the Accelerated KSampler with `fp8_weights` "as stored" (no fp16 copies: cast per call, as ComfyUI
 does) on a second load of the fp8 UNet, its speed, peak and PSNR. It runs after the default variant has made its
-copies in the same process, so its peak counts them too: `as_stored_peak_gib` is a speed run's peak, not the VRAM "as stored" saves (see the notes'
-derived-copies line of the default variant for that).
+copies in the same process, so its peak counts them too: `as_stored_peak_gib` is a speed run's peak, not the VRAM
+"as stored" saves (see the notes' derived-copies line of the default variant for that).
 
 `--profile` then runs one accelerated image of each UNet under torch's profiler and prints the CUDA kernels by GPU
 time side by side (a diagnosis: which kernels make a difference between the two), with the layouts of the conv

@@ -39,3 +39,34 @@ def test_a_dropped_checkpoint_with_graphs_is_freed_without_a_garbage_collection(
         mm.unload_all_models()
     finally:
         gc.enable()
+
+
+def test_a_checkpoint_dropped_after_lowvram_streaming_and_a_clip_copy_is_freed_at_once(comfy_env):  # noqa: F811
+    """The same through the VRAM Pool's lowvram block streaming (its streamer, pinned buffers and host copies of the
+    weights) with the text encoded through the pool and through Apply SD Accel (CLIP)'s graphed copy."""
+    import comfy.model_management as mm
+    from sd_accel.nodes.clip_nodes import SDAccelApplyCLIP
+    from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
+    env = comfy_env
+    with torch.inference_mode():
+        model, clip, vae = env.nodes.CheckpointLoaderSimple().load_checkpoint("gpu_small.safetensors")[:3]
+        fast_clip = SDAccelApplyCLIP().apply(clip)["result"][0]
+        for _ in range(2):
+            pos = env.nodes.CLIPTextEncode().encode(fast_clip, "a cat")[0]
+        pooled, pooled_clip = SDAccelVRAMPool().apply(model, budget_gib=0.0, offload="lowvram", clip=clip)["result"]
+        neg = env.nodes.CLIPTextEncode().encode(pooled_clip, "")[0]
+        lat = env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+        res = env.ours.sample(pooled, 5, 4, 7.0, "euler", "normal", pos, neg, lat)
+    assert res["result"][0]["samples"].shape[0] == 1
+    refs = {"patcher": weakref.ref(model), "BaseModel": weakref.ref(model.model),
+            "text encoder": weakref.ref(clip.cond_stage_model)}
+    gc.collect()
+    gc.disable()
+    try:
+        del model, clip, vae, fast_clip, pooled, pooled_clip, pos, neg, res
+        alive = [name for name, r in refs.items() if r() is not None]
+        assert not alive, alive
+        assert all(lm.model is not None for lm in mm.current_loaded_models)
+        mm.unload_all_models()
+    finally:
+        gc.enable()
