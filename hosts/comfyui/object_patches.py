@@ -113,8 +113,8 @@ def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True,
          upcast=False):
     """(ordered {path: module} to add as object patches, counts per op) for the
     UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
-    one patch per module, as the plan has them; `fp8`: the feed-forward's GEGLU projections in FP8 (LOSSY, engine/fp8/plan.py);
-    `upcast`: fp8-stored weights kept upcast (lossless, engine/fp8/upcast.py).
+    one patch per module, as the plan has them; `fp8`: the feed-forward's GEGLU projections in FP8 (LOSSY,
+    engine/fp8/plan.py); `upcast`: fp8-stored weights kept upcast (lossless, engine/fp8/upcast.py).
     Planned with other loaded clones' injections ejected.
     `planner(view, prefix, live) -> (patches, counts)`: what to plan instead of a UNet's module swaps (a VAE's)."""
     if planner is None:

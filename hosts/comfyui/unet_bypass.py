@@ -5,8 +5,9 @@ by running the input, middle and output blocks in their own loop).
 SD Accel's step (its graphs, and the choice of the faster eager path: engine/graphs/eager.py) sits on apply_model,
 so such a wrapper would call SD Accel's stand-ins eagerly on their fused path, which is slower than the host's own
 modules where the host is the bound. Guarded, the wrapper runs with the host's own modules (stock's numbers, each
-stand-in adding only the few Python calls of its stock branch); whatever it passes through the model function it was given reaches SD Accel's step as before. A call of
-the wrapper that never reached apply_model is counted with one line saying so.
+stand-in adding only the few Python calls of its stock branch); whatever it passes through the model function it
+was given reaches SD Accel's step as before. A call of the wrapper that never reached apply_model is counted with
+one line saying so.
 """
 import functools
 
