@@ -5,6 +5,7 @@ garbage collection frees. Until one runs, its weights stay in VRAM, and on curre
 listed with a live patcher; a collection started inside ComfyUI's free_memory then frees a patcher the unload loop
 has listed, which fails on it and leaves the loaded list broken for every later prompt (tests/gpu's full run met
 it in test_host_mirror_gpu's unload_all_models, and every later test failed)."""
+import contextlib
 import gc
 import weakref
 
@@ -13,8 +14,26 @@ import torch
 from test_graphs_gpu import comfy_env  # noqa: F401  (the shared module fixture)
 
 
-def test_a_dropped_checkpoint_with_graphs_is_freed_without_a_garbage_collection(comfy_env):  # noqa: F811
+@contextlib.contextmanager
+def _no_garbage_collection():
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _assert_freed_and_comfyui_sound(refs):
+    """Each weakly referenced object gone, ComfyUI's loaded list without a dead patcher, and its unload working."""
     import comfy.model_management as mm
+    alive = [name for name, r in refs.items() if r() is not None]
+    assert not alive, alive
+    assert all(lm.model is not None for lm in mm.current_loaded_models)
+    mm.unload_all_models()
+
+
+def test_a_dropped_checkpoint_with_graphs_is_freed_without_a_garbage_collection(comfy_env):  # noqa: F811
     from sd_accel.nodes.sampler_nodes import SDAccelApply
     from sd_accel.nodes.vae_nodes import SDAccelVAEDecode
     env = comfy_env
@@ -29,22 +48,14 @@ def test_a_dropped_checkpoint_with_graphs_is_freed_without_a_garbage_collection(
         SDAccelVAEDecode().decode(out, vae)
     refs = {"patcher": weakref.ref(model), "BaseModel": weakref.ref(model.model),
             "VAE": weakref.ref(vae.first_stage_model)}
-    gc.collect()
-    gc.disable()
-    try:
+    with _no_garbage_collection():
         del model, clip, vae, applied, res, out
-        alive = [name for name, r in refs.items() if r() is not None]
-        assert not alive, alive
-        assert all(lm.model is not None for lm in mm.current_loaded_models)
-        mm.unload_all_models()
-    finally:
-        gc.enable()
+        _assert_freed_and_comfyui_sound(refs)
 
 
 def test_a_checkpoint_dropped_after_lowvram_streaming_and_a_clip_copy_is_freed_at_once(comfy_env):  # noqa: F811
     """The same through the VRAM Pool's lowvram block streaming (its streamer, pinned buffers and host copies of the
     weights) with the text encoded through the pool and through Apply SD Accel (CLIP)'s graphed copy."""
-    import comfy.model_management as mm
     from sd_accel.nodes.clip_nodes import SDAccelApplyCLIP
     from sd_accel.nodes.memory_nodes import SDAccelVRAMPool
     env = comfy_env
@@ -60,13 +71,6 @@ def test_a_checkpoint_dropped_after_lowvram_streaming_and_a_clip_copy_is_freed_a
     assert res["result"][0]["samples"].shape[0] == 1
     refs = {"patcher": weakref.ref(model), "BaseModel": weakref.ref(model.model),
             "text encoder": weakref.ref(clip.cond_stage_model)}
-    gc.collect()
-    gc.disable()
-    try:
+    with _no_garbage_collection():
         del model, clip, vae, fast_clip, pooled, pooled_clip, pos, neg, res
-        alive = [name for name, r in refs.items() if r() is not None]
-        assert not alive, alive
-        assert all(lm.model is not None for lm in mm.current_loaded_models)
-        mm.unload_all_models()
-    finally:
-        gc.enable()
+        _assert_freed_and_comfyui_sound(refs)
