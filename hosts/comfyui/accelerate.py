@@ -343,13 +343,12 @@ _CLONES_ATTR = "_sd_accel_clones"
 
 def accelerate(model, options):
     """Returns (clone of `model` with SD Accel applied, info dict). `model` itself is untouched."""
-    keep_while_loaded(model)
     clones = model.__dict__.setdefault(_CLONES_ATTR, {})
     cached = clones.get(options)
-    if cached is not None and cached[2] == getattr(model, "patches_uuid", None):
+    fresh = cached is not None and cached[2] == getattr(model, "patches_uuid", None)
+    keep_while_loaded(model, cached[0] if cached is not None and not fresh else None)
+    if fresh:
         return cached[0], cached[1]
-    if cached is not None:
-        keep_while_loaded(model, cached[0])
     clone, info = _accelerate(model, options)
     clones[options] = (clone, info, getattr(model, "patches_uuid", None))
     return clone, info
@@ -359,8 +358,8 @@ _RETIRED_ATTR = "_sd_accel_retired_clones"
 
 
 def keep_while_loaded(model, old_clone=None):
-    """A cached clone replaced (its input's patches changed in place) while ComfyUI still has it loaded is kept,
-    on its input, until ComfyUI has let go of it (checked on each call for the input): freed while loaded, with
+    """A cached clone replaced (`old_clone`: its input's patches changed in place) while ComfyUI still has it loaded
+    is kept, on its input, until ComfyUI has let go of it (checked on each call for the input): freed while loaded, with
     no parent to fall back to (a root input's clone has none: parent_beyond_the_cache), its loaded entry would
     outlive it beside its live BaseModel, which ComfyUI takes for a leak (a full garbage collection on every
     later load)."""

@@ -82,15 +82,14 @@ def accelerate_vae(vae, options=VAEOptions()):
     vae = original_of(vae)
     patcher = getattr(vae, "patcher", None)
     copies = patcher.__dict__.setdefault(_COPIES_ATTR, {}) if patcher is not None else {}
-    if patcher is not None:
-        accelerate.keep_while_loaded(patcher)
     key = (options, _forced_fused())
     hit = copies.get(key)
-    if hit is not None and hit[2] == getattr(patcher, "patches_uuid", None) and hit[3]() is vae:
+    fresh = hit is not None and hit[2] == getattr(patcher, "patches_uuid", None) and hit[3]() is vae
+    if patcher is not None:
+        old = getattr(hit[0], "patcher", None) if hit is not None and not fresh else None
+        accelerate.keep_while_loaded(patcher, old if old is not patcher else None)
+    if fresh:
         return hit[0], hit[1]
-    old = getattr(hit[0], "patcher", None) if hit is not None else None
-    if old is not None and old is not patcher:
-        accelerate.keep_while_loaded(patcher, old)
     acc, info = _accelerate(vae, options)
     if patcher is not None:
         copies[key] = (acc, info, getattr(patcher, "patches_uuid", None), weakref.ref(vae))
