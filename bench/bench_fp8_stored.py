@@ -13,6 +13,12 @@ does) on a second load of the fp8 UNet, its speed, peak and PSNR. It runs after 
 copies in the same process, so its peak counts them too: `as_stored_peak_gib` is a speed run's peak, not the VRAM
 "as stored" saves (see the notes' derived-copies line of the default variant for that).
 
+`--peaks` (a process of its own) measures what "as stored" saves instead: one load of the fp8 UNet and nothing
+else on the GPU, stock KSampler, then the Accelerated KSampler "as stored", then with its fp16 copies (made only
+then), a warm-up and --reps runs each in that order, the peak VRAM allocated over each variant's sampling runs
+(warm-up and capture included). Config `fp8_stored_peaks_<family>`; its speeds are not rotated, so the speed
+records are the default mode's.
+
 `--profile` then runs one accelerated image of each UNet under torch's profiler and prints the CUDA kernels by GPU
 time side by side (a diagnosis: which kernels make a difference between the two), with the layouts of the conv
 weights and of their kept fp16 copies (engine/fp8/weights.py).
@@ -36,6 +42,7 @@ cb.add_common_args(ap, deadline=300.0)
 ap.add_argument("--families", default="sd15")
 ap.add_argument("--steps", type=int, default=None, help="default 20 (3 with --smoke)")
 ap.add_argument("--profile", action="store_true", help="also the kernels by GPU time of one image each")
+ap.add_argument("--peaks", action="store_true", help="the peak VRAM of stock, 'as stored' and 'fp16 copies' instead")
 OPT = ap.parse_args()
 if OPT.steps is None:
     OPT.steps = 3 if OPT.smoke else 20
@@ -146,6 +153,37 @@ def measure(family, vers):
     return rec
 
 
+def peaks(family, vers):
+    """--peaks: stock, "as stored", "fp16 copies" in that order on one load of the fp8 UNet (see the docstring)."""
+    _, clip, vae = cb.load_family(ENV, OPT, family, {})     # its fp16 UNet is never sampled: never on the GPU
+    model = patch_nodes.load_fp8_unet("random_%s_fp16.safetensors" % family)
+    size = size_of(family)
+    variants = (("stock", "stock", None), ("as_stored", "ours", {"fp8_weights": "as stored"}), ("copies", "ours", None))
+    runs = {}
+    for name, sampler, accel in variants:
+        runs[name] = [cb.run_graph(ENV, model, clip, vae, size, 1, 100 + i, sampler, OPT.steps, accel=accel)
+                      for i in range(1 + OPT.reps)]
+        r = runs[name]
+        out("%-10s %-10s peak %.3f GiB, %.2f it/s (median of %d after a warm-up), %s" % (
+            family, name, max(x["peak_gib"] for x in r), OPT.steps / statistics.median(x["sample_s"] for x in r[1:]),
+            OPT.reps, (r[-1]["line"] or "")[:200]))
+    weights_gib = sum(p.numel() * p.element_size() for p in model.model.diffusion_model.parameters()) / 2 ** 30
+    its = {n: OPT.steps / statistics.median(x["sample_s"] for x in r[1:]) for n, r in runs.items()}
+    peak = {n: max(x["peak_gib"] for x in r) for n, r in runs.items()}
+    return dict(vers, date=datetime.date.today().isoformat(), config="fp8_stored_peaks_%s_%d_b1" % (family, size),
+                steps=OPT.steps, sampler="euler", scheduler="normal", cfg=7.0,
+                unet_weights_gib=round(weights_gib, 3), stock_peak_gib=round(peak["stock"], 3),
+                as_stored_peak_gib=round(peak["as_stored"], 3), copies_peak_gib=round(peak["copies"], 3),
+                fp16_copies_gib=round(copies_bytes() / 2 ** 30, 3), stock_its=round(its["stock"], 2),
+                as_stored_its=round(its["as_stored"], 2), copies_its=round(its["copies"], 2),
+                as_stored_psnr_db=round(cb.psnr(runs["stock"][0]["img"], runs["as_stored"][0]["img"]), 2),
+                notes="one fp8 UNet load alone on the GPU; stock, then ours 'as stored', then ours with fp16 copies, "
+                      "%d runs each after a warm-up, not rotated (speeds secondary); peak = max_memory_allocated "
+                      "over each variant's sampling runs; as stored: %s%s" % (
+                          OPT.reps, (runs["as_stored"][-1]["line"] or "")[:300],
+                          "; smoke (CPU, tiny UNet)" if OPT.smoke else ""))
+
+
 def main():
     vers = cb.versions(ENV, OPT.comfy_dir)
     with open(os.path.join(OPT.out, "results.jsonl"), "a") as f:
@@ -153,7 +191,7 @@ def main():
             if time.time() - cb.T0 > OPT.deadline:
                 say("SKIP", family, "past the deadline")
                 continue
-            rec = measure(family, vers)
+            rec = peaks(family, vers) if OPT.peaks else measure(family, vers)
             say("RESULT", json.dumps(rec))
             f.write(json.dumps(rec) + "\n")
     with open(os.path.join(OPT.out, "bench_fp8_stored.txt"), "w") as f:

@@ -55,7 +55,9 @@
 # diagnose_eager (diagnose_eager.py: SD1.5 512² stock vs ours without graphs, plain and with a refused capture, under
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
 # fp8_stored (bench_fp8_stored.py: SD1.5 512², the fp8-stored UNet through stock and ours and the fp16 one through
-# ours, rotated, then the kernels by GPU time of one image each; ~2 min, killed at 240 s),
+# ours, rotated, then the kernels by GPU time of one image each; ~2 min, killed at 240 s), fp8_stored_peaks
+# (bench_fp8_stored.py --peaks: the fp8 UNet alone, stock then ours "as stored" then ours with fp16 copies, the peak
+# VRAM of each; ~1.5 min, killed at 200 s),
 # eager (bench_eager.py: stock vs ours where graphs do not run, SD1.5 512² b1 and SDXL 1024² b1, 12 rotated reps;
 # ~4 min with the SDXL build, deadline 330 s, killed at 420 s), eager_caches (bench_eager.py at SD1.5 only, with
 # LazyCache and EasyCache pairs beside the plain and refused ones; ~2.5 min, deadline 170 s, killed at 240 s),
@@ -190,6 +192,7 @@ for p in "$@"; do
     eager_caches) part eager_caches 240 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15 \
       --patches LazyCache,EasyCache --deadline 170 ;;
     fp8_stored) part fp8_stored 240 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 6 --profile ;;
+    fp8_stored_peaks) part fp8_stored_peaks 200 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 3 --peaks ;;
     diagnose_eager) part diagnose_eager 240 python3 bench/diagnose_eager.py --comfy-dir $COMFY ;;
     text_encode) part text_encode 300 python3 bench/bench_text_encode.py --comfy-dir $COMFY --deadline 200 ;;
     tests_clip)
@@ -208,10 +211,10 @@ for p in "$@"; do
       grep -v "^\[W\|This is technically allowed" "$OUT/h2d/log.txt" | tail -16 ;;
     kernels)
       mkdir -p "$OUT/kernels"
-      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add quantize_rows fp8_gemm; do
+      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add quantize_rows fp8_gemm upcast_fp8; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer server_sdxl_fp8 server_sdxl_fp8_stepcache patches_fp8stored fp8_stored tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer server_sdxl_fp8 server_sdxl_fp8_stepcache patches_fp8stored fp8_stored fp8_stored_peaks tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
   esac
 done

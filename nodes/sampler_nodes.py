@@ -76,8 +76,10 @@ PRECISION_INPUTS = {
                     "Lossless either way; only for checkpoints stored in fp8 (UNETLoader weight_dtype fp8_e4m3fn, "
                     "fp8 checkpoints), ignored for fp16 ones. 'fp16 copies': one fp16 copy of each weight where the "
                     "GPU has room, so no step casts weights (fastest; the UNet's weights then take three times the "
-                    "VRAM of the fp8 ones). 'as stored': the weights stay fp8 and each layer's are cast per call, as "
-                    "ComfyUI does (the UNet's weights in half the VRAM of an fp16 model; slower). Copies made "
+                    "VRAM of the fp8 ones). 'as stored' (and where the copies do not fit): the weights stay fp8 and "
+                    "each step casts them a group of layers at a time, one kernel a group (the UNet's weights in half "
+                    "the VRAM of an fp16 model, plus one or two groups' fp16 copies while a step runs; slower). "
+                    "Copies made "
                     "earlier for the same loaded model are freed when ComfyUI unloads it."}),
 }
 

@@ -3,7 +3,8 @@ weight to fp16 at every call, which costs each step a read of the fp8 weights an
 The forward patch here (set as the layer's own forward: engine/patches/forward_patches.py) keeps the upcast fp16
 copy (engine/fp8/weights.py: keyed on the weight tensor, so a LoRA or weight patch makes a new one) and computes
 with it: the same values ComfyUI's cast gives, without the per-step cast. Planned only where the copies fit in free
-VRAM (the host decides); the copies are counted in the report.
+VRAM (the host decides); the copies are counted in the report. Where they do not, or the weights are to stay as
+stored, `GroupedUpcastForward` casts a group of layers at a time at each step instead (engine/fp8/block_upcast.py).
 Where the host computes the weight per call (`weight_function`, `bias_function`: LoRA on a low-VRAM model) or
 the weight is elsewhere than the input, the host's own forward runs.
 """
@@ -12,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..patches.forward_patches import ForwardPatch, path_of
-from . import weights
-
+from . import block_upcast, weights
 
 
 class UpcastForward(ForwardPatch):
@@ -36,8 +36,29 @@ class UpcastForward(ForwardPatch):
         return weights.kept_upcast(self.module, x)
 
 
+class GroupedUpcastForward(UpcastForward):
+    """The layer's weight cast with its group's at each step (engine/fp8/block_upcast.py), no copy kept."""
+    sdaccel_kind = "fp8_upcast_grouped"
+
+    def __init__(self, module, group):
+        super().__init__(module)
+        self.group = group
+
+    def sdaccel_weights(self, x):
+        return self.group.weights(self.module, x)
+
+    def sdaccel_bias(self, x):
+        """(bias in x's dtype,) without casting the group (a reader of the bias alone: engine/patches/
+        emb_projections.py, for every ResBlock at the first), or None where the host must cast it."""
+        if not block_upcast.castable(self.module, x):
+            return None
+        b = self.module.bias
+        return (b if b is None or b.dtype == x.dtype else weights.upcast_of(b, x.dtype)[0],)
+
+
 # what an fp8-stored checkpoint's weights become (the nodes' `fp8_weights`): one fp16 copy each where the GPU has
-# room (fastest), or kept as stored, cast per call as the host does (the UNet's weights in half an fp16 model's VRAM)
+# room (fastest), or kept as stored and cast a group of layers at a time at each step (the UNet's weights in half
+# an fp16 model's VRAM)
 MODES = ("fp16 copies", "as stored")
 
 
@@ -48,12 +69,23 @@ def is_fp8_stored(m):
         bool(getattr(m, "comfy_cast_weights", False))
 
 
-def plan_upcast(root, prefix=""):
+def plan_upcast(root, prefix="", grouped=False):
     """({prefix + path + ".forward": forward patch} for every fp8-stored Linear/Conv2d under `root`, bytes their
-    fp16 copies take)."""
-    out, nbytes = {}, 0
+    kept fp16 copies take). `grouped`: cast a group at a time at each step instead (engine/fp8/block_upcast.py),
+    all but the timestep-embedding projections, which a fused ResBlock reads for every ResBlock at once at the
+    first (engine/patches/emb_projections.py; a group of them would be cast there whole, and kept to the end of
+    the step): those keep their copies (SD's are a few tens of MB)."""
+    out, nbytes, stored = {}, 0, []
     for name, mod in root.named_modules():
-        if name and is_fp8_stored(mod):
-            out[path_of(prefix + name)] = UpcastForward(mod)
-            nbytes += mod.weight.numel() * 2
+        if not (name and is_fp8_stored(mod)):
+            continue
+        if grouped and ".emb_layers." not in "." + name + ".":
+            stored.append((name, mod))
+            continue
+        out[path_of(prefix + name)] = UpcastForward(mod)
+        nbytes += mod.weight.numel() * 2
+    names = {id(mod): name for name, mod in stored}
+    for group in block_upcast.plan_groups([mod for _, mod in stored]):
+        for mod in group.modules:
+            out[path_of(prefix + names[id(mod)])] = GroupedUpcastForward(mod, group)
     return out, nbytes

@@ -84,7 +84,7 @@ class EmbProjections:
             w, b = fm.weights_of(lin, s)
             ws.append(w)
             bs.append(b if b is not None else s.new_zeros(w.shape[0]))
-            cb = fm.weights_of(conv, s)[1]
+            cb = fm.bias_of(conv, s)
             cbs.append(cb if cb is not None else s.new_zeros(w.shape[0]))
         out = F.linear(s, torch.cat(ws), torch.cat(bs))
         return out.float() + torch.cat(cbs).float()

@@ -55,6 +55,17 @@ def weights_of(m, x):
     return m.weight, m.bias
 
 
+def bias_of(m, x):
+    """`m`'s bias as `weights_of` reads it, without its weight where the layer's forward patch can give the bias
+    alone (a layer whose weight is cast with its group's: engine/fp8/upcast.py)."""
+    own = getattr(m.__dict__.get("forward"), "sdaccel_bias", None)
+    if own is not None:
+        b = own(x)
+        if b is not None:
+            return b[0]
+    return weights_of(m, x)[1]
+
+
 def _fp8_stored_norm(m):
     """A norm (not a Linear/Conv2d, whose copies the host plans where VRAM allows: engine/fp8/upcast.py) with
     fp8-stored weights: its fp16 copies are a few KB, and the host's cast of them costs every call a cast kernel

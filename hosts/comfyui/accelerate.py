@@ -20,6 +20,7 @@ import logging
 import torch
 
 from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
+from ...engine.fp8 import block_upcast
 from ...engine.fp8 import upcast as fp8_upcast
 from ...engine.fp8 import weights as fp8_weights
 from ...engine.patches import attention, fused_modules, patching
@@ -103,8 +104,9 @@ def _make_step(st, options, base_model, derived_copies=False):
             # a hook's weight patch is written in place, between the calls of one step, into tensors without a
             # version counter: no copy derived from the weights can tell, so each call makes its copies again
             host_state = (host_state, object())
-        # derived weight copies (FP8, upcast fp8-stored weights) are keyed on the host's patch state too
-        scope = fp8_weights.host_state(host_state) if derived_copies else contextlib.nullcontext()
+        # derived weight copies (FP8, upcast fp8-stored weights) are keyed on the host's patch state too, and
+        # fp8-stored weights cast a group at a time are cast within the step
+        scope = _derived_weights_scope(host_state) if derived_copies else contextlib.nullcontext()
         with scope:
             if options.cuda_graph:
                 # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
@@ -120,6 +122,12 @@ def _make_step(st, options, base_model, derived_copies=False):
             key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
             return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
     return step
+
+
+@contextlib.contextmanager
+def _derived_weights_scope(host_state):
+    with fp8_weights.host_state(host_state), block_upcast.step():
+        yield
 
 
 def hooks_patch_weights(base_model):

@@ -110,11 +110,12 @@ def drop_ours(clone):
 
 
 def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True, planner=None, fp8=False,
-         upcast=False):
+         upcast=None):
     """(ordered {path: module} to add as object patches, counts per op) for the
     UNet (or ControlNet: root "", the patcher's model itself) under `root` in `clone`'s model; `fold=False`:
     one patch per module, as the plan has them; `fp8`: the feed-forward's GEGLU projections in FP8 (LOSSY,
-    engine/fp8/plan.py); `upcast`: fp8-stored weights kept upcast (lossless, engine/fp8/upcast.py).
+    engine/fp8/plan.py); `upcast`: how fp8-stored weights are upcast, "copies" or "grouped" (lossless,
+    engine/fp8/upcast.py; precision.upcast_planned).
     Planned with other loaded clones' injections ejected.
     `planner(view, prefix, live) -> (patches, counts)`: what to plan instead of a UNet's module swaps (a VAE's)."""
     if planner is None:
@@ -178,10 +179,10 @@ def _unet_planner(fused_kernels, channels_last, fp8, upcast, view, prefix, live)
         patches.update(p.patches)
         counts.update(p.counts)
     if upcast:
-        kept, _ = plan_upcast(view, prefix)
+        kept, _ = plan_upcast(view, prefix, grouped=upcast == "grouped")
         patches.update(kept)
-        if kept:
-            counts["fp8_upcast"] = len(kept)
+        for p in kept.values():
+            counts[p.sdaccel_kind] = counts.get(p.sdaccel_kind, 0) + 1
     if fp8:
         # after the fused modules: a Linear under a stand-in (GEGLU's proj) is set through it
         linears = plan_fp8(view, prefix)

@@ -1,6 +1,7 @@
 """Which precision paths a ComfyUI model clone gets: FP8 compute for the transformers' Linears (precision "fp8",
 LOSSY, sm_89/sm_90 only) and, for checkpoints stored in fp8, one upcast fp16 copy per weight where the GPU has room
-(lossless: what ComfyUI's manual cast computes at every call, computed once). Each says why where it refuses."""
+(lossless: what ComfyUI's manual cast computes at every call, computed once), else a group of layers cast at a time
+at each step (the same values). Each says why where it refuses."""
 import logging
 
 from ...engine.fp8 import support as fp8_support
@@ -38,21 +39,23 @@ def keeps_derived_copies(clone, fp8, upcast):
 
 
 def upcast_planned(clone, info, on_cuda, fp8_weights="fp16 copies"):
-    """True when the model has fp8-stored weights (manual cast), `fp8_weights` asks for fp16 copies and they fit on
-    its GPU, leaving _UPCAST_HEADROOM of it for the activations; else False (with the reason where it has such
-    weights)."""
+    """How the model's fp8-stored weights (manual cast) are computed on its GPU: "copies" (one kept fp16 copy each,
+    where `fp8_weights` asks for them and they fit, leaving _UPCAST_HEADROOM of the GPU for the activations),
+    "grouped" (cast a group of layers at a time at each step: "as stored", or the copies do not fit; the reason
+    in `info`), or None (no such weights, or not on a GPU)."""
     modules = [m for m in clone.model.diffusion_model.modules() if fp8_upcast.is_fp8_stored(m)]
     if not modules or not on_cuda:
-        return False
+        return None
     need = sum(m.weight.numel() * 2 for m in modules)
     if fp8_weights == "as stored":
-        info["reasons"]["fp8-stored weights"] = ("kept as stored (fp8_weights 'as stored'): cast per call, as ComfyUI "
-                                                 "does, instead of %.1f GiB of fp16 copies" % (need / 2 ** 30))
-        return False
+        info["reasons"]["fp8-stored weights"] = ("kept as stored (fp8_weights 'as stored'): a group of layers cast at "
+                                                 "a time at each step, instead of %.1f GiB of fp16 copies"
+                                                 % (need / 2 ** 30))
+        return "grouped"
     import comfy.model_management as mm
     total = mm.get_total_memory(clone.load_device)
     if total - clone.model_size() - need < _UPCAST_HEADROOM * total:
-        info["reasons"]["fp8-stored weights"] = ("their fp16 copies (%.1f GiB) do not fit next to the model: "
-                                                 "cast per call, as ComfyUI does" % (need / 2 ** 30))
-        return False
-    return True
+        info["reasons"]["fp8-stored weights"] = ("their fp16 copies (%.1f GiB) do not fit next to the model: a group "
+                                                 "of layers cast at a time at each step" % (need / 2 ** 30))
+        return "grouped"
+    return "copies"

@@ -180,3 +180,97 @@ def test_the_stock_path_still_reads_the_kept_copies(fp8_unet, monkeypatch):
         patching.restore(fp8_unet, backup)
     assert torch.equal(out, ref)
     assert casts and not [c for c in casts if "Linear" in c or "Conv2d" in c]   # only the norms' own casts
+
+
+def _counting_casts(monkeypatch):
+    """The group casts made (each: the number of groups alive just after it), through the real kernel."""
+    from sd_accel.engine.fp8 import block_upcast
+    casts, real = [], block_upcast.kernel.upcast_fp8
+
+    def counting(sources, dst, layout, pointers):
+        out = real(sources, dst, layout, pointers)
+        assert real.last_call.path == "triton", real.last_call.reason
+        counting.last_call = real.last_call
+        casts.append(len(block_upcast._LOCAL.live) + 1)
+        return out
+    monkeypatch.setattr(block_upcast.kernel, "upcast_fp8", counting)
+    return casts
+
+
+def test_grouped_upcast_equals_manual_cast_casting_each_group_once_a_step(fp8_unet, monkeypatch):
+    """"as stored": the layers' weights cast a group at a time inside a step, each group once per forward and
+    dropped once its layers have run (at most two groups' fp16 weights alive at once); outside a step the host's
+    own cast runs. A LoRA that replaces a weight, or one written into it in place, is seen by the next step."""
+    from sd_accel.engine.fp8 import block_upcast
+    from sd_accel.engine.fp8.upcast import GroupedUpcastForward, plan_upcast
+    from sd_accel.engine.patches import patching
+    monkeypatch.setattr(block_upcast, "GROUP_BYTES", 64 << 10)    # the tiny UNet in several groups
+    casts = _counting_casts(monkeypatch)
+    x, t, ctx = _inputs(fp8_unet)
+    plan, nbytes = plan_upcast(fp8_unet, grouped=True)
+    grouped = [p for p in plan.values() if isinstance(p, GroupedUpcastForward)]
+    kept = [p for p in plan.values() if not isinstance(p, GroupedUpcastForward)]
+    assert kept and all(".emb_layers." in k for k, p in plan.items() if p in kept)
+    assert nbytes == sum(2 * p.module.weight.numel() for p in kept)
+    groups = {id(p.group): p.group for p in grouped}
+    assert len(groups) >= 4, len(groups)
+    lin = fp8_unet.input_blocks[1][1].transformer_blocks[0].attn1.to_q
+    with torch.no_grad():
+        ref = fp8_unet(x, t, context=ctx)
+        backup = patching.apply_patches(fp8_unet, plan)
+        try:
+            outside = fp8_unet(x, t, context=ctx)
+            assert casts == []
+            with block_upcast.step():
+                out = fp8_unet(x, t, context=ctx)
+                assert block_upcast._LOCAL.live == {}, "a group's buffer outlived its layers"
+            assert len(casts) == len(groups) and max(casts) <= 2, casts
+            new_w = torch.nn.Parameter((lin.weight.float() * 1.5).to(torch.float8_e4m3fn), requires_grad=False)
+            old_w, lin.weight = lin.weight, new_w
+            with block_upcast.step():
+                out_replaced = fp8_unet(x, t, context=ctx)
+            lin.weight = old_w
+            saved = old_w.detach().clone()
+            old_w.data.copy_(new_w.data)
+            with block_upcast.step():
+                out_in_place = fp8_unet(x, t, context=ctx)
+            old_w.data.copy_(saved)
+        finally:
+            patching.restore(fp8_unet, backup)
+        lin.weight = new_w
+        ref_patched = fp8_unet(x, t, context=ctx)
+        lin.weight = old_w
+    assert torch.equal(outside, ref) and torch.equal(out, ref)
+    assert torch.equal(out_replaced, ref_patched) and torch.equal(out_in_place, ref_patched)
+    assert not torch.equal(ref_patched, ref)
+
+
+def test_a_grouped_layer_the_host_must_cast_itself_runs_the_hosts_forward(fp8_unet, monkeypatch):
+    """A weight function (LoRA on a low-VRAM model) on one layer of a group: that layer runs the host's cast, the
+    group's others their views; a layer called twice in a step casts its group again rather than reading a
+    buffer its group may have dropped."""
+    from sd_accel.engine.fp8 import block_upcast
+    from sd_accel.engine.fp8.upcast import plan_upcast
+    from sd_accel.engine.patches import patching
+    attn = fp8_unet.input_blocks[1][1].transformer_blocks[0].attn1
+    plan = {k: p for k, p in plan_upcast(attn, grouped=True)[0].items()}
+    group = next(iter(plan.values())).group
+    assert [p.group for p in plan.values()] == [group] * 4          # to_q, to_k, to_v, to_out.0
+    casts = _counting_casts(monkeypatch)
+    x = torch.randn(2, 6, attn.to_q.in_features, dtype=torch.float16)
+    double = lambda w: w * 2                                      # noqa: E731
+    attn.to_k.weight_function = [double] if isinstance(type(attn.to_k).weight_function, list) else double
+    try:
+        with torch.no_grad():
+            ref_q, ref_k = attn.to_q(x), attn.to_k(x)
+            backup = patching.apply_patches(attn, plan)
+            try:
+                with block_upcast.step():
+                    q, k = attn.to_q(x), attn.to_k(x)
+                    q_again = attn.to_q(x)
+            finally:
+                patching.restore(attn, backup)
+    finally:
+        del attn.to_k.weight_function
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(q_again, ref_q)
+    assert len(casts) == 2, casts

@@ -140,9 +140,10 @@ def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_g
 
 
 def test_an_fp8_stored_unet_kept_as_stored_replays_graphs_and_equals_stock(comfy_env):
-    """fp8_weights "as stored": no fp16 copies of the Linears and convolutions (cast per call, inside the graph),
-    but the fused norms keep fp16 copies of their few fp8 weights. Those copies must be made before a capture:
-    made inside one, every capture failed and the steps ran eagerly, slower than stock (bench_fp8_stored)."""
+    """fp8_weights "as stored": no fp16 copies of the Linears and convolutions (cast a group at a time inside the
+    graph), but the fused norms keep fp16 copies of their few fp8 weights. Those copies must be made before a
+    capture: made inside one, every capture failed and the steps ran eagerly, slower than stock
+    (bench_fp8_stored)."""
     import os
     import folder_paths
     import patch_nodes
@@ -160,3 +161,40 @@ def test_an_fp8_stored_unet_kept_as_stored_replays_graphs_and_equals_stock(comfy
     for r in (rep, rep2):
         assert not [why for why in r["graphs"].get("refused") or {} if "capture failed" in why], r["graphs"]
     assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
+
+
+def test_as_stored_through_lora_changes_and_back_equals_stock_and_replays(comfy_env):
+    """fp8_weights "as stored" through LoRA strengths and back to the plain model: each group's cast reads the
+    weights through a table of their addresses made outside the captures, one per set of weights, kept for the
+    graphs captured over it. Back on the plain model its earlier graph replays with the plain weights' table:
+    every image is stock's."""
+    import os
+    import folder_paths
+    import patch_nodes
+    from test_graphs_gpu import WORK
+    folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
+    unet = patch_nodes.load_fp8_unet("gpu_small.safetensors")
+
+    def with_lora(strength):
+        with torch.inference_mode():
+            return comfy_env.nodes.LoraLoaderModelOnly().load_lora_model_only(unet, "gpu_small_lora.safetensors",
+                                                                              strength)[0]
+
+    def as_stored(model):
+        with torch.inference_mode():
+            lat = comfy_env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+            res = comfy_env.ours.sample(model, 5, 6, 7.0, "euler", "normal", comfy_env.pos, comfy_env.neg, lat,
+                                        fp8_weights="as stored")
+        return res["result"][0]["samples"].float(), res["ui"]["sdaccel_report"][0]
+
+    plain_ref, _ = _sample(comfy_env, unet, ours=False)
+    for strength in (None, 1.0, -0.7, None):
+        m = unet if strength is None else with_lora(strength)
+        ref = plain_ref if strength is None else _sample(comfy_env, m, ours=False)[0]
+        out, rep = as_stored(m)
+        again, rep2 = as_stored(m)
+        assert any(r.startswith("fp8_upcast_group") for r in rep["ran"]), rep["ran"]
+        assert _rel(out, ref) < 2e-2 and _rel(again, ref) < 2e-2, (strength, _rel(out, ref), _rel(again, ref))
+        if strength is not None:
+            assert _rel(ref, plain_ref) > 5e-2, (strength, _rel(ref, plain_ref))
+        assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, (strength, rep2["graphs"])
