@@ -5,7 +5,8 @@ own, one copy kernel a layer) against one upcast_fp8 kernel for a group of them 
 
 Groups of the weight shapes of SD1.5's and SDXL's UNet layers, as engine/fp8/block_upcast.py forms them (adjacent
 layers, up to 64 MiB of fp16). Times are eager and CUDA-graph replay (kernel_timing.py); bandwidth counts one read
-of the fp8 weights and one write of the cast copies.
+of the fp8 weights and one write of the cast copies. `--sweep` then times the kernel's tile and warps on the largest
+group (CUDA-graph replay), for its constants.
 """
 import os
 import sys
@@ -58,5 +59,27 @@ def setup(dtype):
                    n * (1 + torch.finfo(dtype).bits // 8), err)
 
 
+def sweep():
+    from kernel_timing import graph_us
+    tag, width, shapes = GROUPS[-1]
+    sources = [(torch.randn(s, device="cuda") * 0.05).to(torch.float8_e4m3fn) for s in shapes]
+    n = sum(t.numel() for t in sources)
+    print("sweep on %s %d (%d layers): block warps us GB/s" % (tag, width, len(sources)))
+    for block in (1024, 2048, 4096, 8192, 16384):
+        layout = k.Layout([t.numel() for t in sources], "cuda", block=block)
+        pointers = k.pointer_table(sources, "cuda")
+        dst = torch.empty(layout.total, dtype=torch.float16, device="cuda")
+        for warps in (2, 4, 8, 16):
+            k.NUM_WARPS = warps
+            us = graph_us(lambda: k.upcast_fp8(sources, dst, layout, pointers))
+            print("%6d %3d %8.1f %6.0f" % (block, warps, us, 3 * n / (us * 1e-6) / 1e9), flush=True)
+    k.NUM_WARPS = 4
+
+
 if __name__ == "__main__":
+    swept = "--sweep" in sys.argv
+    if swept:
+        sys.argv.remove("--sweep")
     run(k.upcast_fp8, setup, [("group", 26), ("width", 6), ("layers", 7), ("fp16 MiB", 9)], description=__doc__)
+    if swept:
+        sweep()

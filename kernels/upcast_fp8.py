@@ -40,12 +40,15 @@ if _tt is not None:
     ):
         tile = tl.program_id(0)
         s = tl.load(TILE_SOURCE + tile)
-        src = tl.multiple_of(tl.load(SOURCES + s).to(tl.pointer_type(tl.uint8)), 16)
+        # the source read as 32-bit words, four fp8 codes each (16-byte aligned: vector loads); the last word of
+        # a source may run past its last code, but never past that aligned word (no other page)
+        src = tl.multiple_of(tl.load(SOURCES + s).to(tl.pointer_type(tl.int32)), 16)
         start = tl.multiple_of(tl.load(STARTS + s), BLOCK)
         n = tl.load(NUMELS + s)
-        local = tl.multiple_of(tile.to(tl.int64) * BLOCK - start, BLOCK) + tl.arange(0, BLOCK)
-        mask = local < n
-        b = tl.load(src + local, mask=mask, other=0).to(tl.int32)
+        base = tl.multiple_of(tile.to(tl.int64) * BLOCK - start, BLOCK)     # the tile's first code in the source
+        words = base // 4 + tl.arange(0, BLOCK // 4)
+        w = tl.load(src + words, mask=words * 4 < n, other=0)
+        b = (w[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF      # [BLOCK / 4, 4]: little-endian codes
         # decoded from the bits, not by an fp8 type: exact on every GPU Triton runs on (its fp8 types need
         # sm_89) and in its CPU interpreter (whose fp8 conversions miss e5m2's subnormals and infinities)
         if E5M2:
@@ -57,21 +60,23 @@ if _tt is not None:
             mag = ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
             v = tl.where((b & 0x80) != 0, -mag, mag)
             v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-        tl.store(DST + start + local, v.to(DST.dtype.element_ty), mask=mask)
+        local = base + tl.arange(0, BLOCK)
+        tl.store(DST + start + local, tl.reshape(v, [BLOCK]).to(DST.dtype.element_ty), mask=local < n)
 
 
 class Layout:
     """Where each of a group's sources lands in the destination: slices in order, each starting at a multiple of
-    BLOCK. `numels`: the sources' sizes. The device tables are made at construction (outside any capture)."""
+    `block` (the kernel's tile: BLOCK, another power of two >= 64 where a benchmark sweeps it). `numels`: the
+    sources' sizes. The device tables are made at construction (outside any capture)."""
 
-    def __init__(self, numels, device):
-        self.numels = tuple(int(n) for n in numels)
+    def __init__(self, numels, device, block=BLOCK):
+        self.numels, self.block = tuple(int(n) for n in numels), block
         starts, tile_source, at = [], [], 0
         for i, n in enumerate(self.numels):
             starts.append(at)
-            tiles = cdiv(n, BLOCK)
+            tiles = cdiv(n, block)
             tile_source += [i] * tiles
-            at += tiles * BLOCK
+            at += tiles * block
         self.starts, self.total = tuple(starts), at
         self.tile_source = torch.tensor(tile_source, dtype=torch.int32, device=device)
         self.starts_dev = torch.tensor(starts, dtype=torch.int64, device=device)
@@ -115,10 +120,13 @@ def eligible(sources, dst, layout):
     return True, ""
 
 
+NUM_WARPS = 4
+
+
 def _launch(sources, dst, layout, pointers):
     launch(_upcast_kernel, (len(layout.tile_source),), layout.tile_source, pointers, layout.starts_dev,
-           layout.numels_dev, dst, E5M2=sources[0].dtype == getattr(torch, "float8_e5m2", None), BLOCK=BLOCK,
-           num_warps=4)
+           layout.numels_dev, dst, E5M2=sources[0].dtype == getattr(torch, "float8_e5m2", None), BLOCK=layout.block,
+           num_warps=NUM_WARPS)
     return dst
 
 
