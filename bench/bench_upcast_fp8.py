@@ -65,6 +65,7 @@ def sweep():
     sources = [(torch.randn(s, device="cuda") * 0.05).to(torch.float8_e4m3fn) for s in shapes]
     n = sum(t.numel() for t in sources)
     print("sweep on %s %d (%d layers): block warps us GB/s" % (tag, width, len(sources)))
+    warps0 = k.NUM_WARPS
     for block in (1024, 2048, 4096, 8192, 16384):
         layout = k.Layout([t.numel() for t in sources], "cuda", block=block)
         pointers = k.pointer_table(sources, "cuda")
@@ -73,7 +74,7 @@ def sweep():
             k.NUM_WARPS = warps
             us = graph_us(lambda: k.upcast_fp8(sources, dst, layout, pointers))
             print("%6d %3d %8.1f %6.0f" % (block, warps, us, 3 * n / (us * 1e-6) / 1e9), flush=True)
-    k.NUM_WARPS = 4
+    k.NUM_WARPS = warps0
 
 
 if __name__ == "__main__":
