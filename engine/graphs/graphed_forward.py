@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import logging
+import weakref
 
 import torch
 
@@ -46,7 +47,10 @@ class Policy:
 
 class GraphedForward:
     def __init__(self, module, name, cuda_graph=True, channels_last=True, policy=Policy()):
-        self.module = module
+        # weakly: set as the module's own `forward`, a strong reference would be a cycle (module -> stand-in ->
+        # module) that keeps a model the user dropped, and its VRAM, until a garbage collection runs (ComfyUI
+        # leaves a loaded copy's object patches applied when it frees the copy's patcher)
+        self._module = weakref.ref(module)
         self.forward = type(module).forward
         self.cuda_graph, self.channels_last = cuda_graph, channels_last
         self.policy = policy
@@ -54,6 +58,10 @@ class GraphedForward:
         self.epoch = None
         self.channels_last_done = False
         self.relayout_pending = False   # put back in stock's layout after graphs were captured: convert first
+
+    @property
+    def module(self):
+        return self._module()
 
     @classmethod
     def for_module(cls, module, name, cuda_graph=True, channels_last=True):

@@ -74,3 +74,22 @@ def test_a_stand_in_that_never_converted_leaves_the_layout_alone():
     assert not gf.relayout_pending and all(w.is_contiguous() for w in _weights(m))
     gf(torch.randn(1, 4, 8, 8))   # a CPU call after no conversion: nothing to put back
     assert all(w.is_contiguous() for w in _weights(m))
+
+
+def test_a_module_wearing_its_stand_in_is_freed_without_a_garbage_collection():
+    """Set as the module's own `forward` (an object patch ComfyUI leaves applied on a loaded copy it frees: Apply SD
+    Accel (CLIP)'s text encoder after a lowvram VRAM Pool run, on the GPU), the stand-in must not hold its module
+    in a cycle: the model the user dropped is freed, with its VRAM, by reference counting alone."""
+    import gc
+    import weakref
+    m, x = _module(), torch.randn(2, 4)
+    m.forward = GraphedForward.for_module(m, "lin")
+    assert torch.equal(m(x), type(m).forward(m, x))
+    ref = weakref.ref(m)
+    gc.collect()
+    gc.disable()
+    try:
+        del m
+        assert ref() is None, "the module outlived its last reference"
+    finally:
+        gc.enable()
