@@ -7,6 +7,7 @@ has listed, which fails on it and leaves the loaded list broken for every later 
 it in test_host_mirror_gpu's unload_all_models, and every later test failed)."""
 import contextlib
 import gc
+import sys
 import weakref
 
 import torch
@@ -24,11 +25,24 @@ def _no_garbage_collection():
         gc.enable()
 
 
+def _holders(obj, depth=3):
+    """What still refers to `obj`, a few levels up (for the failure message)."""
+    out = []
+    for r in gc.get_referrers(obj):
+        if isinstance(r, dict):
+            owners = [o for o in gc.get_referrers(r) if getattr(o, "__dict__", None) is r]
+            label = "dict of %s %s" % ([type(o).__name__ for o in owners], list(r)[:5])
+            out.append((label, _holders(owners[0], depth - 1)) if owners and depth > 1 else label)
+        elif not isinstance(r, (list, type(sys._getframe()))):
+            out.append((type(r).__name__, _holders(r, depth - 1)) if depth > 1 else type(r).__name__)
+    return out[:6]
+
+
 def _assert_freed_and_comfyui_sound(refs):
     """Each weakly referenced object gone, ComfyUI's loaded list without a dead patcher, and its unload working."""
     import comfy.model_management as mm
     alive = [name for name, r in refs.items() if r() is not None]
-    assert not alive, alive
+    assert not alive, [(name, _holders(refs[name]())) for name in alive]
     assert all(lm.model is not None for lm in mm.current_loaded_models)
     mm.unload_all_models()
 
