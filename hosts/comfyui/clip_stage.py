@@ -1,6 +1,7 @@
 """ComfyUI host, the VRAM Pool's clip output: the text encode under the pool's budget, measured as the "text
 encode" stage, which the pool's next sampling run's report starts with (hosts/comfyui/memory.py)."""
 import contextlib
+import weakref
 
 import torch
 
@@ -29,10 +30,14 @@ def pool_clip(clip, settings, mm=None):
     of the pool's next sampling run. The wrapper is an attribute of this clone: a CLIP cloned from it later
     (a LoRA loader after the pool) encodes the stock way, so connect this output to the text encoders."""
     out = clip.clone()
-    encode = out.encode_from_tokens        # bound to the clone; ComfyUI's scheduled encode calls it too
+    # the clone weakly, and its class's encode (ComfyUI's scheduled encode calls this attribute too): the wrapper
+    # is an attribute of the clone, and a reference to it (or its bound method) would be a cycle that keeps the
+    # text encoder the user dropped, and its VRAM, until a garbage collection runs
+    clone = weakref.ref(out)
 
     def encode_from_tokens(*args, **kwargs):
-        return text_stage(settings, out, lambda: encode(*args, **kwargs), mm)
+        c = clone()
+        return text_stage(settings, c, lambda: type(c).encode_from_tokens(c, *args, **kwargs), mm)
     out.encode_from_tokens = encode_from_tokens
     out.sd_accel_pool = settings
     return out
