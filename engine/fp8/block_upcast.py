@@ -19,6 +19,7 @@ any call outside a step.
 """
 import contextlib
 import threading
+import weakref
 
 import torch
 
@@ -54,7 +55,9 @@ class UpcastGroup:
     """Adjacent fp8-stored layers whose weights are cast together (see the module's docstring)."""
 
     def __init__(self, modules):
-        self.modules = tuple(modules)
+        # weakly: each member's forward patch holds its group, so a strong reference would be a cycle that keeps
+        # the layers, and their weights, until a garbage collection runs (see ForwardPatch)
+        self._modules = tuple(weakref.ref(m) for m in modules)
         self._layouts = {}    # source sizes -> kernel.Layout
         # source addresses -> pointer table. Never dropped while the group lives: a graph captured over a table
         # reads it at every replay, and is replayed again whenever its weights are back (a LoRA taken off).
@@ -70,9 +73,14 @@ class UpcastGroup:
         if cast is None or id(m) in cast.served or cast.dtype != x.dtype or cast.device != x.device:
             cast = live[self] = self._cast(x)
         cast.served.add(id(m))
-        if len(cast.served) == len(self.modules):
+        if len(cast.served) == len(self._modules):
             del live[self]
         return cast.views.get(id(m))
+
+    @property
+    def modules(self):
+        """The members still alive, in the model's order."""
+        return tuple(m for m in (r() for r in self._modules) if m is not None)
 
     def _cast(self, x):
         members, sources = [], []

@@ -9,6 +9,8 @@ object that was out of the tree while the other's weights were restored makes a 
 CPU copy. A forward patch is set as the module's own `forward` attribute (an object patch at `<path>.forward`), so
 the host's module stays in the tree with its parameters, marks and casting, and the patch reads them at each call.
 """
+import weakref
+
 from . import fused_modules as fm
 from . import stock_path
 
@@ -26,8 +28,15 @@ class ForwardPatch:
     on_stock_path = False
 
     def __init__(self, module):
-        self.module = module
+        # weakly: set as the module's own `forward`, a strong reference would be a cycle (module -> patch -> module)
+        # that keeps the layer and its weights, in VRAM, until a garbage collection runs (ComfyUI leaves a loaded
+        # model's object patches applied when the user's graph drops it and its patcher is freed)
+        self._module = weakref.ref(module)
         fm.host_forwards(type(module))     # the class's forwards as of now, for class_forward_replaced
+
+    @property
+    def module(self):
+        return self._module()
 
     def host_forward(self, *args, **kwargs):
         return type(self.module).forward(self.module, *args, **kwargs)

@@ -274,3 +274,28 @@ def test_a_grouped_layer_the_host_must_cast_itself_runs_the_hosts_forward(fp8_un
         del attn.to_k.weight_function
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(q_again, ref_q)
     assert len(casts) == 2, casts
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["copies", "grouped"])
+def test_a_layer_wearing_its_forward_patch_is_freed_without_a_garbage_collection(grouped):
+    """A forward patch is set as the layer's own `forward` (ComfyUI leaves a loaded model's object patches applied
+    when the user's graph drops it and its patcher is freed): it and its group must not hold the layer in a cycle,
+    or the layer's weights stay in VRAM until a garbage collection runs."""
+    import gc
+    import weakref
+    from sd_accel.engine.fp8.upcast import plan_upcast
+    lin = torch.nn.Linear(16, 16)
+    lin.weight.data = lin.weight.data.to(torch.float8_e4m3fn)
+    lin.comfy_cast_weights = True
+    root = torch.nn.Sequential(lin)
+    for path, patch in plan_upcast(root, grouped=grouped)[0].items():
+        assert path == "0.forward"
+        lin.forward = patch
+    ref = weakref.ref(lin)
+    gc.collect()
+    gc.disable()
+    try:
+        del lin, root, patch
+        assert ref() is None, "the layer outlived its last reference"
+    finally:
+        gc.enable()
