@@ -11,6 +11,21 @@ FP8_GPU = torch.cuda.get_device_capability() in ((8, 9), (9, 0))
 FP8_TOL = 0.15     # the small random checkpoint's final latent after 6 steps, fp8 vs fp16
 
 
+def fp8_stored_unet():
+    """The small GPU checkpoint's UNet loaded as UNETLoader weight_dtype fp8_e4m3fn loads it."""
+    import os
+    import folder_paths
+    import patch_nodes
+    from test_graphs_gpu import WORK
+    folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
+    return patch_nodes.load_fp8_unet("gpu_small.safetensors")
+
+
+def _with_lora(env, unet, strength):
+    with torch.inference_mode():
+        return env.nodes.LoraLoaderModelOnly().load_lora_model_only(unet, "gpu_small_lora.safetensors", strength)[0]
+
+
 def _sample_fp8(env, model, size=256, seed=5, steps=6):
     with torch.inference_mode():
         lat = env.nodes.EmptyLatentImage().generate(size, size, 1)[0]
@@ -62,17 +77,10 @@ def test_an_fp8_stored_unet_through_lora_changes_equals_stock_and_replays(comfy_
     (engine/fp8/upcast.py). A LoRA patches new fp8 weights in: their copies are made on the first step after the
     change, outside the capture (copies made inside one live in the graph's memory and were freed under it: the
     replay failed with CUDA "invalid argument"), and each strength's image is stock's."""
-    import os
-    import folder_paths
-    import patch_nodes
-    from test_graphs_gpu import WORK
-    folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
-    unet = patch_nodes.load_fp8_unet("gpu_small.safetensors")
+    unet = fp8_stored_unet()
 
     def with_lora(strength):
-        with torch.inference_mode():
-            return comfy_env.nodes.LoraLoaderModelOnly().load_lora_model_only(unet, "gpu_small_lora.safetensors",
-                                                                              strength)[0]
+        return _with_lora(comfy_env, unet, strength)
     # planned while a stock clone with a LoRA is loaded (its patched weights in the shared model): the stand-ins
     # must compute with the originals ComfyUI restores, not the LoRA's weights they saw at planning
     plain_ref, _ = _sample(comfy_env, unet, ours=False)
@@ -144,12 +152,7 @@ def test_an_fp8_stored_unet_kept_as_stored_replays_graphs_and_equals_stock(comfy
     graph), but the fused norms keep fp16 copies of their few fp8 weights. Those copies must be made before a
     capture: made inside one, every capture failed and the steps ran eagerly, slower than stock
     (bench_fp8_stored)."""
-    import os
-    import folder_paths
-    import patch_nodes
-    from test_graphs_gpu import WORK
-    folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
-    unet = patch_nodes.load_fp8_unet("gpu_small.safetensors")
+    unet = fp8_stored_unet()
     ref, _ = _sample(comfy_env, unet, ours=False)
     with torch.inference_mode():
         lat = comfy_env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
@@ -168,17 +171,10 @@ def test_as_stored_through_lora_changes_and_back_equals_stock_and_replays(comfy_
     weights through a table of their addresses made outside the captures, one per set of weights, kept for the
     graphs captured over it. Back on the plain model its earlier graph replays with the plain weights' table:
     every image is stock's."""
-    import os
-    import folder_paths
-    import patch_nodes
-    from test_graphs_gpu import WORK
-    folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
-    unet = patch_nodes.load_fp8_unet("gpu_small.safetensors")
+    unet = fp8_stored_unet()
 
     def with_lora(strength):
-        with torch.inference_mode():
-            return comfy_env.nodes.LoraLoaderModelOnly().load_lora_model_only(unet, "gpu_small_lora.safetensors",
-                                                                              strength)[0]
+        return _with_lora(comfy_env, unet, strength)
 
     def as_stored(model):
         with torch.inference_mode():

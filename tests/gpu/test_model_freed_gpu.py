@@ -88,3 +88,22 @@ def test_a_checkpoint_dropped_after_lowvram_streaming_and_a_clip_copy_is_freed_a
     with _no_garbage_collection():
         del model, clip, vae, fast_clip, pooled, pooled_clip, pos, neg, res
         _assert_freed_and_comfyui_sound(refs)
+
+
+def test_a_dropped_fp8_stored_unet_is_freed_without_a_garbage_collection(comfy_env):  # noqa: F811
+    """An fp8-stored UNet (UNETLoader fp8_e4m3fn) sampled with its fp16 copies and "as stored" (the layers' forward
+    patches and their upcast groups, set on the layers themselves), then dropped: its layers and weights go at once."""
+    from test_fp8_gpu import fp8_stored_unet
+    env = comfy_env
+    unet = fp8_stored_unet()
+    with torch.inference_mode():
+        lat = env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+        for fp8_weights in ("fp16 copies", "as stored", "as stored"):
+            res = env.ours.sample(unet, 5, 4, 7.0, "euler", "normal", env.pos, env.neg, lat, fp8_weights=fp8_weights)
+    rep = res["ui"]["sdaccel_report"][0]
+    assert any(r.startswith("fp8_upcast_group") for r in rep["ran"]) and rep["graphs"]["replays"] >= 1, rep
+    layer = next(m for m in unet.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear))
+    refs = {"patcher": weakref.ref(unet), "BaseModel": weakref.ref(unet.model), "a Linear layer": weakref.ref(layer)}
+    with _no_garbage_collection():
+        del unet, res, layer
+        _assert_freed_and_comfyui_sound(refs)
