@@ -89,10 +89,12 @@ def accelerate_vae(vae, options=VAEOptions()):
         old = getattr(hit[0], "patcher", None) if hit is not None and not fresh else None
         accelerate.keep_while_loaded(patcher, old if old is not patcher else None)
     if fresh:
-        return hit[0], hit[1]
+        return (vae if hit[0] is None else hit[0]), hit[1]
     acc, info = _accelerate(vae, options)
     if patcher is not None:
-        copies[key] = (acc, info, getattr(patcher, "patches_uuid", None), weakref.ref(vae))
+        # the VAE itself where nothing applies (CPU, options off) is cached as None: the cache lives on its
+        # patcher, and a reference to the VAE there would be a cycle that keeps a dropped VAE until a collection
+        copies[key] = (None if acc is vae else acc, info, getattr(patcher, "patches_uuid", None), weakref.ref(vae))
     return acc, info
 
 

@@ -147,3 +147,36 @@ def test_a_clone_replaced_while_loaded_is_kept_until_comfyui_lets_go_of_it(tmp_p
     assert old() is None
     assert not _dead_loaded_models(mm)
     mm.unload_all_models()
+
+
+def test_a_vae_through_the_vae_nodes_is_freed_without_a_garbage_collection(tmp_path):
+    """VAE Decode / VAE Encode / Apply SD Accel (VAE) cache their copy of a VAE on its patcher; where nothing applies
+    (here: the CPU) the "copy" is the VAE itself, and caching it there was a cycle that kept a dropped VAE (its
+    weights, in VRAM on a GPU where the copy is refused) until a garbage collection ran."""
+    path = comfy_inproc.tiny_checkpoint(tmp_path)       # ComfyUI importable from here on
+    import comfy.model_management as mm
+    import comfy.sd
+    from sd_accel.nodes.vae_nodes import SDAccelApplyVAE, SDAccelVAEDecode, SDAccelVAEEncode
+    for node in ("decode", "encode", "apply"):
+        with torch.inference_mode():
+            vae = comfy.sd.load_checkpoint_guess_config(path, output_vae=True, output_clip=False,
+                                                        output_model=False)[2]
+            lat = {"samples": torch.zeros(1, 4, 8, 8)}
+            if node == "decode":
+                SDAccelVAEDecode().decode(lat, vae)
+            elif node == "encode":
+                SDAccelVAEEncode().encode(torch.zeros(1, 64, 64, 3), vae)
+            else:
+                applied = SDAccelApplyVAE().apply(vae)["result"][0]
+                comfy_inproc.comfy_nodes().VAEDecode().decode(applied, lat)
+                del applied
+        if not _tracks_patchers_weakly(mm):      # ComfyUI 2024 holds a loaded patcher until it unloads it
+            mm.unload_all_models()
+        ref = weakref.ref(vae.first_stage_model)
+        gc.collect()
+        gc.disable()
+        try:
+            del vae
+            assert ref() is None, (node, _holders(ref()))
+        finally:
+            gc.enable()
