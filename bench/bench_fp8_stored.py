@@ -8,10 +8,10 @@ UNETLoader fp8_e4m3fn, both resident; stock KSampler on the fp8 UNet, the Accele
 fp8 UNet and on the fp16 one, a warm-up of each, then rotated run by run (--reps each: the host's noise), medians.
 One record per family (config `fp8_stored_<family>`): stock_its / ours_its on the fp8-stored UNet, `fp16_ours_its`
 and `ratio_vs_fp16` (ours fp8-stored / ours fp16), psnr_db against stock's image (same fp8 weights), peak VRAM;
-`as_stored_*`: the Accelerated KSampler with `fp8_weights` "as stored" (no fp16 copies: cast per call, as ComfyUI
-does) on a second load of the fp8 UNet, its speed, peak and PSNR. It runs after the default variant has made its
-copies in the same process, so its peak counts them too: `as_stored_peak_gib` is a speed run's peak, not the VRAM
-"as stored" saves (see the notes' derived-copies line of the default variant for that).
+`as_stored_*`: the Accelerated KSampler with `fp8_weights` "as stored" (no fp16 copies: a group of layers cast at
+a time at each step) on a second load of the fp8 UNet, its speed, peak and PSNR. It runs after the default variant
+has made its copies in the same process, so its peak counts them too: `as_stored_peak_gib` is a speed run's peak,
+not the VRAM "as stored" saves (`--peaks` measures that).
 
 `--peaks` (a process of its own) measures what "as stored" saves instead: one load of the fp8 UNet and nothing
 else on the GPU, stock KSampler, then the Accelerated KSampler "as stored", then with its fp16 copies (made only
