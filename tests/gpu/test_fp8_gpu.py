@@ -194,3 +194,44 @@ def test_as_stored_through_lora_changes_and_back_equals_stock_and_replays(comfy_
         if strength is not None:
             assert _rel(ref, plain_ref) > 5e-2, (strength, _rel(ref, plain_ref))
         assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, (strength, rep2["graphs"])
+
+
+@pytest.mark.parametrize("cuda_graph, step_cache", [(True, "off"), (False, "off"), (True, "interval 2")],
+                         ids=["graphs", "eager", "step_cache"])
+def test_as_stored_casts_each_next_group_ahead_and_equals_the_copies(comfy_env, monkeypatch, cuda_graph, step_cache):
+    """"as stored" with groups small enough that the small UNet has dozens: each group's successor is cast ahead on a
+    side stream while the group computes, into a buffer the computing stream allocated and frees. Each image equals
+    the fp16 copies' with the same options (and stock's without the step cache), with graphs, eagerly and under the
+    step cache, whose cached steps skip the deep blocks: a cast made ahead that no layer waits for is joined at the
+    step's end (unjoined, a capture fails; unwaited, a buffer could be freed while it is written)."""
+    from sd_accel.engine.fp8 import block_upcast
+    monkeypatch.setattr(block_upcast, "GROUP_BYTES", 1 << 20)
+    sides = []
+    real_side = block_upcast._side_stream
+    monkeypatch.setattr(block_upcast, "_side_stream", lambda device: sides.append(device) or real_side(device))
+    unet = fp8_stored_unet()
+
+    def run(fp8_weights, seed=5):
+        with torch.inference_mode():
+            lat = comfy_env.nodes.EmptyLatentImage().generate(256, 256, 1)[0]
+            res = comfy_env.ours.sample(unet, seed, 6, 7.0, "euler", "normal", comfy_env.pos, comfy_env.neg, lat,
+                                        cuda_graph=cuda_graph, step_cache=step_cache, fp8_weights=fp8_weights)
+        return res["result"][0]["samples"].float(), res["ui"]["sdaccel_report"][0]
+
+    copies, _ = run("fp16 copies")
+    assert not sides
+    out, rep = run("as stored")
+    again, rep2 = run("as stored")
+    other_seed, _ = run("as stored", seed=6)
+    other_copies, _ = run("fp16 copies", seed=6)
+    assert len(sides) >= 10, len(sides)       # casts made ahead (counted where Python runs: not in replays)
+    assert any(r.startswith("fp8_upcast_group") for r in rep["ran"]), rep["ran"]
+    for a, b in ((out, copies), (again, copies), (other_seed, other_copies)):
+        assert _rel(a, b) < 2e-3, (_rel(a, b), rep["graphs"])
+    if step_cache == "off":
+        ref, _ = _sample(comfy_env, unet, ours=False)
+        assert _rel(out, ref) < 2e-2, _rel(out, ref)
+    if cuda_graph:
+        for r in (rep, rep2):
+            assert not [why for why in r["graphs"].get("refused") or {} if "capture failed" in why], r["graphs"]
+        assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
