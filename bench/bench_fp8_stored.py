@@ -9,9 +9,7 @@ fp8 UNet and on the fp16 one, a warm-up of each, then rotated run by run (--reps
 One record per family (config `fp8_stored_<family>`): stock_its / ours_its on the fp8-stored UNet, `fp16_ours_its`
 and `ratio_vs_fp16` (ours fp8-stored / ours fp16), psnr_db against stock's image (same fp8 weights), peak VRAM;
 `as_stored_*`: the Accelerated KSampler with `fp8_weights` "as stored" (no fp16 copies: a group of layers cast at
-a time at each step, the next group ahead on a side stream) on a second load of the fp8 UNet, its speed, peak and
-PSNR; `as_stored_serial_its`: the same on a third load with each group cast where its first layer runs instead
-(what casting ahead gains). It runs after the default variant
+a time at each step) on a second load of the fp8 UNet, its speed, peak and PSNR. It runs after the default variant
 has made its copies in the same process, so its peak counts them too: `as_stored_peak_gib` is a speed run's peak,
 not the VRAM "as stored" saves (`--peaks` measures that).
 
@@ -29,7 +27,6 @@ weights and of their kept fp16 copies (engine/fp8/weights.py).
   python3 bench/bench_fp8_stored.py --smoke --out /tmp/bench_fp8_stored
 """
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -60,23 +57,7 @@ LINES = []
 # variant: (model, sampler, Accelerated KSampler inputs)
 VARIANTS = {"stock": ("fp8_stored", "stock", None), "ours": ("fp8_stored", "ours", None),
             "ours_as_stored": ("fp8_stored_2", "ours", {"fp8_weights": "as stored"}),
-            "ours_as_stored_serial": ("fp8_stored_3", "ours", {"fp8_weights": "as stored"}),
             "fp16_ours": ("fp16", "ours", None)}
-SERIAL = {"ours_as_stored_serial"}   # "as stored" with each group cast on the computing stream, not ahead
-
-
-@contextlib.contextmanager
-def casts_ahead(on):
-    """"as stored" casts each next group ahead on a side stream (engine/fp8/block_upcast.py); off, it casts each
-    group where its first layer runs, on the computing stream: what the cast ahead gains, in one process."""
-    from sd_accel.engine.fp8 import block_upcast
-    real = block_upcast.UpcastGroup._cast_next_ahead
-    if not on:
-        block_upcast.UpcastGroup._cast_next_ahead = lambda self, x, live: None
-    try:
-        yield
-    finally:
-        block_upcast.UpcastGroup._cast_next_ahead = real
 
 
 def out(*a):
@@ -128,13 +109,12 @@ def measure(family, vers):
     # modules) would take each other's place at every rotation, a capture per run that no user with one setting has
     name = "random_%s_fp16.safetensors" % family
     models = {"fp16": fp16_model, "fp8_stored": patch_nodes.load_fp8_unet(name),
-              "fp8_stored_2": patch_nodes.load_fp8_unet(name), "fp8_stored_3": patch_nodes.load_fp8_unet(name)}
+              "fp8_stored_2": patch_nodes.load_fp8_unet(name)}
     size = size_of(family)
 
     def run(variant, seed):
         model, sampler, accel = VARIANTS[variant]
-        with casts_ahead(variant not in SERIAL):
-            return cb.run_graph(ENV, models[model], clip, vae, size, 1, seed, sampler, OPT.steps, accel=accel)
+        return cb.run_graph(ENV, models[model], clip, vae, size, 1, seed, sampler, OPT.steps, accel=accel)
 
     first = {v: run(v, 1) for v in VARIANTS}
     runs = {v: [] for v in VARIANTS}
@@ -153,7 +133,6 @@ def measure(family, vers):
                ratio_vs_fp16=round(its["ours"] / its["fp16_ours"], 3),
                as_stored_its=round(its["ours_as_stored"], 2),
                as_stored_ratio_vs_fp16=round(its["ours_as_stored"] / its["fp16_ours"], 3),
-               as_stored_serial_its=round(its["ours_as_stored_serial"], 2),
                as_stored_peak_gib=round(max(r["peak_gib"] for r in runs["ours_as_stored"]), 3),
                fp16_ours_peak_gib=round(max(r["peak_gib"] for r in runs["fp16_ours"]), 3),
                fp16_copies_gib=round(copies_bytes() / 2 ** 30, 3),

@@ -21,7 +21,7 @@ from ._tiling import cdiv
 from ._triton import device_dtype_ineligible, get_triton
 
 BLOCK = 1024            # codes a program casts; every slice of `dst` starts at a multiple of it
-NUM_WARPS = 8           # with BLOCK, one 32-bit word a thread: the fastest in bench_upcast_fp8 --sweep by ~2x
+NUM_WARPS = 4           # with BLOCK, 8 codes a thread: the fastest in bench_upcast_fp8 --sweep (2 warps ~the same)
 _SOURCE_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 _DST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ALIGN = 16             # bytes: the kernel reads each source in 16-byte vectors
@@ -29,6 +29,21 @@ _ALIGN = 16             # bytes: the kernel reads each source in 16-byte vectors
 _tt = get_triton()
 if _tt is not None:
     triton, tl = _tt
+
+    @triton.jit
+    def _decode(b, E5M2: tl.constexpr):
+        """fp8 codes (int32 0..255) to their values in fp32: decoded from the bits, not by an fp8 type, so exact on
+        every GPU Triton runs on (its fp8 types need sm_89) and in its CPU interpreter (whose fp8 conversions miss
+        e5m2's subnormals and infinities)."""
+        if E5M2:
+            # e5m2 is fp16's top byte: infinities, NaNs and subnormals included
+            return (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        # e4m3fn's sign bit and 7 magnitude bits placed as fp16's sign, exponent and top mantissa bits give its
+        # value / 256 (normal and subnormal alike; the sign set in the bits, not by a negation a compiler may fold
+        # for a zero, so -0.0 stays negative); its only non-finite codes are the NaNs 0x7F and 0xFF
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
     @triton.jit
     def _upcast_kernel(
@@ -41,28 +56,19 @@ if _tt is not None:
     ):
         tile = tl.program_id(0)
         s = tl.load(TILE_SOURCE + tile)
-        # the source read as 32-bit words, four fp8 codes each (16-byte aligned: vector loads); the last word of
-        # a source may run past its last code, but never past that aligned word (no other page)
-        src = tl.multiple_of(tl.load(SOURCES + s).to(tl.pointer_type(tl.int32)), 16)
+        src = tl.multiple_of(tl.load(SOURCES + s).to(tl.pointer_type(tl.uint8)), 16)
         start = tl.multiple_of(tl.load(STARTS + s), BLOCK)
         n = tl.load(NUMELS + s)
         base = tl.multiple_of(tile.to(tl.int64) * BLOCK - start, BLOCK)     # the tile's first code in the source
-        words = base // 4 + tl.arange(0, BLOCK // 4)
-        w = tl.load(src + words, mask=words * 4 < n, other=0)
-        b = (w[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF      # [BLOCK / 4, 4]: little-endian codes
-        # decoded from the bits, not by an fp8 type: exact on every GPU Triton runs on (its fp8 types need
-        # sm_89) and in its CPU interpreter (whose fp8 conversions miss e5m2's subnormals and infinities)
-        if E5M2:
-            # e5m2 is fp16's top byte: infinities, NaNs and subnormals included
-            v = (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        else:
-            # e4m3fn's 7 magnitude bits placed as fp16's exponent and top mantissa bits give its value / 256
-            # (normal and subnormal alike); its only non-finite codes are the NaNs 0x7F and 0xFF
-            mag = ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-            v = tl.where((b & 0x80) != 0, -mag, mag)
-            v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
         local = base + tl.arange(0, BLOCK)
-        tl.store(DST + start + local, tl.reshape(v, [BLOCK]).to(DST.dtype.element_ty), mask=local < n)
+        out = DST + start + local
+        if base + BLOCK <= n:
+            # a whole tile: unmasked, so each thread's codes load and store as wide vectors
+            v = _decode(tl.load(src + local).to(tl.int32), E5M2)
+            tl.store(out, v.to(DST.dtype.element_ty))
+        else:
+            v = _decode(tl.load(src + local, mask=local < n, other=0).to(tl.int32), E5M2)
+            tl.store(out, v.to(DST.dtype.element_ty), mask=local < n)
 
 
 class Layout:
@@ -119,8 +125,6 @@ def eligible(sources, dst, layout):
     if any(t.device != dst.device for t in sources):
         return False, "a source on another device"
     return True, ""
-
-
 
 
 def _launch(sources, dst, layout, pointers):

@@ -12,13 +12,6 @@ once every layer of the group has had its weights, or when the step ends: a step
 fp16 weights at a time, not the model's. Inside a CUDA graph the casts are captured with the step, so each
 replay casts again from the fp8 weights as they are (a LoRA written into them in place is seen).
 
-On a GPU the next group is cast ahead, on a side stream, while the current group's layers compute: a group's
-first layer starts its successor's cast (`UpcastGroup.next`), and that successor's first layer waits for it.
-The buffer is allocated on the computing stream before the side stream waits on it, and freed there after its
-layers, so no stream can get its memory while it is still written or read (under the caching allocator and
-cudaMallocAsync alike). The step's end makes the computing stream wait for casts no layer waited for (a group a
-patch skipped), which also joins the side stream back into a capture.
-
 The values are ComfyUI's: the fp8 -> fp16 cast is exact, and biases (a few KB a layer) are read from kept fp16
 copies (engine/fp8/weights.upcast_of), the same values. A layer the host must cast itself (a weight computed per
 call, a checkpoint scale, a weight not on the input's device) gets None and runs the host's forward; so does
@@ -42,55 +35,20 @@ class _Local(threading.local):
 
 
 _LOCAL = _Local()
-_SIDE_STREAMS = {}  # device -> the side stream groups are cast ahead on
 
 
 @contextlib.contextmanager
 def step():
-    """The scope of one accelerated step on this thread: groups cast inside it are dropped when it ends, and
-    the stream it ran on waits for any cast made ahead that no layer waited for."""
-    outer, live = _LOCAL.live, {}
-    _LOCAL.live = live
+    """The scope of one accelerated step on this thread: groups cast inside it are dropped when it ends."""
+    outer, _LOCAL.live = _LOCAL.live, {}
     try:
         yield
-    except BaseException:
-        _wait_all(live, failed=True)
-        raise
-    else:
-        _wait_all(live, failed=False)
     finally:
         _LOCAL.live = outer
 
 
-def _wait_all(live, failed):
-    pending = [c for c in live.values() if c.ready is not None]
-    try:
-        for cast in pending:
-            cast.wait()
-    except RuntimeError:
-        if not failed:
-            raise
-        # the step failed inside a capture, which invalidated it: the side stream may still be in that capture's
-        # state, so the next cast ahead takes a new one
-        for cast in pending:
-            _SIDE_STREAMS.pop(cast.device, None)
-
-
-def _side_stream(device):
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
-
 class _Cast:
-    __slots__ = ("dtype", "device", "views", "served", "ready")
-
-    def wait(self):
-        """The current stream waits for this cast if it was made ahead on the side stream."""
-        if self.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
-            self.ready = None
+    __slots__ = ("dtype", "device", "views", "served")
 
 
 class UpcastGroup:
@@ -105,7 +63,6 @@ class UpcastGroup:
         # reads it at every replay, and is replayed again whenever its weights are back (a LoRA taken off).
         # A few hundred bytes each.
         self._pointers = {}
-        self.next = None      # the group after this one in the model's order, cast ahead of it (plan_groups)
 
     def weights(self, m, x):
         """(weight, bias) of member `m` in x's dtype, or None: the host's forward casts them."""
@@ -113,12 +70,8 @@ class UpcastGroup:
         if live is None:
             return None
         cast = live.get(self)
-        if cast is not None:
-            cast.wait()
         if cast is None or id(m) in cast.served or cast.dtype != x.dtype or cast.device != x.device:
             cast = live[self] = self._cast(x)
-        if not cast.served:
-            self._cast_next_ahead(x, live)
         cast.served.add(id(m))
         if len(cast.served) == len(self._modules):
             del live[self]
@@ -129,33 +82,19 @@ class UpcastGroup:
         """The members still alive, in the model's order."""
         return tuple(m for m in (r() for r in self._modules) if m is not None)
 
-    def _cast_next_ahead(self, x, live):
-        nxt = self.next
-        if nxt is not None and x.device.type == "cuda" and nxt not in live:
-            live[nxt] = nxt._cast(x, _side_stream(x.device))
-
-    def _cast(self, x, side=None):
-        """The group cast for x's dtype and device, on the current stream, or with `side` made ahead on that stream
-        (its `ready` event then recorded there)."""
+    def _cast(self, x):
         members, sources = [], []
         for m in self.modules:
             if castable(m, x) and (not sources or m.weight.dtype == sources[0].dtype):
                 members.append(m)
                 sources.append(m.weight)
         cast = _Cast()
-        cast.dtype, cast.device, cast.views, cast.served, cast.ready = x.dtype, x.device, {}, set(), None
+        cast.dtype, cast.device, cast.views, cast.served = x.dtype, x.device, {}, set()
         if not sources or kernel.sources_ineligible(sources):
             return cast
         layout, pointers = self._tables(sources, x.device)
         dst = torch.empty(layout.total, dtype=x.dtype, device=x.device)
-        if side is None:
-            kernel.upcast_fp8(sources, dst, layout, pointers)
-        else:
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                kernel.upcast_fp8(sources, dst, layout, pointers)
-                cast.ready = torch.cuda.Event()
-                cast.ready.record(side)
+        kernel.upcast_fp8(sources, dst, layout, pointers)
         kernel_report.record("fp8_upcast_group", kernel.upcast_fp8.last_call)
         for i, m in enumerate(members):
             b = m.bias
@@ -204,6 +143,4 @@ def plan_groups(modules):
         size += nbytes
     if run:
         groups.append(UpcastGroup(run))
-    for group, nxt in zip(groups, groups[1:]):
-        group.next = nxt
     return groups

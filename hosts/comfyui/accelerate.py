@@ -14,6 +14,7 @@
   before the step, and its own wrappers run the kind.
 Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
 """
+import contextlib
 import logging
 
 import torch
@@ -104,31 +105,29 @@ def _make_step(st, options, base_model, derived_copies=False):
             # version counter: no copy derived from the weights can tell, so each call makes its copies again
             host_state = (host_state, object())
         # derived weight copies (FP8, upcast fp8-stored weights) are keyed on the host's patch state too, and
-        # fp8-stored weights cast a group at a time are cast within the step: the scope is entered by each run
-        # of fn, so a capture holds all of it (casts made ahead on a side stream are joined before it ends)
-        if derived_copies:
-            fn = _in_derived_weights_scope(fn, host_state)
-        if options.cuda_graph:
-            # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
-            epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
-            if epoch is None or epoch is not st.sampling_placed:   # loads happen between runs only
-                _model_sampling_on(base_model, x.device)
-                st.sampling_placed = epoch
-                conv_layout.set_layout(st, base_model, options.channels_last and st.channels_last_done)
-            return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
-                                 host_state=host_state, warm_after_change=derived_copies)
-        # graphs off: the faster of the fused and the stock modules, measured per shape, on stock's layout
-        conv_layout.set_layout(st, base_model, False)
-        key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
-        return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
+        # fp8-stored weights cast a group at a time are cast within the step
+        scope = _derived_weights_scope(host_state) if derived_copies else contextlib.nullcontext()
+        with scope:
+            if options.cuda_graph:
+                # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
+                epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
+                if epoch is None or epoch is not st.sampling_placed:   # loads happen between runs only
+                    _model_sampling_on(base_model, x.device)
+                    st.sampling_placed = epoch
+                    conv_layout.set_layout(st, base_model, options.channels_last and st.channels_last_done)
+                return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
+                                     host_state=host_state, warm_after_change=derived_copies)
+            # graphs off: the faster of the fused and the stock modules, measured per shape, on stock's layout
+            conv_layout.set_layout(st, base_model, False)
+            key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
+            return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
     return step
 
 
-def _in_derived_weights_scope(fn, host_state):
-    def run(*args, **kwargs):
-        with fp8_weights.host_state(host_state), block_upcast.step():
-            return fn(*args, **kwargs)
-    return run
+@contextlib.contextmanager
+def _derived_weights_scope(host_state):
+    with fp8_weights.host_state(host_state), block_upcast.step():
+        yield
 
 
 def hooks_patch_weights(base_model):

@@ -198,17 +198,13 @@ def test_as_stored_through_lora_changes_and_back_equals_stock_and_replays(comfy_
 
 @pytest.mark.parametrize("cuda_graph, step_cache", [(True, "off"), (False, "off"), (True, "interval 2")],
                          ids=["graphs", "eager", "step_cache"])
-def test_as_stored_casts_each_next_group_ahead_and_equals_the_copies(comfy_env, monkeypatch, cuda_graph, step_cache):
-    """"as stored" with groups small enough that the small UNet has dozens: each group's successor is cast ahead on a
-    side stream while the group computes, into a buffer the computing stream allocated and frees. Each image equals
-    the fp16 copies' with the same options (and stock's without the step cache), with graphs, eagerly and under the
-    step cache, whose cached steps skip the deep blocks: a cast made ahead that no layer waits for is joined at the
-    step's end (unjoined, a capture fails; unwaited, a buffer could be freed while it is written)."""
+def test_as_stored_in_many_groups_equals_the_copies(comfy_env, monkeypatch, cuda_graph, step_cache):
+    """"as stored" with groups small enough that the small UNet has dozens, each cast where its first layer runs and
+    dropped after its last: each image equals the fp16 copies' with the same options (and stock's without the step
+    cache) within fp16 noise (the two runs' kernels may differ: the eager path's per-shape choice, cuDNN's), with
+    graphs, eagerly and under the step cache, whose cached steps skip the deep blocks' groups."""
     from sd_accel.engine.fp8 import block_upcast
     monkeypatch.setattr(block_upcast, "GROUP_BYTES", 1 << 20)
-    sides = []
-    real_side = block_upcast._side_stream
-    monkeypatch.setattr(block_upcast, "_side_stream", lambda device: sides.append(device) or real_side(device))
     unet = fp8_stored_unet()
 
     def run(fp8_weights, seed=5):
@@ -219,15 +215,13 @@ def test_as_stored_casts_each_next_group_ahead_and_equals_the_copies(comfy_env, 
         return res["result"][0]["samples"].float(), res["ui"]["sdaccel_report"][0]
 
     copies, _ = run("fp16 copies")
-    assert not sides
     out, rep = run("as stored")
     again, rep2 = run("as stored")
     other_seed, _ = run("as stored", seed=6)
     other_copies, _ = run("fp16 copies", seed=6)
-    assert len(sides) >= 10, len(sides)       # casts made ahead (counted where Python runs: not in replays)
     assert any(r.startswith("fp8_upcast_group") for r in rep["ran"]), rep["ran"]
     for a, b in ((out, copies), (again, copies), (other_seed, other_copies)):
-        assert _rel(a, b) < 2e-3, (_rel(a, b), rep["graphs"])
+        assert _rel(a, b) < 2e-2, (_rel(a, b), rep["graphs"])
     if step_cache == "off":
         ref, _ = _sample(comfy_env, unet, ours=False)
         assert _rel(out, ref) < 2e-2, _rel(out, ref)
@@ -235,3 +229,49 @@ def test_as_stored_casts_each_next_group_ahead_and_equals_the_copies(comfy_env, 
         for r in (rep, rep2):
             assert not [why for why in r["graphs"].get("refused") or {} if "capture failed" in why], r["graphs"]
         assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
+
+
+def test_the_grouped_cast_gives_stocks_bits(comfy_env, monkeypatch):
+    """The fp8-stored UNet's call with only its forward patches, its layers' weights cast a group at a time (dozens
+    of groups, whole tiles and partial ones), gives the bits of ComfyUI's own call, which casts each layer's weight:
+    eagerly and replayed from a CUDA graph (the same GEMMs and convolutions on the same values)."""
+    import comfy.model_management as mm
+    from sd_accel.engine.fp8 import block_upcast
+    from sd_accel.engine.fp8 import weights as fp8_weights
+    from sd_accel.engine.fp8.upcast import plan_upcast
+    from sd_accel.engine.patches import patching
+    monkeypatch.setattr(block_upcast, "GROUP_BYTES", 1 << 20)
+    unet = fp8_stored_unet()
+    with torch.inference_mode():     # as ComfyUI's executor loads it (the weights are inference tensors)
+        mm.load_models_gpu([unet])
+    dm = unet.model.diffusion_model
+    dtype = unet.model.manual_cast_dtype or torch.float16
+    attn2 = dm.input_blocks[1][1].transformer_blocks[0].attn2
+    x = torch.randn(2, 4, 32, 32, device="cuda", dtype=dtype)
+    t = torch.tensor([500.0, 500.0], device="cuda")
+    ctx = torch.randn(2, 77, attn2.to_k.in_features, device="cuda", dtype=dtype)
+    plan = plan_upcast(dm, grouped=True)[0]
+    assert len({id(p.group) for p in plan.values() if hasattr(p, "group")}) >= 10
+
+    def call():
+        with fp8_weights.host_state(None), block_upcast.step():
+            return dm(x, t, context=ctx)
+
+    with torch.inference_mode():
+        stock = dm(x, t, context=ctx)
+        backup = patching.apply_patches(dm, plan)
+        try:
+            eager = call()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                call()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graphed = call()
+            graph.replay()
+            torch.cuda.synchronize()
+        finally:
+            patching.restore(dm, backup)
+    assert torch.equal(eager, stock) and torch.equal(graphed, stock)

@@ -69,13 +69,16 @@ def test_the_reference_casts_the_same(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fp8", FP8)
 def test_every_fp8_code_decodes_to_its_value(fp8, dtype, device):
-    """All 256 codes (subnormals, the largest values, infinities and NaNs), decoded from their bits."""
-    codes = torch.arange(256, dtype=torch.uint8).view(fp8).to(device)
-    layout = k.Layout([256], device)
+    """All 256 codes (subnormals, the largest values, infinities and NaNs), decoded from their bits, in a whole tile
+    (loaded unmasked) and in a source's last, partial one."""
+    n = k.BLOCK + 256 + 16
+    codes = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8).view(fp8).to(device)
+    layout = k.Layout([n], device)
     dst = torch.zeros(layout.total, dtype=dtype, device=device)
     k.upcast_fp8([codes], dst, layout, k.pointer_table([codes], device))
     assert k.upcast_fp8.last_call.path == "triton", k.upcast_fp8.last_call.reason
-    got, want = dst[:256], codes.to(dtype)
+    assert torch.equal(dst[n:], torch.zeros_like(dst[n:]))       # nothing written past the source's last code
+    got, want = dst[:n], codes.to(dtype)
     assert torch.equal(got.isnan(), want.isnan())
     finite = ~want.isnan()
     assert torch.equal(got[finite], want[finite])
