@@ -121,22 +121,17 @@ class UpcastGroup:
 
 
 def castable(m, x):
-    """Whether the group may cast `m`'s weight: the host would only change its dtype (nothing computed per call,
-    no checkpoint scale, the weight on x's device) and its bias, if any, is on that device too."""
-    w, b = m.weight, m.bias
-    return not (getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
-                or getattr(m, "scale_weight", None) is not None or w is None or w.device != x.device
-                or w.dtype not in weights.FP8_DTYPES or (b is not None and b.device != x.device))
+    """Whether the group may cast `m`'s weight: an fp8 one the host would only change the dtype of."""
+    return weights.host_casts_dtype_only(m, x) and m.weight.dtype in weights.FP8_DTYPES
 
 
 def plan_groups(modules):
     """`modules` (fp8-stored layers, in the model's order) split into UpcastGroups of adjacent layers, each of at
     most GROUP_BYTES of fp16 weights (a larger layer alone)."""
-    group_bytes = GROUP_BYTES
     groups, run, size = [], [], 0
     for m in modules:
         nbytes = m.weight.numel() * 2
-        if run and size + nbytes > group_bytes:
+        if run and size + nbytes > GROUP_BYTES:
             groups.append(UpcastGroup(run))
             run, size = [], 0
         run.append(m)

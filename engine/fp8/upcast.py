@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..patches import emb_projections
 from ..patches.forward_patches import ForwardPatch, path_of
 from . import block_upcast, weights
 
@@ -71,21 +72,20 @@ def is_fp8_stored(m):
 
 def plan_upcast(root, prefix="", grouped=False):
     """({prefix + path + ".forward": forward patch} for every fp8-stored Linear/Conv2d under `root`, bytes their
-    kept fp16 copies take). `grouped`: cast a group at a time at each step instead (engine/fp8/block_upcast.py),
-    all but the timestep-embedding projections, which a fused ResBlock reads for every ResBlock at once at the
-    first (engine/patches/emb_projections.py; a group of them would be cast there whole, and kept to the end of
-    the step): those keep their copies (SD's are a few tens of MB)."""
-    out, nbytes, stored = {}, 0, []
-    for name, mod in root.named_modules():
-        if not (name and is_fp8_stored(mod)):
-            continue
-        if grouped and ".emb_layers." not in "." + name + ".":
-            stored.append((name, mod))
-            continue
-        out[path_of(prefix + name)] = UpcastForward(mod)
-        nbytes += mod.weight.numel() * 2
+    kept fp16 copies take). `grouped`: no copies; each step casts a group at a time instead
+    (engine/fp8/block_upcast.py): adjacent layers in the model's order, and the ResBlocks' timestep-embedding
+    projections in groups of their own, because a fused ResBlock reads all of them at the first ResBlock
+    (engine/patches/emb_projections.py): in a group with their blocks' convolutions, that read would cast
+    every ResBlock's group at once."""
+    stored = [(name, mod) for name, mod in root.named_modules() if name and is_fp8_stored(mod)]
+    if not grouped:
+        return ({path_of(prefix + name): UpcastForward(mod) for name, mod in stored},
+                sum(mod.weight.numel() * 2 for _, mod in stored))
+    read_together = {id(blk.emb_layers[1]) for blk in root.modules() if emb_projections.batchable(blk)}
     names = {id(mod): name for name, mod in stored}
-    for group in block_upcast.plan_groups([mod for _, mod in stored]):
-        for mod in group.modules:
-            out[path_of(prefix + names[id(mod)])] = GroupedUpcastForward(mod, group)
-    return out, nbytes
+    out = {}
+    for run in ([m for _, m in stored if id(m) not in read_together], [m for _, m in stored if id(m) in read_together]):
+        for group in block_upcast.plan_groups(run):
+            for mod in group.modules:
+                out[path_of(prefix + names[id(mod)])] = GroupedUpcastForward(mod, group)
+    return out, 0

@@ -110,15 +110,22 @@ def upcast_of(w, dtype):
     return _derived(("upcast", dtype), w, lambda t: (t.detach().to(dtype),))
 
 
-def kept_upcast(m, x):
-    """(weight, bias) of host module `m` in x's dtype from kept copies (`upcast_of`), where the host casts `m`'s
-    weights per call only to change their dtype: nothing patched per call (`weight_function`, `bias_function`:
-    LoRA on a low-VRAM model), the weights on x's device, no checkpoint scale. Else None: the host's cast must
-    run."""
+def host_casts_dtype_only(m, x):
+    """Whether the host casts host module `m`'s weights for input `x` only to change their dtype: nothing patched
+    per call (`weight_function`, `bias_function`: LoRA on a low-VRAM model), no checkpoint scale, the weight and
+    bias on x's device. Only then may a cast of our own stand in for the host's."""
     w, b = m.weight, m.bias
-    if getattr(m, "weight_function", None) or getattr(m, "bias_function", None) or w is None or \
-            w.device != x.device or getattr(m, "scale_weight", None) is not None:
+    return not (getattr(m, "weight_function", None) or getattr(m, "bias_function", None) or w is None
+                or getattr(m, "scale_weight", None) is not None or w.device != x.device
+                or (b is not None and b.device != x.device))
+
+
+def kept_upcast(m, x):
+    """(weight, bias) of host module `m` in x's dtype from kept copies (`upcast_of`) where `host_casts_dtype_only`,
+    else None: the host's cast must run."""
+    if not host_casts_dtype_only(m, x):
         return None
+    w, b = m.weight, m.bias
     if w.dtype != x.dtype:
         w = upcast_of(w, x.dtype)[0]
     if b is not None and b.dtype != x.dtype:
