@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from ...kernels.quantize_rows import quantize_weight_per_channel
+from ..tensor_version import version_of
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
@@ -29,12 +30,8 @@ class _Entry:
     __slots__ = ("ref", "ptr", "version", "host_state", "value", "nbytes", "device")
 
     def valid_for(self, w, host_state):
-        return (self.ref() is w and self.ptr == w.data_ptr() and self.version == _version(w)
+        return (self.ref() is w and self.ptr == w.data_ptr() and self.version == version_of(w)
                 and self.host_state == host_state)
-
-
-def _version(t):
-    return None if t.is_inference() else t._version
 
 
 class host_state:
@@ -74,7 +71,7 @@ def _derived(kind, w, make):
         value = make(w)
     entry = _Entry()
     entry.ref = weakref.ref(w, lambda _r, key=key: _forget(key))
-    entry.ptr, entry.version, entry.host_state, entry.value = w.data_ptr(), _version(w), hs, value
+    entry.ptr, entry.version, entry.host_state, entry.value = w.data_ptr(), version_of(w), hs, value
     entry.nbytes = sum(t.numel() * t.element_size() for t in value)
     entry.device = w.device
     with _lock:

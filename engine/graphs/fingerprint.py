@@ -23,6 +23,7 @@ them: the module's residency token (engine/memory/residency.py) is part of the f
 import weakref
 
 from ..memory import residency
+from ..tensor_version import version_of
 
 _NO_EPOCH = object()
 
@@ -82,7 +83,7 @@ class WeightsFingerprint:
         last = self._last
         token = residency.token_of(self.token_module)
         if (last is not None and not last.dead and last.result[0][2] is token and list(map(id, tensors)) == last.ids
-                and all(tensors[i]._version == v for i, v in last.versioned)):
+                and all(version_of(tensors[i]) == v for i, v in last.versioned)):
             return last.result
         dead = []
         mark = _marker(dead)
@@ -95,9 +96,10 @@ class WeightsFingerprint:
             all_cuda = all_cuda and t.is_cuda
             # inference tensors (ComfyUI loads weights under inference_mode) have no version counter; for them
             # an in-place update is caught by the host's own patch state (StepGraphs' `host_state`)
-            version = 0
-            if not t.is_inference():
-                version = t._version
+            version = version_of(t)
+            if version is None:
+                version = 0
+            else:
                 versioned.append((i, version))
             refs.append(weakref.ref(t, mark))
             out.append((t.data_ptr(), version, t.dtype))

@@ -26,20 +26,14 @@ import torch
 from torch import nn
 
 from . import fused_modules as fm
+from ..tensor_version import version_of
 
 MAX_ENTRIES = 2
 HINT_BLOCK_NAMES = ("input_hint_block",)
 
 
-def _version(t):
-    try:
-        return t._version
-    except Exception:  # noqa: BLE001 - inference tensors have no version counter
-        return None
-
-
 def _tensor_key(t):
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, _version(t))
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version_of(t))
 
 
 class HintBlockCache:

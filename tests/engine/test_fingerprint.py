@@ -103,3 +103,28 @@ def test_a_tensor_freed_and_another_made_at_its_address_is_seen_within_the_run()
         del new
     assert reused is not None, "CPython gave no freed tensor's address to a new one in 50 tries"
     assert fp.read(e)[0] != f0
+
+
+def test_weights_made_under_inference_mode_and_moved_outside_it_are_read_without_a_version():
+    """A module made under inference_mode (ComfyUI's loaders) and moved by `.to()` outside it (a pack that loads
+    models off the executor's thread): its parameters are not inference tensors, yet their data is, and reading
+    their version counter raises. The fingerprint and the derived fp8 copies read them as inference tensors
+    (no version; the host's patch state covers in-place updates) instead of failing the step."""
+    from sd_accel.engine.fp8 import weights
+    from sd_accel.engine.tensor_version import version_of
+    with torch.inference_mode():
+        lin = torch.nn.Linear(4, 4)
+    lin.to(torch.float16)
+    assert not lin.weight.is_inference() and version_of(lin.weight) is None
+    fp = WeightsFingerprint(lin)
+    epoch = object()
+    f0, _ = fp.read(epoch)
+    assert fp.read(epoch)[0] == f0 and fp.read(None)[0] == f0
+    lin.weight = torch.nn.Parameter(lin.weight.detach().clone(), requires_grad=False)
+    assert fp.read(epoch)[0] != f0
+    w8 = torch.nn.Parameter(torch.randn(4, 4).to(torch.float8_e4m3fn), requires_grad=False)
+    with torch.inference_mode():
+        w8.data = w8.data.clone()                    # the fp8 weight's data an inference tensor, the Parameter not
+    assert version_of(w8) is None
+    copy = weights.upcast_of(w8, torch.float16)[0]
+    assert torch.equal(copy, w8.to(torch.float16)) and weights.upcast_of(w8, torch.float16)[0] is copy
