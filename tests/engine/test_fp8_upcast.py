@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import comfy_inproc
+from refcount import no_garbage_collection
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +282,6 @@ def test_a_layer_wearing_its_forward_patch_is_freed_without_a_garbage_collection
     """A forward patch is set as the layer's own `forward` (ComfyUI leaves a loaded model's object patches applied
     when the user's graph drops it and its patcher is freed): it and its group must not hold the layer in a cycle,
     or the layer's weights stay in VRAM until a garbage collection runs."""
-    import gc
     import weakref
     from sd_accel.engine.fp8.upcast import plan_upcast
     lin = torch.nn.Linear(16, 16)
@@ -292,10 +292,6 @@ def test_a_layer_wearing_its_forward_patch_is_freed_without_a_garbage_collection
         assert path == "0.forward"
         lin.forward = patch
     ref = weakref.ref(lin)
-    gc.collect()
-    gc.disable()
-    try:
+    with no_garbage_collection():
         del lin, root, patch
         assert ref() is None, "the layer outlived its last reference"
-    finally:
-        gc.enable()

@@ -5,6 +5,7 @@ import torch
 
 from sd_accel.engine.graphs import graphed_forward
 from sd_accel.engine.graphs.graphed_forward import GraphedForward, Policy
+from refcount import no_garbage_collection
 
 
 def _module():
@@ -80,16 +81,11 @@ def test_a_module_wearing_its_stand_in_is_freed_without_a_garbage_collection():
     """Set as the module's own `forward` (an object patch ComfyUI leaves applied on a loaded copy it frees: Apply SD
     Accel (CLIP)'s text encoder after a lowvram VRAM Pool run, on the GPU), the stand-in must not hold its module
     in a cycle: the model the user dropped is freed, with its VRAM, by reference counting alone."""
-    import gc
     import weakref
     m, x = _module(), torch.randn(2, 4)
     m.forward = GraphedForward.for_module(m, "lin")
     assert torch.equal(m(x), type(m).forward(m, x))
     ref = weakref.ref(m)
-    gc.collect()
-    gc.disable()
-    try:
+    with no_garbage_collection():
         del m
         assert ref() is None, "the module outlived its last reference"
-    finally:
-        gc.enable()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import comfy_inproc
+from refcount import no_garbage_collection
 
 GIB = 2 ** 30
 
@@ -479,7 +480,6 @@ def test_pool_clip_encodes_under_the_budget_and_keeps_the_text_stage():
 def test_the_pools_clip_clone_is_freed_without_a_garbage_collection():
     """The wrapper is an attribute of the clone it wraps: it must not refer back to it (a cycle kept the text
     encoder of a checkpoint the user dropped in VRAM until a garbage collection ran; tests/gpu found it)."""
-    import gc
     import weakref
     comfy_inproc.fixtures_module()      # ComfyUI importable
     from sd_accel.hosts.comfyui.clip_stage import pool_clip
@@ -488,13 +488,9 @@ def test_the_pools_clip_clone_is_freed_without_a_garbage_collection():
     pooled = pool_clip(_FakeClip(torch.device("cpu"), seen), PoolSettings(0, "lowvram", "never", False, None))
     assert pooled.encode_from_tokens(["tok"]) == ("cond", ["tok"]) and seen == [(["tok"], False, None)]
     ref = weakref.ref(pooled)
-    gc.collect()
-    gc.disable()
-    try:
+    with no_garbage_collection():
         del pooled
         assert ref() is None, "the pool's CLIP clone outlived its last reference"
-    finally:
-        gc.enable()
 
 
 def test_the_clip_output_without_a_clip_input_says_what_to_connect(model, mm):

@@ -8,6 +8,7 @@ import weakref
 import torch
 
 import comfy_inproc
+from refcount import no_garbage_collection
 
 
 def _holders(obj):
@@ -109,16 +110,12 @@ def test_a_dropped_checkpoint_is_freed_at_once_without_a_garbage_collection(tmp_
     if not _tracks_patchers_weakly(mm):
         mm.unload_all_models()
     patcher, base = weakref.ref(model), weakref.ref(model.model)
-    gc.collect()
-    gc.disable()
-    try:
+    with no_garbage_collection():
         del model
         assert patcher() is None, _holders(patcher())
         assert base() is None, _holders(base())
         assert all(lm.model is not None for lm in mm.current_loaded_models)
         mm.unload_all_models()
-    finally:
-        gc.enable()
 
 
 def test_a_clone_replaced_while_loaded_is_kept_until_comfyui_lets_go_of_it(tmp_path):
@@ -173,10 +170,6 @@ def test_a_vae_through_the_vae_nodes_is_freed_without_a_garbage_collection(tmp_p
         if not _tracks_patchers_weakly(mm):      # ComfyUI 2024 holds a loaded patcher until it unloads it
             mm.unload_all_models()
         ref = weakref.ref(vae.first_stage_model)
-        gc.collect()
-        gc.disable()
-        try:
+        with no_garbage_collection():
             del vae
             assert ref() is None, (node, _holders(ref()))
-        finally:
-            gc.enable()
