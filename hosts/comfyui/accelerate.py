@@ -177,7 +177,9 @@ def _with_deferred_control(apply_model, args, kwargs):
 def foreign_diffusion_wrappers(transformer_options):
     """Other packs' DIFFUSION_MODEL wrappers (EasyCache's, say): Python that runs between apply_model and the
     UNet on every call, often deciding things on GPU values (which a graph cannot), so with them the graph
-    covers the UNet call alone, inside those wrappers."""
+    covers the UNet call alone, inside those wrappers. Without graphs the step goes inside them too: the eager
+    path's choice times a key's first calls, and a call such a wrapper answers from its cache without the UNet
+    (~1 ms) would make whichever path it fell on look the faster."""
     wrappers = ((transformer_options or {}).get("wrappers") or {}).get("diffusion_model") or {}
     return [k for k, ws in wrappers.items() if ws and k != WRAPPER_KEY]
 
@@ -308,7 +310,7 @@ def _install_keyed(clone, st, options, step):
 
     def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None,
                 transformer_options={}, **kwargs):  # noqa: B006 - ComfyUI's own signature
-        if options.cuda_graph and foreign_diffusion_wrappers(transformer_options):
+        if foreign_diffusion_wrappers(transformer_options):
             to = _with_inner_wrapper(transformer_options, inner)
             return executor(x, t, c_concat, c_crossattn, _evaluated(control, to), to, **kwargs)
         return step(executor, (x, t, c_concat, c_crossattn, control, transformer_options), kwargs,
