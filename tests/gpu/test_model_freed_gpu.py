@@ -5,24 +5,14 @@ garbage collection frees. Until one runs, its weights stay in VRAM, and on curre
 listed with a live patcher; a collection started inside ComfyUI's free_memory then frees a patcher the unload loop
 has listed, which fails on it and leaves the loaded list broken for every later prompt (tests/gpu's full run met
 it in test_host_mirror_gpu's unload_all_models, and every later test failed)."""
-import contextlib
 import gc
 import sys
 import weakref
 
 import torch
 
+from refcount import no_garbage_collection
 from test_graphs_gpu import comfy_env  # noqa: F401  (the shared module fixture)
-
-
-@contextlib.contextmanager
-def _no_garbage_collection():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _holders(obj, depth=3):
@@ -62,7 +52,7 @@ def test_a_dropped_checkpoint_with_graphs_is_freed_without_a_garbage_collection(
         SDAccelVAEDecode().decode(out, vae)
     refs = {"patcher": weakref.ref(model), "BaseModel": weakref.ref(model.model),
             "VAE": weakref.ref(vae.first_stage_model)}
-    with _no_garbage_collection():
+    with no_garbage_collection():
         del model, clip, vae, applied, res, out
         _assert_freed_and_comfyui_sound(refs)
 
@@ -85,7 +75,7 @@ def test_a_checkpoint_dropped_after_lowvram_streaming_and_a_clip_copy_is_freed_a
     assert res["result"][0]["samples"].shape[0] == 1
     refs = {"patcher": weakref.ref(model), "BaseModel": weakref.ref(model.model),
             "text encoder": weakref.ref(clip.cond_stage_model)}
-    with _no_garbage_collection():
+    with no_garbage_collection():
         del model, clip, vae, fast_clip, pooled, pooled_clip, pos, neg, res
         _assert_freed_and_comfyui_sound(refs)
 
@@ -104,6 +94,6 @@ def test_a_dropped_fp8_stored_unet_is_freed_without_a_garbage_collection(comfy_e
     assert any(r.startswith("fp8_upcast_group") for r in rep["ran"]) and rep["graphs"]["replays"] >= 1, rep
     layer = next(m for m in unet.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear))
     refs = {"patcher": weakref.ref(unet), "BaseModel": weakref.ref(unet.model), "a Linear layer": weakref.ref(layer)}
-    with _no_garbage_collection():
+    with no_garbage_collection():
         del unet, res, layer
         _assert_freed_and_comfyui_sound(refs)
