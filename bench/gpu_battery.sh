@@ -55,7 +55,9 @@
 # diagnose_eager (diagnose_eager.py: SD1.5 512² stock vs ours without graphs, plain and with a refused capture, under
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
 # diagnose_eager_easycache (the same with EasyCache on every variant's model, SD1.5 512² then SDXL 1024²; ~4 min with
-# the SDXL build, killed at 180 s each),
+# the SDXL build, killed at 180 s each), diagnose_stock_path (diagnose_stock_path.py: the SDXL then the SD1.5 UNet alone,
+# stock vs SD Accel's stand-ins on their stock branch vs the original blocks swapped back vs fused, host and GPU ms
+# per call; a diagnosis; ~2 min with the SDXL build, killed at 150 s each),
 # fp8_stored (bench_fp8_stored.py: SD1.5 512², the fp8-stored UNet through stock and ours and the fp16 one through
 # ours, rotated, then the kernels by GPU time of one image each; ~2 min, killed at 240 s), fp8_stored_peaks
 # (bench_fp8_stored.py --peaks: the fp8 UNet alone, stock then ours "as stored" then ours with fp16 copies, the peak
@@ -204,6 +206,9 @@ for p in "$@"; do
       part diagnose_eager_easycache 180 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache
       part diagnose_eager_easycache_sdxl 180 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache \
         --family sdxl ;;
+    diagnose_stock_path)
+      part diagnose_stock_path 150 python3 bench/diagnose_stock_path.py --comfy-dir $COMFY
+      part diagnose_stock_path_sd15 150 python3 bench/diagnose_stock_path.py --comfy-dir $COMFY --family sd15 ;;
     text_encode) part text_encode 300 python3 bench/bench_text_encode.py --comfy-dir $COMFY --deadline 200 ;;
     tests_clip)
       mkdir -p "$OUT/tests_clip"
@@ -225,6 +230,6 @@ for p in "$@"; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
-    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile diagnose_eager diagnose_eager_easycache first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer server_sdxl_fp8 server_sdxl_fp8_stepcache patches_fp8stored fp8_stored fp8_stored_peaks tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
+    *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile diagnose_eager diagnose_eager_easycache diagnose_stock_path first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer server_sdxl_fp8 server_sdxl_fp8_stepcache patches_fp8stored fp8_stored fp8_stored_peaks tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
   esac
 done
