@@ -11,6 +11,8 @@ the family's full size), on one loaded model, each variant in turn, `--reps` rou
   originals   the same clone with each folded top-level block swapped back, for the call, to the original it
               was copied from (what stock runs), inside stock_path.stock_modules()
   fused       the clone's stand-ins on their own path
+  stock_cl    stock, with the conv weights in channels_last (as a run whose capture was refused has them after
+              its first step put them there for the graphs), back in stock's layout after the variant
 Per variant, medians over the calls: the host's time to enqueue a call (the call returns before the GPU is done;
 the main thread's CPU time over it too) and the call's time to the GPU's end (synchronised after each call, as a
 step that reads a GPU value waits). stand_ins against originals prices the stand-ins; originals against stock,
@@ -37,7 +39,7 @@ OPT = ap.parse_args()
 ENV = cb.boot(OPT)
 torch = ENV.torch
 LATENT = 8 if OPT.smoke else {"sd15": 64, "sdxl": 128}[OPT.family]
-VARIANTS = ("stock", "stand_ins", "originals", "fused")
+VARIANTS = ("stock", "stand_ins", "originals", "fused", "stock_cl")
 
 
 @contextlib.contextmanager
@@ -91,6 +93,7 @@ def timed(unet, variant, x, t, kw):
 
 
 def main():
+    from sd_accel.engine.patches import patching
     from sd_accel.hosts.comfyui import accelerate as host
     model, _, _ = cb.load_family(ENV, OPT, OPT.family, {})
     acc, info = host.accelerate(model, host.AccelOptions(cuda_graph=False))
@@ -100,10 +103,15 @@ def main():
     with torch.inference_mode():
         for _ in range(OPT.reps + 1):   # the first round warms up (kernels compiled, cuDNN plans chosen)
             for v in VARIANTS:
-                ENV.mm.load_models_gpu([model if v == "stock" else acc])
+                ENV.mm.load_models_gpu([model if v.startswith("stock") else acc])
+                if v == "stock_cl":
+                    patching.convert_conv_weights(unet, torch.channels_last)
                 rows[v].append(timed(unet, v, x, t, kw))
+                if v == "stock_cl":
+                    patching.convert_conv_weights(unet, torch.contiguous_format)
     from sd_accel.hosts.comfyui import object_patches
-    folded = sum(object_patches.is_folded(m) for m in unet._modules.values())   # acc is loaded: fused ran last
+    ENV.mm.load_models_gpu([acc])
+    folded = sum(object_patches.is_folded(m) for m in unet._modules.values())
     print("%s, latent %d², batch 2; SD Accel's patches: %s; folded blocks swapped back: %d" % (
         OPT.family, LATENT, info.get("patched"), folded))
     print("%-10s %12s %12s %14s" % ("variant", "enqueue ms", "CPU ms", "to GPU end ms"))

@@ -56,8 +56,9 @@
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
 # diagnose_eager_easycache (the same with EasyCache on every variant's model, SD1.5 512² then SDXL 1024²; ~4 min with
 # the SDXL build, killed at 180 s each), diagnose_stock_path (diagnose_stock_path.py: the SDXL then the SD1.5 UNet alone,
-# stock vs SD Accel's stand-ins on their stock branch vs the original blocks swapped back vs fused, host and GPU ms
-# per call; a diagnosis; ~2 min with the SDXL build, killed at 150 s each),
+# stock vs SD Accel's stand-ins on their stock branch vs the original blocks swapped back vs fused vs stock on
+# channels_last conv weights, host and GPU ms per call; a diagnosis; ~2 min with the SDXL build, killed at 150 s
+# each),
 # fp8_stored (bench_fp8_stored.py: SD1.5 512², the fp8-stored UNet through stock and ours and the fp16 one through
 # ours, rotated, then the kernels by GPU time of one image each; ~2 min, killed at 240 s), fp8_stored_peaks
 # (bench_fp8_stored.py --peaks: the fp8 UNet alone, stock then ours "as stored" then ours with fp16 copies, the peak
