@@ -2,12 +2,14 @@
 """Where an accelerated run without graphs spends the time stock does not: a diagnosis, not a benchmark (nothing
 for results.jsonl; bench_patches.py records `ours_eager_its`).
 
-SD1.5 512² b1 (`--family sdxl`: SDXL 1024² b1), 20 steps euler, one process. Four variants on one loaded model: stock KSampler and ours with
-cuda_graph off on the plain model, then stock and ours (its defaults: the capture is refused) on a clone with
-dev/patch_nodes.py's capture-breaking patch. After two warm-up runs each, three alternating timed runs (median
-it/s), then one run of each under cProfile: its functions by own time, and the sampler call's share spent inside
-the UNet step (ComfyUI's `apply_model`) against the rest. The GPU's busy time over one run (torch.profiler's CUDA
-kernel total) says whether the run is bound by the host or the GPU.
+SD1.5 512² b1 (`--family sdxl`: SDXL 1024² b1), 20 steps euler, one process. Four variants on one loaded model:
+stock KSampler and ours with cuda_graph off on the plain model, then stock and ours (its defaults: the capture is
+refused) on a clone with dev/patch_nodes.py's capture-breaking patch; `--paths` adds ours without graphs held to
+each eager path. After two warm-up runs each, three alternating timed runs (median it/s), then one run of each
+under cProfile: its functions by own time, and the sampler call's share spent inside the UNet step (ComfyUI's
+`apply_model`) against the rest. The GPU's busy time over one run (torch.profiler's CUDA kernel total) says whether
+the run is bound by the host or the GPU; the host's time in CUDA runtime calls, whether it waited there.
+`--timeline` replaces the profiled runs with one run timed call by call (`timeline`).
 
   python3 bench/diagnose_eager.py --comfy-dir vendor/ComfyUI --out $OUT
   python3 bench/diagnose_eager.py --smoke --steps 2 --reps 1 --out /tmp/diagnose_eager   (CPU plumbing check)
@@ -109,7 +111,10 @@ def profiled(v, clip, vae):
 
 
 def timeline(v, clip, vae):
-    """One run of `v` with apply_model's calls timed: where its sampling time goes, as one line."""
+    """One run of `v` with apply_model's calls timed, as one line: its sampling time inside the calls, between
+    them and around them; how many calls reached the UNet (a cache node answers the others); the garbage
+    collections during the run; and the CPU time of this thread against the process's other threads (Python
+    threads share the interpreter, so a busy one slows this one's host work)."""
     from comfy import model_base
     from comfy.ldm.modules.diffusionmodules import openaimodel
     calls, unet, collections = [], [0], []
@@ -125,7 +130,8 @@ def timeline(v, clip, vae):
     def counted_forward(self, *a, **k):
         unet[0] += 1
         return unet_forward(self, *a, **k)
-    def collecting(phase, info):   # the garbage collector's runs: a full one pauses the host for the whole heap
+
+    def collecting(phase, info):   # a full collection pauses the host for the whole heap
         if phase == "start":
             collections.append([info["generation"], time.perf_counter()])
         else:
@@ -135,8 +141,6 @@ def timeline(v, clip, vae):
     cpu0, main0 = time.process_time(), time.thread_time()
     try:
         out = run(v, clip, vae, 11)
-        # CPU time of the process's other threads over the run (a pool compiling kernels, say), against the run's
-        # own thread: Python threads share the interpreter, so theirs slows this one's host work
         cpu, main = time.process_time() - cpu0, time.thread_time() - main0
     finally:
         gc.callbacks.remove(collecting)
@@ -144,11 +148,11 @@ def timeline(v, clip, vae):
     by_gen = {g: [1000 * t for gen, t in collections if gen == g] for g in (0, 1, 2)}
     inside = sum(b - a for a, b in calls)
     gaps = [calls[i + 1][0] - calls[i][1] for i in range(len(calls) - 1)]
-    return ("CPU s: this thread %.2f, others %.2f (%d threads); sampling %.3f s: %d apply_model calls (%d reached the UNet) %.3f s, between them %.3f s (largest %.1f "
-            "ms), before the first and after the last %.3f s; garbage collections (generation: count, ms): %s; "
-            "apply_model ms: %s" % (
-                main, cpu - main, threading.active_count(), out["sample_s"], len(calls), unet[0], inside, sum(gaps), 1000 * max(gaps or [0]),
-                out["sample_s"] - inside - sum(gaps),
+    return ("CPU s: this thread %.2f, others %.2f (%d threads); sampling %.3f s: %d apply_model calls (%d reached "
+            "the UNet) %.3f s, between them %.3f s (largest %.1f ms), before the first and after the last %.3f s; "
+            "garbage collections (generation: count, ms): %s; apply_model ms: %s" % (
+                main, cpu - main, threading.active_count(), out["sample_s"], len(calls), unet[0], inside, sum(gaps),
+                1000 * max(gaps or [0]), out["sample_s"] - inside - sum(gaps),
                 ", ".join("%d: %d, %.1f" % (g, len(ts), sum(ts)) for g, ts in by_gen.items()),
                 " ".join("%.0f" % (1000 * (b - a)) for a, b in calls)))
 
