@@ -48,7 +48,7 @@ def originals(unet):
     from sd_accel.hosts.comfyui import object_patches
     swapped = {name: m for name, m in unet._modules.items() if object_patches.is_folded(m)}
     for name, m in swapped.items():
-        unet._modules[name] = m.__dict__[object_patches._BASE]
+        unet._modules[name] = object_patches._original(m)
     try:
         yield len(swapped)
     finally:
