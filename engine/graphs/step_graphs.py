@@ -170,6 +170,12 @@ class StepGraphs:
         self.last_eager_reason = reason
         return self.eager_paths.run_stock(fn, args, kwargs)
 
+    def may_replay(self):
+        """Whether a graph is held or a key is known to capture: only then do the weights need the layout the
+        graphs are captured over (a model whose every key was refused runs eagerly, fastest in stock's layout)."""
+        return bool(self.entries) or any(v.result is not None and v.result.capturable
+                                         for v in self.verdicts.values())
+
     def _refused(self, key):
         """The reason a key whose probes are done was refused, or None (a key not seen, still probing, or
         capturable)."""

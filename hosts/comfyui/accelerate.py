@@ -83,14 +83,21 @@ def _inert(fn, options, role):
 def _make_step(st, options, base_model, derived_copies=False):
     """The function that runs one apply_model (or diffusion model) call the accelerated way."""
     def to_channels_last():
-        """Before the model's first capture: conv weights to channels_last (values unchanged). Only for graphs:
-        an eager step (graphs refused for it) runs stock's modules, which are fastest on stock's layout."""
-        if not options.channels_last or st.channels_last_done:
+        """Before a capture: conv weights to channels_last (values unchanged), unless they are already. Only for
+        graphs: an eager step (graphs refused for it) runs stock's modules, which are fastest on stock's layout."""
+        if not options.channels_last or st.channels_last_now:
             return False
         n = patching.convert_conv_weights(base_model.diffusion_model)
+        if not st.channels_last_done:
+            log.info("[SD Accel] channels_last: %d conv weights converted", n)
         st.channels_last_done = st.channels_last_now = True
-        log.info("[SD Accel] channels_last: %d conv weights converted", n)
         return n > 0
+
+    def layout_for_graphs():
+        """channels_last while the model may replay a graph; stock's layout once every key was refused (a failed
+        capture leaves the weights converted, and the run's eager steps are faster in stock's layout)."""
+        conv_layout.set_layout(st, base_model,
+                               options.channels_last and st.channels_last_done and st.graphs.may_replay())
 
     def step(call, args, kwargs, transformer_options=None):
         x = args[0]
@@ -114,9 +121,12 @@ def _make_step(st, options, base_model, derived_copies=False):
                 if epoch is None or epoch is not st.sampling_placed:   # loads happen between runs only
                     _model_sampling_on(base_model, x.device)
                     st.sampling_placed = epoch
-                    conv_layout.set_layout(st, base_model, options.channels_last and st.channels_last_done)
-                return st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
-                                     host_state=host_state, warm_after_change=derived_copies)
+                    layout_for_graphs()
+                out = st.graphs.run(fn, args, kwargs, epoch=epoch, before_capture=to_channels_last,
+                                    host_state=host_state, warm_after_change=derived_copies)
+                if st.channels_last_now and not st.graphs.entries:   # a capture may just have failed
+                    layout_for_graphs()
+                return out
             # graphs off: the faster of the fused and the stock modules, measured per shape, on stock's layout
             conv_layout.set_layout(st, base_model, False)
             key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))

@@ -75,6 +75,22 @@ def torch_graph_works(torch):
     return bool((y == 6.0).all())
 
 
+def record_conv_layout(torch, model):
+    """Adds an input-block patch to `model` (a clone) that records, on each eager call, whether the UNet's 3x3
+    conv weights are channels_last: one list per sampling run, in the list returned (the caller appends one
+    before each run)."""
+    convs = [m for m in model.model.diffusion_model.modules()
+             if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
+    runs = [[]]
+
+    def conv_layout_seen(h, transformer_options):
+        if not torch.cuda.is_current_stream_capturing():
+            runs[-1].append(not convs[0].weight.is_contiguous())
+        return h
+    model.set_model_input_block_patch(conv_layout_seen)
+    return runs
+
+
 def cuda_rng_works(torch):
     """The CUDA generator is not left in capture state and reproduces a seeded draw."""
     draws = []
@@ -92,9 +108,14 @@ def main(comfy_dir, work):
     tome = patch_nodes.apply_case(env.model, [("TomePatchModel", {"ratio": 0.3})])
     stock_tome, _ = sample(env, tome, ours=False)
     failing = patch_nodes.add_capture_breaking_patch(env.model)
+    layouts = record_conv_layout(torch, failing)
     failing_ref, _ = sample(env, failing, ours=False)
-    failing_runs = [sample(env, failing, ours=True) for _ in range(2)]
+    failing_runs = []
+    for _ in range(2):
+        layouts.append([])
+        failing_runs.append(sample(env, failing, ours=True))
     result = {"failing_rel": [rel(out, failing_ref) for out, _ in failing_runs],
+              "failing_layouts": layouts[1:],
               "failing_reports": [report for _, report in failing_runs],
               "failing_names": sorted(patch_nodes.patch_names(env.model, failing,
                                                                     [patch_nodes.CAPTURE_BREAKING_NAME]))}

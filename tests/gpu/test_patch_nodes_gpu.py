@@ -160,6 +160,10 @@ def test_a_failed_capture_leaves_stock_rng_allocator_and_other_keys_working(comf
         refused = report["graphs"].get("refused") or {}
         names = r["failing_names"]
         assert refused and patch_nodes.names_any(list(refused), names), (report["graphs"], names)
+    # channels_last is for graphs: once the capture failed, the run's later steps and the next run are in stock's
+    # layout, where ComfyUI's modules run faster (each list: one entry per UNet call, True = channels_last)
+    first, second = r["failing_layouts"]
+    assert any(first) and not first[-1] and not any(second), r["failing_layouts"]
     # stock again on the same loaded model: within fp16 noise (a failed run may end before its conv weights are put
     # back in stock's layout, which changes cuDNN's rounding); a generator or allocator left in capture mode would
     # raise or give another image altogether

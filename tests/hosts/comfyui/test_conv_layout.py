@@ -24,14 +24,19 @@ def _model_cond_latent_and_stock(tmp_path):
     return model, cond, latent, ref
 
 
-def _as_a_gpu_run_left_it(model):
-    """The weights channels_last and the model's state saying so, as a GPU run's capture leaves them."""
+def _as_a_gpu_run_left_it(model, refused=None):
+    """The weights channels_last, the model's state saying so, and a key whose probe found it capturable, as a
+    GPU run's capture leaves them (`refused`: the key's capture failed for that reason instead)."""
+    from sd_accel.engine.graphs import probe
     from sd_accel.engine.patches import patching
     from sd_accel.hosts.comfyui import accelerate
     st = accelerate._state(model.model)
     with torch.inference_mode():
         assert patching.convert_conv_weights(model.model.diffusion_model) > 0
     st.channels_last_done = st.channels_last_now = True
+    v = st.graphs._verdict(("a key seen on the GPU",))
+    v.probed, v.result = 2, probe.Verdict(refused)
+    assert st.graphs.may_replay() is (refused is None)
     return st
 
 
@@ -87,3 +92,33 @@ def test_apply_sd_accel_then_stock_ksampler_puts_the_weights_back_where_the_host
     spatial = [w for w in _convs(model) if w.shape[-1] > 1]   # a 1x1 kernel is contiguous in both layouts
     assert spatial and all(w.is_contiguous() is back for w in spatial)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def _layouts_seen(model):
+    """An input-block patch on `model` (a clone) recording, per UNet call, whether a 3x3 conv weight is
+    channels_last."""
+    conv = next(m for m in model.model.diffusion_model.modules() if isinstance(m, nn.Conv2d) and m.weight.shape[-1] > 1)
+    seen = []
+
+    def conv_layout_seen(h, transformer_options):
+        seen.append(not conv.weight.is_contiguous())
+        return h
+    model.set_model_input_block_patch(conv_layout_seen)
+    return seen
+
+
+def test_steps_run_in_the_graphs_layout_only_while_the_model_may_replay_a_graph(tmp_path):
+    """channels_last is for graphs: a model whose every key was refused (its capture failed) runs its eager steps
+    in stock's layout, where ComfyUI's modules are faster; one with a key that captures keeps the graphs' layout
+    for the run. On the CPU no graph runs, so the state a GPU run leaves is set directly."""
+    model, cond, latent, ref = _model_cond_latent_and_stock(tmp_path)
+    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
+    for refused, expect_channels_last in ((None, True), ("capture failed (a test's reason)", False)):
+        clone = model.clone()
+        seen = _layouts_seen(clone)
+        _as_a_gpu_run_left_it(clone, refused)
+        with torch.inference_mode():
+            out = SDAccelKSampler().sample(clone, 1, 2, 7.0, "euler", "normal", cond, cond, latent)
+        assert seen and all(s is expect_channels_last for s in seen), (refused, seen)
+        assert all(w.is_contiguous() for w in _convs(model))   # after the run, stock's layout either way
+        torch.testing.assert_close(out["result"][0]["samples"], ref, atol=1e-4, rtol=1e-4)
