@@ -9,7 +9,8 @@ unloads it (another clone of the model loaded, the model moved off the GPU).
 * fused kernels: object patches on the clone, from the plan of hosts/forge_plan.py (GroupNorm+SiLU,
   GroupNorm, LayerNorm, GEGLU on Forge's own classes; what stays with Forge and why is there).
 * channels_last (CUDA graphs only): conv weights converted in place before a run's first capture (values
-  unchanged, kept until the setting or graphs are turned off); SpatialTransformers kept channels_last.
+  unchanged, kept until the setting or graphs are turned off, or until every key was refused: a failed
+  capture puts them back at once); SpatialTransformers kept channels_last.
   Without graphs the step runs on Forge's layout, where its eager kernels are fastest.
 * a `group_norm_wrapper` another extension sets after the plan (which folds SiLUs only without one) is
   handed Forge's own norm, with the SiLU after it (`_unfolding`), through the wrapper below.
@@ -267,8 +268,14 @@ def _make_step(st, options, kmodel):
                 return apply_model(x, t, **kw)
         if st.graphs is None:
             st.graphs = StepGraphs(kmodel, name="Forge " + type(unet).__name__)
-        return st.graphs.run(fn, (x, t), c, epoch=st.epoch, host_state=_host_state(st, kmodel),
-                             before_capture=to_channels_last)
+        out = st.graphs.run(fn, (x, t), c, epoch=st.epoch, host_state=_host_state(st, kmodel),
+                            before_capture=to_channels_last)
+        if st.channels_last and not st.graphs.may_replay():
+            # every key refused (a capture may just have failed): the eager steps run faster in Forge's layout
+            n = patching.convert_conv_weights(unet, torch.contiguous_format)
+            st.channels_last = False
+            _layout_changed(st, "no CUDA graph to replay: %d conv weights back in Forge's layout" % n)
+        return out
 
     def to_channels_last():
         """Before a capture, once per run (Forge may have loaded the weights again): conv weights to

@@ -360,3 +360,27 @@ def test_turning_sd_accel_off_puts_the_conv_weights_back_in_forges_layout(fake_f
     assert all(w.is_contiguous() for w in convs) and [w.data_ptr() for w in convs] == ptrs
     assert all(torch.equal(w, v) for w, v in zip(convs, values))
     assert not forge_plan.state_of(base.model).channels_last
+
+
+def test_once_every_key_is_refused_the_conv_weights_go_back_to_forges_layout(fake_forge, stock_kernels):
+    """channels_last serves the graphs: a run whose keys were all refused (its capture failed, on a GPU) puts the
+    conv weights back in Forge's layout at its next step, where the eager steps are faster; while a key can
+    capture they stay channels_last. The state a GPU run leaves is set directly (no capture runs here)."""
+    from sd_accel.engine.graphs import probe
+    from sd_accel.engine.graphs.step_graphs import StepGraphs
+    from sd_accel.engine.patches import patching
+    for refused, stays in ((None, True), ("capture failed (a test's reason)", False)):
+        base = make_patcher()
+        ref = denoise(base)
+        clone, _ = forge.accelerate(base, ON)
+        unet = base.model.diffusion_model
+        st = forge_plan.state_of(base.model)
+        assert patching.convert_conv_weights(unet) > 0
+        st.channels_last = True
+        st.graphs = StepGraphs(base.model, name="test")
+        v = st.graphs._verdict(("a key seen on the GPU",))
+        v.probed, v.result = 2, probe.Verdict(refused)
+        out = denoise(clone)
+        spatial = [m.weight for m in unet.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
+        assert st.channels_last is stays and all(w.is_contiguous() is not stays for w in spatial), refused
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
