@@ -54,8 +54,8 @@
 # clocks, the layouts and the kernels by GPU time; a diagnosis, nothing for results.jsonl; ~2.5 min, killed at 240 s),
 # diagnose_eager (diagnose_eager.py: SD1.5 512² stock vs ours without graphs, plain and with a refused capture, under
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
-# diagnose_eager_easycache (the same with EasyCache on every variant's model, SD1.5 512² then SDXL 1024²; ~4 min with
-# the SDXL build, killed at 180 s each), diagnose_stock_path (diagnose_stock_path.py: the SDXL then the SD1.5 UNet alone,
+# diagnose_eager_easycache (the same with EasyCache on every variant's model, SD1.5 512² then SDXL 1024², the SDXL one
+# with each eager path held and every apply_model call timed; ~4 min with the SDXL build, killed at 180 s each), diagnose_stock_path (diagnose_stock_path.py: the SDXL then the SD1.5 UNet alone,
 # stock vs SD Accel's stand-ins on their stock branch vs the original blocks swapped back vs fused vs stock on
 # channels_last conv weights, host and GPU ms per call; a diagnosis; ~2 min with the SDXL build, killed at 150 s
 # each),
@@ -206,7 +206,7 @@ for p in "$@"; do
     diagnose_eager_easycache)
       part diagnose_eager_easycache 180 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache
       part diagnose_eager_easycache_sdxl 180 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache \
-        --family sdxl ;;
+        --family sdxl --paths --timeline ;;
     diagnose_stock_path)
       part diagnose_stock_path 150 python3 bench/diagnose_stock_path.py --comfy-dir $COMFY
       part diagnose_stock_path_sd15 150 python3 bench/diagnose_stock_path.py --comfy-dir $COMFY --family sd15 ;;
