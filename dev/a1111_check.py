@@ -103,6 +103,15 @@ def decode_png(blob):
     return w, h, ch, bytes(out)
 
 
+def encode_png(width, height, rgb):
+    """An 8-bit RGB PNG of `rgb` (bytes, rows top to bottom), stdlib only: an input image for the API."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    rows = b"".join(b"\x00" + rgb[y * width * 3:(y + 1) * width * 3] for y in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
 def psnr(png_a, png_b):
     wa, ha, ca, a = decode_png(png_a)
     wb, hb, cb, b = decode_png(png_b)

@@ -17,6 +17,9 @@ in this repo), then:
             and holds with SD Accel on, off and on again; removed, the image is the plain one again
   switch    a second checkpoint of the same config: patched, its own image, the same with SD Accel off
   hires     a hires-fix generation (a second sampling pass), on vs off
+  ControlNet  Forge's built-in ControlNet with a random ControlNet of the checkpoint's config (a unit through
+            the API, no preprocessor): it changes the image; on vs off the same image; the fused modules
+            called on every step with it, as without it
 Exit status 0 when every check passes. `--expect-fused` (with `--env TRITON_INTERPRET=1`) also requires
 the Triton kernels to run (in Triton's interpreter: minutes).
 
@@ -40,6 +43,7 @@ ASSETS_COMMIT = "6f7db241d2f8ba7457bac5ca9753331f0c266917"   # the assets commit
 TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
 EXTRA = ["setuptools>=77.0.3,<81", "clip-anytorch", "huggingface-guess==0.1.0", "joblib"]
 LORA = "sdaccel_forge_check"
+CONTROLNET = "sdaccel_forge_check_cn"
 
 
 def say(*a):
@@ -129,6 +133,11 @@ def setup_models(args, webui, py):
     lora = os.path.join(lora_dir, LORA + ".safetensors")
     if not os.path.isfile(lora):
         say(run([py, fixtures, "lora", s0, lora]).strip())
+    cn_dir = os.path.join(webui, "models", "ControlNet")
+    os.makedirs(cn_dir, exist_ok=True)
+    cn = os.path.join(cn_dir, CONTROLNET + ".safetensors")
+    if not os.path.isfile(cn):
+        say(run([py, fixtures, "controlnet", s0, cn]).strip())
     return os.path.basename(s0), os.path.basename(s1)
 
 
@@ -206,7 +215,7 @@ def main():
     installer = setup_extension(webui, py)
     if args.setup_only:
         return 0
-    c = Checker("http://127.0.0.1:%d" % args.port, args, s0, s1, LORA)
+    c = Checker("http://127.0.0.1:%d" % args.port, args, s0, s1, LORA, CONTROLNET)
     c.check("satisfied" in installer, "the extension's install.py under Forge's venv: %s" % installer)
     obs = probe(webui, py)
     c.check(obs["forge"] == obs["stand-in"], "CI's stand-in of Forge observes what the real Forge does: %s"

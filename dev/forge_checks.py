@@ -3,10 +3,11 @@ and the extension's `GET /sd_accel/status`."""
 import base64
 import json
 import os
+import random
 import time
 import urllib.error
 
-from a1111_check import PSNR_MIN, call, psnr
+from a1111_check import PSNR_MIN, call, encode_png, psnr
 
 HR_STEPS = 2   # the hires-fix pass's steps
 KEYS = ["sd_accel_enabled", "sd_accel_fused_kernels", "sd_accel_cuda_graph", "sd_accel_channels_last", "sd_accel_precision"]
@@ -31,8 +32,9 @@ def block_calls(ran, counts, steps):
 
 
 class Checker:
-    def __init__(self, url, args, ckpt, ckpt2, lora):
+    def __init__(self, url, args, ckpt, ckpt2, lora, controlnet):
         self.url, self.args, self.ckpt, self.ckpt2, self.lora = url, args, ckpt, ckpt2, lora
+        self.controlnet = controlnet
         self.failures, self.n_checks = [], 0
 
     def check(self, ok, what):
@@ -58,10 +60,12 @@ class Checker:
     def set(self, **opts):
         call(self.url, "/sdapi/v1/options", opts)
 
-    def txt2img(self, tag, lora=False, hires=False):
+    def txt2img(self, tag, lora=False, hires=False, control=None):
         body = {"prompt": "a photo of a cat" + (" <lora:%s:1>" % self.lora if lora else ""), "negative_prompt": "",
                 "seed": 1234, "steps": self.args.steps, "width": 64, "height": 64, "cfg_scale": 7,
                 "sampler_name": "Euler", "batch_size": 1, "send_images": True, "save_images": False}
+        if control is not None:
+            body["alwayson_scripts"] = {"ControlNet": {"args": [control]}}
         if hires:
             # Forge's API needs hr_additional_modules (its default None fails the request, with or without SD Accel)
             body.update(enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=HR_STEPS,
@@ -105,6 +109,7 @@ class Checker:
         self.check_lora(img_on)
         self.check_switch(img_on)
         self.check_hires()
+        self.check_controlnet(img_on)
 
     def check_options(self):
         opts = call(self.url, "/sdapi/v1/options")
@@ -194,6 +199,36 @@ class Checker:
         off, _ = self.txt2img("hires fix, SD Accel off", hires=True)
         self.set(sd_accel_enabled=True)
         self.same(on, off, "hires fix: on vs off")
+
+    def control_unit(self):
+        """A ControlNet unit as the API takes it: the random ControlNet, no preprocessor, a seeded noise image."""
+        names = call(self.url, "/controlnet/model_list")["model_list"]
+        model = next((n for n in names if n.split(" [")[0] == self.controlnet), None)
+        if model is None:
+            raise SystemExit("ControlNet %s not listed by /controlnet/model_list: %s" % (self.controlnet, names))
+        rng = random.Random(5)
+        png = encode_png(64, 64, bytes(rng.randrange(256) for _ in range(64 * 64 * 3)))
+        return {"enabled": True, "module": "None", "model": model, "weight": 1.0,
+                "image": base64.b64encode(png).decode(), "resize_mode": "Just Resize",
+                "processor_res": 64, "guidance_start": 0.0, "guidance_end": 1.0, "control_mode": "Balanced",
+                "pixel_perfect": False}
+
+    def check_controlnet(self, plain):
+        unit = self.control_unit()
+        on, ran = self.txt2img("ControlNet, SD Accel on", control=unit)
+        self.differ(on, plain, "the ControlNet changes the image")
+        counts = self.status()["counts"]
+        want = {op: self.args.steps * counts.get(op, 0) for op in OPS}
+        got = module_calls(ran)
+        self.check(all(got[op] >= want[op] > 0 for op in OPS),
+                   "with a ControlNet: every fused UNet module still called on every step (%s, at least %s)"
+                   % (got, want))
+        self.set(sd_accel_enabled=False)
+        off, _ = self.txt2img("ControlNet, SD Accel off", control=unit)
+        self.set(sd_accel_enabled=True)
+        self.same(on, off, "ControlNet: on vs off")
+        again, _ = self.txt2img("ControlNet removed, SD Accel on")
+        self.same(again, plain, "ControlNet removed: the plain image again")
 
     def check_log(self, path):
         with open(path, errors="replace") as f:

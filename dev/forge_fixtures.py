@@ -8,6 +8,10 @@ safetensors: the Forge venv):
                    (`lora_unet_<path with _>`), which Forge's LoRA loader maps to the UNet's keys
   ckpt2 CKPT OUT   the same checkpoint with every UNet weight perturbed (a second checkpoint of the same
                    config, for the checkpoint switch)
+  controlnet CKPT OUT  a ControlNet of the checkpoint's UNet config, in the original (.pth-style) key layout
+                   Forge's loader reads: the UNet's input blocks, middle block and time embedding, a random
+                   hint encoder (3 -> 16 -> 32 -> 96 -> 256 -> model channels, stride 8) and random, not zero,
+                   1x1 output convs, so the control visibly changes the image
 Seeded: the same input gives the same files.
 """
 import sys
@@ -61,7 +65,44 @@ def make_second_checkpoint(ckpt, out, seed=11):
     return len(sd)
 
 
+HINT_CHANNELS = (3, 16, 16, 32, 32, 96, 96, 256)   # the hint encoder's conv widths (cldm's), before model channels
+
+
+def _conv(g, c_out, c_in, k, gain=1.0):
+    w = torch.randn(c_out, c_in, k, k, generator=g) * (gain / (c_in * k * k) ** 0.5)
+    return w.half(), (0.01 * torch.randn(c_out, generator=g)).half()
+
+
+def _block_out_channels(sd, i):
+    """Output channels of the UNet's input block i: its first conv, a ResBlock's last conv, or a downsample."""
+    for key in ("input_blocks.%d.0.weight", "input_blocks.%d.0.out_layers.3.weight", "input_blocks.%d.0.op.weight"):
+        w = sd.get(UNET + key % i)
+        if w is not None:
+            return w.shape[0]
+    raise SystemExit("input block %d of the checkpoint: no conv found" % i)
+
+
+def make_controlnet(ckpt, out, seed=13):
+    sd = load_file(ckpt)
+    g = torch.Generator().manual_seed(seed)
+    cn = {"control_model." + k[len(UNET):]: v for k, v in sd.items()
+          if k.startswith(UNET) and k[len(UNET):].startswith(("input_blocks.", "middle_block.", "time_embed."))}
+    n_blocks = 1 + max(int(k[len(UNET):].split(".")[1]) for k in sd if k.startswith(UNET + "input_blocks."))
+    widths = HINT_CHANNELS + (_block_out_channels(sd, 0),)
+    for j in range(len(widths) - 1):
+        w, b = _conv(g, widths[j + 1], widths[j], 3)
+        cn["control_model.input_hint_block.%d.weight" % (2 * j)], cn["control_model.input_hint_block.%d.bias" % (2 * j)] = w, b
+    for i in range(n_blocks):
+        c = _block_out_channels(sd, i)
+        cn["control_model.zero_convs.%d.0.weight" % i], cn["control_model.zero_convs.%d.0.bias" % i] = _conv(g, c, c, 1, 0.5)
+    c = sd[UNET + "middle_block.2.out_layers.3.weight"].shape[0]
+    cn["control_model.middle_block_out.0.weight"], cn["control_model.middle_block_out.0.bias"] = _conv(g, c, c, 1, 0.5)
+    save_file(cn, out)
+    return len(cn)
+
+
 if __name__ == "__main__":
     what, src, dst = sys.argv[1:4]
-    n = make_lora(src, dst) if what == "lora" else make_second_checkpoint(src, dst)
+    make = {"lora": make_lora, "ckpt2": make_second_checkpoint, "controlnet": make_controlnet}[what]
+    n = make(src, dst)
     print("[fixtures] %s: %d tensors -> %s" % (what, n, dst))
