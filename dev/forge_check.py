@@ -18,8 +18,8 @@ in this repo), then:
   switch    a second checkpoint of the same config: patched, its own image, the same with SD Accel off
   hires     a hires-fix generation (a second sampling pass), on vs off
   ControlNet  Forge's built-in ControlNet with a random ControlNet of the checkpoint's config (a unit through
-            the API, no preprocessor): it changes the image; on vs off the same image; the fused modules
-            called on every step with it, as without it
+            the API, no preprocessor): it changes the image; its control model runs SD Accel's modules (the
+            status says which), each called on every step, as the UNet's are; on vs off the same image
 Exit status 0 when every check passes. `--expect-fused` (with `--env TRITON_INTERPRET=1`) also requires
 the Triton kernels to run (in Triton's interpreter: minutes).
 

@@ -217,12 +217,16 @@ class Checker:
         unit = self.control_unit()
         on, ran = self.txt2img("ControlNet, SD Accel on", control=unit)
         self.differ(on, plain, "the ControlNet changes the image")
-        counts = self.status()["counts"]
-        want = {op: self.args.steps * counts.get(op, 0) for op in OPS}
+        s = self.status()
+        cns = [c for c in s.get("controlnets", []) if c["last"] == "accelerated"]
+        print("[status] controlnets %s" % json.dumps(s.get("controlnets")), flush=True)
+        self.check(len(cns) == 1 and cns[0]["patched"] > 0 and cns[0]["counts"].get("geglu", 0) > 0,
+                   "the ControlNet's control model runs SD Accel's modules: %s" % s.get("controlnets"))
+        cn = cns[0]["counts"] if cns else {}
+        want = {op: self.args.steps * (s["counts"].get(op, 0) + cn.get(op, 0)) for op in OPS}
         got = module_calls(ran)
-        self.check(all(got[op] >= want[op] > 0 for op in OPS),
-                   "with a ControlNet: every fused UNet module still called on every step (%s, at least %s)"
-                   % (got, want))
+        self.check(got == want, "with a ControlNet: every fused module of the UNet and of the control model called "
+                   "on every step: calls %s = %d steps x modules" % (got, self.args.steps))
         self.set(sd_accel_enabled=False)
         off, _ = self.txt2img("ControlNet, SD Accel off", control=unit)
         self.set(sd_accel_enabled=True)

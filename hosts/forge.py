@@ -21,6 +21,8 @@ unloads it (another clone of the model loaded, the model moved off the GPU).
   the fused modules still in. Eager under an online LoRA (merged in Forge's forward from tensors it moves
   per run). The graphs' memory is freed when Forge moves the model off the GPU, so its memory manager gets
   it back for the VAE or the next model.
+* ControlNet: Forge's built-in ControlNet calls its control model through the hook SD Accel sets on the clone
+  (hosts/forge_controlnet.py).
 Outside the clone only the conv weights' layout changes (channels_last, in place, values unchanged): the
 base patcher, the model's modules and their parameters stay as Forge made them.
 """
@@ -32,7 +34,7 @@ import torch
 from ..engine.patches import patching
 from ..engine.graphs import eager
 from ..engine.graphs.step_graphs import StepGraphs
-from . import forge_plan, webui
+from . import forge_controlnet, forge_plan, webui
 from .forge_plan import PREFIX, state_of
 
 log = logging.getLogger("sd_accel")
@@ -116,6 +118,7 @@ def _strip(clone):
     """Removes our object patches and wrapper from `clone` (one of ours cloned again: the hires pass)."""
     for k in [k for k, v in clone.object_patches.items() if forge_plan.is_ours(v)]:
         del clone.object_patches[k]
+    forge_controlnet.strip(clone)
     w = clone.model_options.get("model_function_wrapper")
     if getattr(w, "sd_accel_step", None) is not None:
         prev = w.sd_accel_prev
@@ -135,7 +138,8 @@ def strip(unet_patcher):
             st.channels_last = False
             _layout_changed(st, "SD Accel off: %d conv weights converted back" % n)
     has = any(forge_plan.is_ours(v) for v in unet_patcher.object_patches.values()) or getattr(
-        unet_patcher.model_options.get("model_function_wrapper"), "sd_accel_step", None) is not None
+        unet_patcher.model_options.get("model_function_wrapper"), "sd_accel_step", None) is not None or \
+        forge_controlnet.is_ours(unet_patcher.model_options.get("transformer_options", {}).get(forge_controlnet.HOOK))
     if not has:
         return unet_patcher
     clone = unet_patcher.clone()
@@ -207,8 +211,11 @@ def _accelerate(st, unet_patcher, options):
     if options.want("cuda_graph") or options.want("channels_last") or folded:
         wrapper = _install_wrapper(clone, st, options)
         _free_graphs_on_unload(clone, st)
+    why_not = forge_controlnet.install(clone, st, options, clone.model.diffusion_model)
     clone.sd_accel_options = options
     st.last = _summary(patches, skipped, fold, wrapper, options.want("cuda_graph") and st.run_graphs, options)
+    if why_not:
+        st.last["reasons"]["controlnet"] = why_not
     return clone, st.last
 
 
@@ -338,4 +345,5 @@ def status(sd_model):
                graphs=dict(st.graphs.stats) if st.graphs is not None else {})
     if st.graphs is not None and st.graphs.last_eager_reason:
         out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
+    out["controlnets"] = forge_controlnet.status()
     return out

@@ -128,9 +128,10 @@ def _share_tables(rep, src):
                                                      if c.__module__.startswith("torch.nn"))
 
 
-def plan_for(st, unet):
+def plan_for(st, unet, classes_of=None):
     """Makes the plan on the unpatched `unet` (once). False when `unet` already holds replacements that
-    are not this state's (nothing is planned then)."""
+    are not this state's (nothing is planned then). `classes_of`: the module whose package's classes count as
+    Forge's besides Forge's operations and torch's (default `unet`; a ControlNet's control model: the UNet)."""
     if st.sources is not None:
         return True
     if webui.count_fused(unet):
@@ -150,7 +151,7 @@ def plan_for(st, unet):
     for patches in (fold, plain, layout):
         for path in patches:
             src = patching.get_attr(unet, path)
-            if _forge_class(src, unet):
+            if _forge_class(src, classes_of if classes_of is not None else unet):
                 sources[path] = src
             else:
                 theirs.append(path)

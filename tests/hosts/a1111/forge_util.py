@@ -29,6 +29,14 @@ def make_patcher(seed=0, manual_cast=False):
     return UnetPatcher(KModel(make_forge_unet(seed, manual_cast)).eval())
 
 
+def make_controlnet(seed=5, hint_seed=6):
+    """Forge's ControlNet (stand-in) of a control model built from its own random UNet, with a hint image."""
+    from backend import cldm
+    from backend.patcher.controlnet import ControlNet
+    hint = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(hint_seed))
+    return ControlNet(cldm.ControlModel(make_forge_unet(seed)).eval()).set_cond_hint(hint, 0.8)
+
+
 def denoise(patcher, seed=1, lowvram=False):
     from backend import sampling
     g = torch.Generator().manual_seed(seed)

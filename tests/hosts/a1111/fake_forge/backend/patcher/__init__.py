@@ -5,6 +5,8 @@
 * object patches are data until the memory manager loads the patcher (`forge_patch_model`: each path set in
   the model, the first original kept) and put back by path when it unloads it (`forge_unpatch_model`).
 * `set_model_unet_function_wrapper`: the one `model_function_wrapper` slot (a later call replaces it).
+* `UnetPatcher`: ControlNets as a linked list (`add_patched_controlnet`, the list shared by clones), and the
+  one `controlnet_model_function_wrapper` transformer option (`set_controlnet_model_function_wrapper`).
 * LoRA: `add_patches(filename=, patches={model key: ("diff", (delta,))}, strength_patch=, online_mode=)`
   records the patches of the model's keys under (filename, strength_patch, strength_model, online_mode);
   `refresh_loras()` (called by the memory manager after `forge_patch_model`) does nothing while the LoRA set
@@ -16,7 +18,7 @@ import copy
 
 import torch
 
-from . import utils
+from .. import utils
 
 
 class LoraLoader:
@@ -108,5 +110,21 @@ class ModelPatcher:
 
 
 class UnetPatcher(ModelPatcher):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.controlnet_linked_list = None
+
+    def clone(self):
+        n = super().clone()
+        n.controlnet_linked_list = self.controlnet_linked_list
+        return n
+
     def set_group_norm_wrapper(self, wrapper):
         self.model_options["transformer_options"]["group_norm_wrapper"] = wrapper
+
+    def add_patched_controlnet(self, cnet):
+        cnet.set_previous_controlnet(self.controlnet_linked_list)
+        self.controlnet_linked_list = cnet
+
+    def set_controlnet_model_function_wrapper(self, wrapper):
+        self.model_options["transformer_options"]["controlnet_model_function_wrapper"] = wrapper
