@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Forge's own UNet and patcher: stock Forge vs SD Accel's Forge host, side by side in one process.
 
-Configs `forge_sd15_512_b1` and `forge_sdxl_1024_b1` (../shared/BENCH.md): Forge's
+Configs `forge_sd15_512_b1`, `forge_sdxl_1024_b1` and `forge_sd15_512_b1_cn` (../shared/BENCH.md): Forge's
 `IntegratedUNet2DConditionModel` (backend/nn/unet.py) built with Forge's operations (its own Linear, fp16
 weights on the GPU) from the SD1.5 / SDXL UNet configs, random full-size weights built on the GPU, in a
 `KModel` in a `UnetPatcher`; 20 Euler steps at CFG 7 through Forge's own sampling code (`sampling_prepare`,
@@ -11,6 +11,9 @@ patcher, its `model_function_wrapper` call), same seeds and inputs on both sides
 * ours: per sampling run a clone from `hosts.forge.accelerate(base, WebUIOptions())`, as the extension's
   `process_before_every_sampling` makes one (fused kernels, channels_last, CUDA graphs).
 * ours without graphs (`ours_eager_its`): the same with `cuda_graph=False`.
+* `sd15_512_b1_cn`: the same with Forge's ControlNet (its cldm control model, random weights, a random hint
+  image) applied per run by `apply_controlnet_advanced`, to the base patcher (stock) and to SD Accel's clone
+  (ours: Forge's ControlNet script runs after SD Accel's), so its control model runs through SD Accel's hook.
 it/s = sampler steps per second, the median of `--reps` timed runs after a warm-up. `psnr_db` is over the
 final latent (there is no VAE here; peak = the stock latent's value range; 99 when identical);
 `unet_rel_err` over one UNet call (graph replay) against stock on the same input.
@@ -21,7 +24,7 @@ which travels to the GPU machine with Forge's pin of diffusers (0.31.0) as a whe
 bench/gpu_battery.sh's `forge` part installs it into a private folder first (see `diffusers_names`).
 
 GPU:    python3 bench/bench_forge.py --out $OUT           (appends to $OUT/results.jsonl)
-Smoke:  python3 bench/bench_forge.py --smoke              (CPU, tiny UNet, 2 steps, appends nothing)
+Smoke:  python3 bench/bench_forge.py --smoke [--configs sd15_512_b1_cn]   (CPU, tiny UNet, 2 steps, appends nothing)
 """
 import argparse
 import datetime
@@ -39,7 +42,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--forge", default=os.path.join(REPO, "vendor", "forge"), help="folder holding Forge's backend/")
 ap.add_argument("--vendor-from", help="copy what this needs from a Forge tree into --forge, then exit")
 ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "bench"))
-ap.add_argument("--configs", default="sd15_512_b1,sdxl_1024_b1")
+ap.add_argument("--configs", default="sd15_512_b1,sdxl_1024_b1,sd15_512_b1_cn")
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--reps", type=int, default=5)
 ap.add_argument("--seed", type=int, default=0)
@@ -116,7 +119,7 @@ if "sd_accel" not in sys.modules:   # the repo root as the package `sd_accel`, a
     _pkg.__file__ = os.path.join(REPO, "__init__.py")
     sys.modules["sd_accel"] = _pkg
 from sd_accel.engine.reports import kernel_report  # noqa: E402
-from sd_accel.hosts import forge, forge_plan, webui  # noqa: E402
+from sd_accel.hosts import forge, forge_controlnet, forge_plan, webui  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not OPT.smoke
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -131,7 +134,7 @@ SDXL = dict(in_channels=4, model_channels=320, out_channels=4, num_res_blocks=[2
             use_linear_in_transformer=True, num_classes="sequential", adm_in_channels=2816)
 TINY = dict(SD15, model_channels=32, num_res_blocks=[1, 1], channel_mult=[1, 2], num_heads=2, transformer_depth=[1, 1],
             transformer_depth_output=[1, 1, 1, 1], context_dim=32)
-CONFIGS = {"sd15_512_b1": (SD15, 64), "sdxl_1024_b1": (SDXL, 128)}
+CONFIGS = {"sd15_512_b1": (SD15, 64), "sdxl_1024_b1": (SDXL, 128), "sd15_512_b1_cn": (SD15, 64)}
 
 
 def say(*a):
@@ -147,9 +150,29 @@ def build(cfg, seed):
     """Forge's UNet from `cfg` with random weights (fan-in scaled; norms near 1), in a KModel in a UnetPatcher."""
     with operations.using_forge_operations(device=DEV, dtype=DTYPE, manual_cast_enabled=False):
         unet = IntegratedUNet2DConditionModel(**cfg)
+    randomize(unet, seed)
+    unet.storage_dtype = unet.computation_dtype = DTYPE
+    unet.load_device, unet.offload_device, unet.initial_device = DEV, torch.device("cpu"), DEV
+    kmodel = KModel(model=unet, diffusers_scheduler=None, k_predictor=Prediction(prediction_type="epsilon"), config=None).to(DEV)
+    return UnetPatcher(kmodel, load_device=DEV, offload_device=torch.device("cpu"), current_device=DEV)
+
+
+def build_controlnet(cfg, seed, latent):
+    """Forge's ControlNet of `cfg` (its cldm control model with random weights, zero convs included) and a hint
+    image for `latent`."""
+    from backend.nn.cnets import cldm
+    from backend.patcher.controlnet import ControlNet
+    with operations.using_forge_operations(device=DEV, dtype=DTYPE, manual_cast_enabled=False):
+        cm = cldm.ControlNet(hint_channels=3, **{k: v for k, v in cfg.items() if k != "out_channels"})
+    randomize(cm, seed)
+    hint = torch.rand(1, 3, latent * 8, latent * 8, generator=torch.Generator().manual_seed(seed)).to(DEV)
+    return ControlNet(cm.to(DEV), device=DEV, load_device=DEV), hint
+
+
+def randomize(module, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     sd = {}
-    for name, m in unet.named_modules():
+    for name, m in module.named_modules():
         if hasattr(m, "dummy"):   # Forge's Linear: its weight exists once loaded
             sd[name + ".weight"] = torch.randn(m.out_features, m.in_features, generator=g, device=DEV, dtype=DTYPE)
             if not name.endswith(("to_q", "to_k", "to_v")):   # SD checkpoints have no q/k/v biases
@@ -163,11 +186,7 @@ def build(cfg, seed):
                 t.copy_((1.0 if k.endswith("weight") else 0.0) + 0.02 * torch.randn(t.shape, generator=g, device=DEV))
             else:
                 t.copy_(torch.randn(t.shape, generator=g, device=DEV) / t[0].numel() ** 0.5)
-    unet.load_state_dict(sd, strict=False)
-    unet.storage_dtype = unet.computation_dtype = DTYPE
-    unet.load_device, unet.offload_device, unet.initial_device = DEV, torch.device("cpu"), DEV
-    kmodel = KModel(model=unet, diffusers_scheduler=None, k_predictor=Prediction(prediction_type="epsilon"), config=None).to(DEV)
-    return UnetPatcher(kmodel, load_device=DEV, offload_device=torch.device("cpu"), current_device=DEV)
+    module.load_state_dict(sd, strict=False)
 
 
 def inputs(cfg, latent, seed):
@@ -183,7 +202,11 @@ def inputs(cfg, latent, seed):
 
 
 def sample(patcher, x, cond, uncond, steps):
-    """Euler over the predictor's own sigmas, each step through Forge's sampling code."""
+    """Euler over the predictor's own sigmas, each step through Forge's sampling code (its ControlNets in the
+    conds, as Forge's `sampling_function` puts them)."""
+    control = patcher.controlnet_linked_list
+    if control is not None:
+        cond, uncond = ([dict(h, control=control) for h in c] for c in (cond, uncond))
     sampling_prepare(patcher, x)
     sig = patcher.model.predictor.sigmas
     sigmas = torch.cat([sig.flip(0)[torch.linspace(0, len(sig) - 1, steps).long()], sig.new_zeros(1)]).to(DEV)
@@ -306,6 +329,52 @@ def measure(name, cfg, latent):
     return res
 
 
+def measure_controlnet(name, cfg, latent):
+    """Forge's ControlNet on the UNet: stock (ControlNet applied to the base patcher) against ours (applied to the
+    clone SD Accel made, as Forge's ControlNet script runs after SD Accel's), each sampling run a fresh copy."""
+    from backend.patcher.controlnet import apply_controlnet_advanced
+    base = build(cfg, OPT.seed)
+    cn, hint = build_controlnet(cfg, OPT.seed + 7, latent)
+    x, cond, uncond = inputs(cfg, latent, OPT.seed)
+    n, reps, res = OPT.steps, OPT.reps, {}
+
+    def run(patcher):
+        return sample(apply_controlnet_advanced(patcher, cn, hint, 1.0, 0.0, 1.0), x, cond, uncond, n)
+
+    def ours(options):
+        clone, info = forge.accelerate(base, options)
+        res["info"] = info
+        return run(clone)
+    plain = sample(base, x, cond, uncond, n)
+    run(base)   # warm-up
+    peak_reset()
+    times = timed(lambda: run(base), reps)
+    res["stock_its"], res["stock_peak_gib"] = n / statistics.median(times), peak_gib()
+    ref = run(base)
+    k0 = kernel_report.snapshot()
+    peak_reset()
+    first = timed(lambda: ours(webui.WebUIOptions()), 1)[0]
+    times = timed(lambda: ours(webui.WebUIOptions()), reps)
+    res["ours_its"], res["ours_peak_gib"] = n / statistics.median(times), peak_gib()
+    res["first_run_s"] = first - statistics.median(times)
+    res["kernels"] = kernel_report.summarize(k0, kernel_report.snapshot())
+    res["psnr_db"] = psnr(ref, ours(webui.WebUIOptions()))
+    res["controlnet_vs_plain_db"] = psnr(plain, ref)
+    res["controlnets"] = forge_controlnet.status()
+    st = forge_plan.state_of(base.model)
+    res["graphs"] = dict(st.graphs.stats) if st.graphs is not None else {}
+    say(name, "stock run s:", ["%.4f" % s for s in times], "ControlNet:", json.dumps(res["controlnets"]))
+    eager = webui.WebUIOptions(cuda_graph=False)
+    ours(eager)
+    times = timed(lambda: ours(eager), reps)
+    res["ours_eager_its"] = n / statistics.median(times)
+    res["eager_psnr_db"] = psnr(ref, ours(eager))
+    res["unet_rel_err"] = None
+    res["emb_batched"] = "-"
+    memory_management.unload_all_models()
+    return res
+
+
 def record(name, r, env):
     k = r["kernels"]
     ran = ", ".join("%s x%d" % (op, e["fused"]) for op, e in sorted(k.items()) if e["fused"])
@@ -317,6 +386,9 @@ def record(name, r, env):
                  json.dumps(info["counts"]), "SiLU folded" if info["fold_silu"] else "SiLU not folded",
                  r["emb_batched"], info["wrapper"], ran or "-", json.dumps(fell), json.dumps(r["graphs"]), r["ours_eager_its"],
                  r["eager_psnr_db"], "; Forge LoRA check %s" % json.dumps(r["lora"]) if "lora" in r else ""))
+    if "controlnets" in r:
+        notes += "; Forge's ControlNet on every step (%.1f dB from the image without it): %s" % (
+            r["controlnet_vs_plain_db"], json.dumps(r["controlnets"]))
     return dict(env, date=datetime.date.today().isoformat(), config="forge_" + name, steps=OPT.steps,
                 sampler="euler", scheduler="predictor sigmas, uniform", cfg=7.0,
                 stock_its=round(r["stock_its"], 2), ours_its=round(r["ours_its"], 2),
@@ -350,7 +422,7 @@ def main():
     for name in filter(None, OPT.configs.split(",")):
         cfg, latent = (TINY, 8) if OPT.smoke else CONFIGS[name]
         with torch.no_grad():
-            r = measure(name, cfg, latent)
+            r = (measure_controlnet if name.endswith("_cn") else measure)(name, cfg, latent)
         rec = record(name, r, env)
         rows.append(rec)
         say("RESULT", json.dumps(rec))
@@ -365,9 +437,9 @@ def main():
     print("%-22s %9s %9s %7s %9s %8s %10s" % ("config", "stock it/s", "ours it/s", "speedup", "eager it/s",
                                              "PSNR", "rel err"))
     for r in rows:
-        print("%-22s %9.2f %9.2f %6.2fx %9.2f %8.2f %10.2e" % (r["config"], r["stock_its"], r["ours_its"],
-                                                             r["speedup"], r["ours_eager_its"], r["psnr_db"],
-                                                             r["unet_rel_err"]))
+        err = "-" if r["unet_rel_err"] is None else "%.2e" % r["unet_rel_err"]
+        print("%-22s %9.2f %9.2f %6.2fx %9.2f %8.2f %10s" % (r["config"], r["stock_its"], r["ours_its"],
+                                                           r["speedup"], r["ours_eager_its"], r["psnr_db"], err))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 # nothing for results.jsonl), first_run (bench_first_run.py: SD1.5 768² on a cold Triton cache, kernels compiled one
 # by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
 # constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl), forge
-# (bench_forge.py: Forge's own UNet and sampling code, stock vs SD Accel, SD1.5 512² and SDXL 1024², ~3 min; needs
+# (bench_forge.py: Forge's own UNet and sampling code, stock vs SD Accel, SD1.5 512², SDXL 1024², and SD1.5 512²
+# with Forge's ControlNet, ~4 min; needs
 # vendor/forge from `bench_forge.py --vendor-from <Forge tree>`, carried, with Forge's diffusers/huggingface_hub
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
@@ -121,7 +122,7 @@ for p in "$@"; do
       # Forge's pins of diffusers and huggingface_hub in a folder of their own: the other parts keep the image's
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
         vendor/forge/wheels/*.whl
-      PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge 420 python3 bench/bench_forge.py ;;
+      PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge 540 python3 bench/bench_forge.py ;;
     fp8) part fp8 300 python3 bench/bench_fp8.py --comfy-dir $COMFY --deadline 240 ;;
     fp8_gemm)
       mkdir -p "$OUT/fp8_gemm"
