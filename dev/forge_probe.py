@@ -13,12 +13,17 @@ Forge. Observed:
            swapped in there takes the LoRA away with it)
   lowvram  modules with parameters_manual_cast set to cast per call, modules without it left as they are,
            and the flags put back at unload
+  controlnet  a ControlNet's copy shares the control model with a patcher of its own; UNet patcher clones share
+           the ControlNet chain; get_control calls the `controlnet_model_function_wrapper` transformer option with
+           x, hint (as prepared), timesteps, context, y, model (the ControlNet) and inner_model (its control
+           model), and returns the hook's outputs scaled by the strength; a control-LoRA is a ControlNet subclass
 """
 import argparse
 import copy
 import json
 import os
 import sys
+import types
 
 import torch
 
@@ -49,6 +54,72 @@ def _api(args):
     from backend import operations
     from backend.patcher import ModelPatcher
     return ModelPatcher, operations.using_forge_operations, mm.load_models_gpu, mm.unload_all
+
+
+class _ControlModel(torch.nn.Module):
+    """A control model of the call Forge makes: two outputs from x, the hint, the timesteps and the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 1)
+        self.dtype = torch.float32   # Forge reads the control model's dtype
+
+    def forward(self, x, hint, timesteps, context, y=None):
+        h = self.conv(x) + torch.nn.functional.avg_pool2d(hint, 8).mean(1, keepdim=True) + context.mean()
+        return [h, h * 2]
+
+
+class _Predictor:
+    """What a ControlNet reads from the UNet's model in Forge's `pre_run`: the identity for sigmas here."""
+
+    def timestep(self, t):
+        return t
+
+    def calculate_input(self, t, x):
+        return x
+
+
+def _unet_patcher_class():
+    try:
+        from backend.patcher.unet import UnetPatcher   # Forge
+    except ImportError:
+        from backend.patcher import UnetPatcher        # the stand-in
+    return UnetPatcher
+
+
+def observe_controlnet():
+    from backend.patcher import controlnet
+    UnetPatcher = _unet_patcher_class()
+    cm = _ControlModel()
+    g = torch.Generator().manual_seed(1)
+    cn = controlnet.ControlNet(cm).set_cond_hint(torch.rand(1, 3, 16, 16, generator=g), 0.5)
+    copy_ = cn.copy()
+    unet = UnetPatcher(torch.nn.Linear(2, 2), load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    seen = {}
+
+    def hook(**kw):
+        seen.update({k: type(v).__name__ for k, v in kw.items()})
+        seen["is"] = [kw["model"] is copy_, kw["inner_model"] is cm, tuple(kw["hint"].shape)]
+        return kw["inner_model"](x=kw["x"], hint=kw["hint"], timesteps=kw["timesteps"], context=kw["context"],
+                                 y=kw["y"])
+    unet.set_controlnet_model_function_wrapper(hook)
+    m = unet.clone()
+    m.add_patched_controlnet(copy_)
+    obs = [copy_.control_model is cm, copy_.control_model_wrapped is not cn.control_model_wrapped,
+           copy_.control_model_wrapped.model is cm, m.clone().controlnet_linked_list is copy_,
+           issubclass(controlnet.ControlLora, controlnet.ControlNet)]
+    if hasattr(copy_, "pre_run"):   # Forge: the ControlNet reads the sampling model's predictor and the range
+        copy_.pre_run(types.SimpleNamespace(predictor=_Predictor()), lambda p: 1000.0 * (1.0 - p))
+    copy_.transformer_options = m.model_options["transformer_options"]
+    x = torch.randn(1, 4, 2, 2, generator=g)
+    ctx = torch.randn(1, 3, 8, generator=g)
+    out = copy_.get_control(x, torch.tensor([500.0]), {"c_crossattn": ctx}, 1)
+    direct = cm(x=x, hint=copy_.cond_hint, timesteps=torch.tensor([500.0]), context=ctx)
+    flat = [t for v in (out.values() if isinstance(out, dict) else [out]) for t in v if t is not None]
+    obs.append(sorted(seen.items(), key=lambda kv: kv[0]) if seen else None)
+    obs.append(bool(len(flat) == 2 and all(torch.allclose(a, 0.5 * b) for a, b in zip(sorted(flat, key=lambda t: float(t.sum())),
+                                                                                         sorted(direct, key=lambda t: float(t.sum()))))))
+    return obs
 
 
 def _tiny(ops):
@@ -125,6 +196,7 @@ def main():
     args = ap.parse_args()
     with torch.no_grad():
         obs = observe(*_api(args))
+        obs["controlnet"] = observe_controlnet()
     print("PROBE " + json.dumps(obs, sort_keys=True))
 
 
