@@ -49,9 +49,6 @@ class _ControlState:
         self.last = None         # what the last call ran: "accelerated" or the reason not
         self.counts = {}         # {op: modules} the last run's twin replaces
 
-    def __hash__(self):
-        return id(self)
-
 
 def _forge_controlnet_class():
     mod = sys.modules.get("backend.patcher.controlnet")
@@ -85,7 +82,7 @@ def wrapper_for(st, options, unet):
     """The hook for the UNet state `st` and `options`: one function each (part of the UNet's graph key, and
     Forge deep-copies model options: a plain function keeps its identity there). `unet`: the UNet the run's
     ControlNets serve, whose package's module classes count as Forge's in the control model (held weakly)."""
-    hooks = st.__dict__.setdefault("controlnet_hooks", {})
+    hooks = st.controlnet_hooks
     fn = hooks.get(options)
     if fn is not None:
         return fn
@@ -100,11 +97,11 @@ def wrapper_for(st, options, unet):
         if run is None:
             return inner_model(**args)
         twin, forward = run
-        with webui.capturable_timestep_embedding(twin):
-            if forward is not None:
+        if forward is not None:
+            with webui.capturable_timestep_embedding(twin):
                 return forward(**args)
-            key = ("no graphs", tuple(args["x"].shape), args["x"].dtype)
-            return _state(inner_model).eager_paths.run(key, twin, (), args, args["x"].device)
+        key = ("no graphs", tuple(args["x"].shape), args["x"].dtype)
+        return _state(inner_model).eager_paths.run(key, twin, (), args, args["x"].device)
     controlnet_model_function_wrapper.sd_accel_forge_controlnet = True
     controlnet_model_function_wrapper.sd_accel_inert = ("forge controlnet", options)
     hooks[options] = controlnet_model_function_wrapper
@@ -122,7 +119,11 @@ def _accelerated(model, inner_model, st, options, unet, device):
     cs = _state(inner_model)
     cs.calls += 1
     if cs.checked[0] is not st.epoch or st.epoch is None:
-        cs.checked = (st.epoch, _decide(cs, model, inner_model, options, unet, device))
+        try:
+            run = _decide(cs, model, inner_model, options, unet, device)
+        except Exception as e:  # noqa: BLE001 - a control model SD Accel cannot plan must still run, as Forge's
+            run = "SD Accel could not plan the control model (%s: %s)" % (type(e).__name__, str(e)[:160])
+        cs.checked = (st.epoch, run)
         if isinstance(cs.checked[1], str):
             log.info("[SD Accel] Forge ControlNet left to Forge: %s", cs.checked[1])
         for twin, forward in cs.twins.values():
@@ -144,6 +145,8 @@ def _decide(cs, model, inner_model, options, unet, device):
         if not forge_plan.plan_for(cs.plan, inner_model, classes_of=unet):
             return "the control model already holds replacements SD Accel did not plan"
         patcher = getattr(model, "control_model_wrapped", None)
+        if patcher is None:
+            return "the ControlNet has no model patcher"
         patches, skipped = forge_plan.run_patches(cs.plan, patcher, inner_model, True, False)
         if skipped:
             return "modules left to Forge (%s)" % ", ".join("%s: %d" % (why, len(p)) for why, p in skipped.items())
@@ -197,7 +200,7 @@ def status():
         run = cs.checked[1]
         entry = {"calls": cs.calls, "last": cs.last, "patched": 0, "counts": {}, "graphs": {}}
         if run is not None and not isinstance(run, str):
-            twin, forward = run
+            forward = run[1]
             entry.update(patched=sum(cs.counts.values()), counts=dict(cs.counts))
             if forward is not None:
                 entry["graphs"] = dict(forward.graphs.stats)

@@ -70,6 +70,7 @@ class ForgeState:
         self.unfused = {}       # fused norm+SiLU -> the norm it stands for (for a late group_norm_wrapper)
         self.shim = None        # (group_norm_wrapper, its stand-in)
         self.clones = {}        # options -> (weakref to the patcher, its signature, our clone, info, its leaves)
+        self.controlnet_hooks = {}   # options -> the ControlNet hook (hosts/forge_controlnet.py)
 
 
 _STATE_ATTR = "_sd_accel_forge"

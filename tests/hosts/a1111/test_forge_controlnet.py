@@ -124,3 +124,21 @@ def test_a_controlnet_in_forges_sampling_call_runs_through_the_hook(fake_forge, 
     out = denoise(m)
     torch.testing.assert_close(out, ref)   # the stand-in UNet does not read the control
     assert any(e["calls"] and e["last"] == "accelerated" for e in forge_controlnet.status())
+
+
+def test_a_control_model_sd_accel_cannot_plan_runs_as_forge_made_it(fake_forge, stock_kernels, monkeypatch):
+    """Whatever goes wrong while planning a control model, the generation goes on with Forge's own call, and the
+    status says why in one line."""
+    from sd_accel.hosts import forge_plan
+
+    def broken(*a, **k):
+        raise RuntimeError("an unexpected module tree")
+    base = make_patcher()
+    cn = make_controlnet()
+    ref = _control(base, cn.copy())
+    clone, _ = forge.accelerate(base, ON)
+    monkeypatch.setattr(forge_plan, "plan_for", broken)   # the control model is planned at its first call
+    out = _control(clone, cn.copy())
+    assert all(torch.equal(o, r) for o, r in zip(out, ref))
+    assert any("could not plan the control model (RuntimeError: an unexpected module tree)" in (e["last"] or "")
+               for e in forge_controlnet.status())
