@@ -8,8 +8,10 @@ A1111 has no object patches, so the UNet's leaves are swapped in place and swapp
   are checked before and after each apply and on every model-loaded callback.
 * applying is idempotent: A1111 runs the model-loaded callbacks again after a VAE reload and after a
   same-object weight reload, and a second `sync` with the same options changes nothing.
-* channels_last: conv weights converted in place (values unchanged) on a CUDA UNet only; undone on
-  toggle-off.
+* channels_last: conv weights converted in place (values unchanged) on a CUDA UNet with CUDA graphs on;
+  undone on toggle-off (of either).
+* calls outside the graph route (graphs off, another "SD Unet", an extension's own UNet forward): the faster
+  of the fused and the stock modules, measured per shape, through hooks around the UNet's calls.
 * CUDA graphs: through A1111's own UNet hook, an `sd_unet.SdUnetOption` listed by `on_list_unets`
   (what the TensorRT extension uses). With "SD Unet" = Automatic (A1111's default) it is picked for
   the loaded checkpoint while the toggle is on; A1111 deactivates it before every weight reload. Its
@@ -24,10 +26,12 @@ This module imports nothing from A1111 at import time: the caller passes what it
 """
 import logging
 import sys
+import weakref
 
 import torch
 
 from ..engine.patches import fused_modules, patching
+from ..engine.graphs import eager
 from ..engine.graphs.step_graphs import StepGraphs
 from ..engine.fp8 import weights as fp8_weights
 from . import a1111_fp8, a1111_lora, webui
@@ -55,6 +59,11 @@ class _UnetState:
         self.structure = None     # (epoch, signature) cache for the graph key
         self.fp8 = {}             # path -> (Linear, its FP8 forward): precision fp8 (hosts/a1111_fp8.py)
         self.fp8_reason = None    # why precision fp8 was asked for and not set
+        self.route_active = False  # SD Accel's "SD Unet" is the active one (its graph route runs the UNet's calls)
+        self.eager_paths = eager.EagerPaths()   # calls outside that route: the faster of fused and stock modules
+        self.eager_hooks = None   # the (pre, post) hook handles that bracket those calls
+        self.eager_scopes = []    # per UNet call in progress: its eager path's scope, or None (the graph route)
+        self.eager_reason = None  # why the calls outside the route always run the fused modules
 
 
 _STATE_ATTR = "_sd_accel_state"
@@ -138,7 +147,60 @@ def apply_fused(unet, ops=patching.ALL_OPS):
             new.register_forward_pre_hook(_lora_pre_hook)
     st.backup, st.replacements, st.keys, st.keys_ok = backup, patches, before, True
     st.counts = webui.replacement_counts(patches)
+    _bracket_calls(unet, st)
     return dict(st.counts)
+
+
+# -- the UNet's calls outside the graph route ---------------------------------------------------------
+
+def _bracket_calls(unet, st):
+    """Hooks around the UNet's own calls: where SD Accel's graph route does not run a call (CUDA graphs off,
+    another "SD Unet", an extension that set the UNet's own `forward`, as sd-webui-controlnet does), the call runs
+    on the faster of the fused and the stock modules, measured per shape (engine/graphs/eager.py): without graphs
+    each fused kernel's launch costs host time, and a host-bound step (SD1.5 at batch 1) is slower fused."""
+    if st.eager_hooks is not None:
+        return
+    try:
+        pre = unet.register_forward_pre_hook(_enter_call, with_kwargs=True)
+    except TypeError as e:   # a torch without keyword hooks
+        st.eager_reason = "this torch cannot hook the UNet's calls (%s): outside CUDA graphs, the fused modules" % e
+        return
+    try:
+        post = unet.register_forward_hook(_leave_call, always_call=True)
+    except TypeError as e:
+        pre.remove()
+        st.eager_reason = "this torch cannot hook the UNet's calls (%s): outside CUDA graphs, the fused modules" % e
+        return
+    st.eager_hooks = (pre, post)
+
+
+def _unbracket_calls(st):
+    if st.eager_hooks is not None:
+        for h in st.eager_hooks:
+            h.remove()
+        st.eager_hooks = None
+        st.eager_scopes.clear()
+
+
+def _enter_call(unet, args, kwargs):
+    st = _state(unet)
+    if st.route_active and "forward" not in unet.__dict__:
+        st.eager_scopes.append(None)   # the graph route runs it (its refused keys choose their own path)
+        return None
+    x = args[0] if args else kwargs.get("x")
+    key = ("outside the graph route", tuple(getattr(x, "shape", ())), getattr(x, "dtype", None))
+    scope = st.eager_paths.path_for(key, getattr(x, "device", None))
+    scope.__enter__()
+    st.eager_scopes.append(scope)
+    return None
+
+
+def _leave_call(unet, args, output):
+    st = _state(unet)
+    scope = st.eager_scopes.pop() if st.eager_scopes else None
+    if scope is not None:
+        scope.__exit__(None, None, None)
+    return None
 
 
 def remove_fused(unet):
@@ -160,6 +222,7 @@ def remove_fused(unet):
             log.warning("[SD Accel] %s was replaced by someone else; left as it is", path)
     patching.restore(unet, back)
     st.backup, st.replacements, st.counts = {}, {}, {}
+    _unbracket_calls(st)
     return len(back)
 
 
@@ -197,7 +260,8 @@ def apply(unet, options, ops=patching.ALL_OPS, lowvram=False):
         apply_fused(unet, ops)
     else:
         remove_fused(unet)
-    _set_channels_last(unet, st, options.want("channels_last") and _on_cuda(unet))
+    # channels_last serves the graphs: a UNet run without them is faster in stock's layout (on either path)
+    _set_channels_last(unet, st, options.want("channels_last") and options.want("cuda_graph") and _on_cuda(unet))
     st.fp8_reason = a1111_fp8.refusal(unet, lowvram) if options.fp8() else None
     _set_fp8(unet, st, options.fp8() and st.fp8_reason is None)
     if not options.want("cuda_graph") and st.graphs is not None:
@@ -246,6 +310,10 @@ def status(unet):
            "graphs": dict(st.graphs.stats) if st and st.graphs is not None else {}}
     if st and st.graphs is not None and st.graphs.last_eager_reason:
         out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
+    if st and st.replacements:   # calls outside the graph route: which path each shape measured faster
+        out["outside_graphs"] = {"paths": st.eager_paths.choices(), "stock_calls": st.eager_paths.stock_calls}
+        if st.eager_reason:
+            out["reasons"]["outside CUDA graphs"] = st.eager_reason
     if st and st.fp8:   # the FP8 weights are VRAM beside the fp16 ones (all derived copies on that GPU)
         weight = next(iter(st.fp8.values()))[0].weight
         out["derived_weight_copies_mib"] = round(fp8_weights.bytes_on(weight.device) / 2 ** 20, 2)
@@ -339,6 +407,9 @@ def make_unet_option(sd_unet, get_sd_model, get_options, original_forward_for):
         def activate(self):
             sd_model = get_sd_model()
             unet = unet_of(sd_model)
+            if unet is not None:
+                _state(unet).route_active = True
+                self.unet_ref = weakref.ref(unet)
             # A1111 moves the stock UNet to the CPU before activating a replacement UNet; ours runs it
             if unet is not None and not getattr(sd_model, "lowvram", False):
                 dev = getattr(sd_model, "device", None)
@@ -351,6 +422,9 @@ def make_unet_option(sd_unet, get_sd_model, get_options, original_forward_for):
             return graph_forward(unet, original_forward_for(unet), x, timesteps, context, *args, **kwargs)
 
         def deactivate(self):
+            active = getattr(self, "unet_ref", lambda: None)()
+            if active is not None:
+                _state(active).route_active = False
             unet = unet_of(get_sd_model())
             st = unet.__dict__.get(_STATE_ATTR) if unet is not None else None
             if st is not None and st.graphs is not None:

@@ -103,21 +103,34 @@ class EagerPaths:
         self.stock_calls = 0      # calls that ran the stock modules (for the run report)
 
     def run(self, key, fn, args, kwargs, device):
+        with self.path_for(key, device):
+            return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def path_for(self, key, device):
+        """The code inside runs on `key`'s eager path (`run`'s, for a call the caller makes itself: a host that
+        can only wrap a call in hooks)."""
         if FORCED_PATH in ("stock", "fused"):
-            return self._run(FORCED_PATH, fn, args, kwargs)
+            with self._path(FORCED_PATH):
+                yield
+            return
         if device is None or device.type != "cuda":
-            return self._run("fused" if _interpreting() else "stock", fn, args, kwargs)
+            with self._path("fused" if _interpreting() else "stock"):
+                yield
+            return
         timing = self._timing(key)
         _collect(timing)
         path = timing.choice or _next_path(timing)
         if timing.choice is not None:
-            return self._run(path, fn, args, kwargs)
+            with self._path(path):
+                yield
+            return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = self._run(path, fn, args, kwargs)
+        with self._path(path):
+            yield
         end.record()
         timing.pending.append((path, start, end))
-        return out
 
     def choice(self, key):
         t = self.by_key.get(key)
@@ -141,14 +154,17 @@ class EagerPaths:
 
     def run_stock(self, fn, args, kwargs):
         """fn on the stock modules, whatever was measured."""
-        return self._run("stock", fn, args, kwargs)
+        with self._path("stock"):
+            return fn(*args, **kwargs)
 
-    def _run(self, path, fn, args, kwargs):
+    @contextlib.contextmanager
+    def _path(self, path):
         if path == "stock":
             self.stock_calls += 1
             with stock_path.stock_modules():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+                yield
+        else:
+            yield
 
 
 def _next_path(timing):

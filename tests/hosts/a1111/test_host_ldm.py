@@ -148,3 +148,57 @@ def test_graph_path_timestep_embedding_is_bitwise_ldms_and_restored(stock_kernel
     assert getattr(seen[0], "sd_accel_original", None) is original, "the graph path uses the device-kept copy"
     assert om.timestep_embedding is original
     torch.testing.assert_close(out, run(unet, inputs), atol=0, rtol=0)
+
+
+def _fused_calls(unet, inputs):
+    before = kernel_report.snapshot()
+    out = run(unet, inputs)
+    return out, sum(e["fused"] + e["fallback"] for e in kernel_report.summarize(before, kernel_report.snapshot()).values())
+
+
+def test_calls_outside_the_graph_route_take_the_measured_eager_path(stock_kernels, monkeypatch):
+    """A call A1111 makes to the UNet itself (CUDA graphs off, another "SD Unet", sd-webui-controlnet's own
+    forward) runs on the eager path the engine chooses per shape: on the stock modules it is stock's, bit for bit,
+    and no fused module runs. Forced both ways here (a CPU has no timing to choose by)."""
+    from sd_accel.engine.graphs import eager
+    unet, inputs = make_unet(), unet_inputs()
+    ref = run(unet, inputs)
+    a1111.apply(unet, ON)
+    monkeypatch.setattr(eager, "FORCED_PATH", "stock")
+    out, calls = _fused_calls(unet, inputs)
+    assert calls == 0 and torch.equal(out, ref)
+    assert a1111.status(unet)["outside_graphs"]["stock_calls"] == 1
+    monkeypatch.setattr(eager, "FORCED_PATH", "fused")
+    out, calls = _fused_calls(unet, inputs)
+    assert calls > 0
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_the_graph_routes_calls_are_left_to_it_unless_the_unets_forward_was_replaced(stock_kernels, monkeypatch):
+    """While SD Accel's "SD Unet" is active its graph route runs the UNet's calls (its refused keys measure their
+    own path), so the hooks leave them alone; an extension that sets the UNet's own `forward` (sd-webui-controlnet
+    does) bypasses the route, and its calls take the eager path again. `remove` takes the hooks off."""
+    import types
+    from sd_accel.engine.graphs import eager
+    unet, inputs = make_unet(), unet_inputs()
+    a1111.apply(unet, ON)
+    monkeypatch.setattr(eager, "FORCED_PATH", "stock")
+    a1111._state(unet).route_active = True
+    assert _fused_calls(unet, inputs)[1] > 0      # left to the route: the fused modules, as the route's warm-up runs
+    unet.forward = types.MethodType(type(unet).forward, unet)   # an extension's own forward on the instance
+    assert _fused_calls(unet, inputs)[1] == 0
+    hooks = len(unet._forward_pre_hooks) + len(unet._forward_hooks)
+    a1111.remove(unet)
+    assert len(unet._forward_pre_hooks) + len(unet._forward_hooks) == hooks - 2
+
+
+def test_channels_last_only_with_the_graphs(stock_kernels, monkeypatch):
+    """channels_last serves the CUDA graphs: with them off a (CUDA) UNet keeps stock's layout, where its calls,
+    fused or stock, run faster; turning the graphs on converts, off again converts back. (The layout is CUDA's
+    business: `_on_cuda` stands in for a GPU here.)"""
+    monkeypatch.setattr(a1111, "_on_cuda", lambda unet: True)
+    unet = make_unet()
+    spatial = [m.weight for m in unet.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
+    for graphs, cl in ((False, False), (True, True), (False, False)):
+        s = a1111.apply(unet, a1111.A1111Options(cuda_graph=graphs))
+        assert s["channels_last"] is cl and all(w.is_contiguous() is not cl for w in spatial), graphs
