@@ -20,14 +20,13 @@ The hook (`wrapper_for`) runs:
   on the fly under low VRAM): exactly the call Forge makes without the hook.
 A hook another extension set before SD Accel's is kept (SD Accel's is not set); one set after it replaces it.
 """
-import copy
 import logging
 import sys
 import weakref
 
 from ..engine.graphs import eager
 from ..engine.graphs.graphed_forward import GraphedForward
-from ..engine.patches import fused_modules
+from ..engine.patches import patch_folding
 from . import forge_plan, webui
 from .attached import state_on
 
@@ -93,7 +92,8 @@ def wrapper_for(st, options, unet):
         if "x" not in kw:   # a T2I adapter: Forge's own call
             return inner_model(hint)
         args = dict(x=kw["x"], hint=hint, timesteps=kw["timesteps"], context=kw["context"], y=kw.get("y"))
-        run = _accelerated(model, inner_model, st, options, unet_ref(), args["x"].device)
+        cs = _state(inner_model)
+        run = _accelerated(cs, model, inner_model, st, options, unet_ref(), args["x"].device)
         if run is None:
             return inner_model(**args)
         twin, forward = run
@@ -101,7 +101,7 @@ def wrapper_for(st, options, unet):
             with webui.capturable_timestep_embedding(twin):
                 return forward(**args)
         key = ("no graphs", tuple(args["x"].shape), args["x"].dtype)
-        return _state(inner_model).eager_paths.run(key, twin, (), args, args["x"].device)
+        return cs.eager_paths.run(key, twin, (), args, args["x"].device)
     controlnet_model_function_wrapper.sd_accel_forge_controlnet = True
     controlnet_model_function_wrapper.sd_accel_inert = ("forge controlnet", options)
     hooks[options] = controlnet_model_function_wrapper
@@ -109,14 +109,17 @@ def wrapper_for(st, options, unet):
 
 
 def _state(control_model):
-    cs = state_on(control_model, _STATE_ATTR, _ControlState)
+    return state_on(control_model, _STATE_ATTR, _new_state)
+
+
+def _new_state():
+    cs = _ControlState()
     _SEEN.add(cs)
     return cs
 
 
-def _accelerated(model, inner_model, st, options, unet, device):
+def _accelerated(cs, model, inner_model, st, options, unet, device):
     """(twin, its graphed forward or None) for this call, or None: Forge's own call. Decided once per run."""
-    cs = _state(inner_model)
     cs.calls += 1
     if cs.checked[0] is not st.epoch or st.epoch is None:
         try:
@@ -156,6 +159,8 @@ def _decide(cs, model, inner_model, options, unet, device):
     run = cs.twins.get(key)
     if run is None:
         twin = make_twin(inner_model, patches)
+        if twin is None:
+            return "a planned path does not run through the control model's modules"
         forward = GraphedForward(twin, "Forge " + type(inner_model).__name__, cuda_graph=True,
                                  channels_last=False) if graphs else None
         run = cs.twins[key] = (twin, forward)
@@ -163,34 +168,13 @@ def _decide(cs, model, inner_model, options, unet, device):
 
 
 def make_twin(root, patches):
-    """A copy of `root` whose module tree is copied along the paths in `patches` ({path: module}, relative to
-    `root`) and holds those modules there; every other module, and every module's parameter and buffer tables,
-    is `root`'s own. `root` is not modified."""
-    twin = _copy_node(root)
-    twin.__dict__.pop(_STATE_ATTR, None)
-    copied = {id(twin)}
-    # outer paths first: a block stand-in holds its original's children, and the fused modules planned inside
-    # it then go into the twin's copies of them (Forge's object patches reach them through the block the same way)
-    for path, rep in sorted(patches.items(), key=lambda item: item[0].count(".")):
-        parent = twin
-        *parents, last = path.split(".")
-        for name in parents:
-            child = parent._modules[name]
-            if id(child) not in copied:
-                child = _copy_node(child)
-                copied.add(id(child))
-                parent._modules[name] = child
-            parent = child
-        parent._modules[last] = rep
+    """`root` copied on write with `patches` ({path: module}, relative to `root`) in place, as Forge's object patches
+    would leave it (engine/patches/patch_folding.py): every module off the patched paths, and every parameter and
+    buffer table, is `root`'s own, and `root` is not modified. None where a path does not run through modules."""
+    twin = patch_folding.copy_with(root, patches)
+    if twin is not None:
+        twin.__dict__.pop(_STATE_ATTR, None)
     return twin
-
-
-def _copy_node(module):
-    """A shallow copy of one module with a `_modules` table of its own (the parameter and buffer tables shared);
-    a stand-in's methods bound to the copy."""
-    c = copy.copy(module)
-    c.__dict__["_modules"] = copy.copy(module._modules)
-    return fused_modules.bind_methods(c)
 
 
 def status():

@@ -66,6 +66,12 @@ def fold(patches, bases, prefix, exclude=()):
     return out, folded
 
 
+def copy_with(base, patches):
+    """`base` copied on write with every {path: module} of `patches` (paths relative to `base`) set in order, as
+    a host applying them one by one would leave it; None where a path does not run through child modules."""
+    return _apply_copy_on_write(base, [(path.split("."), m) for path, m in patches.items()])
+
+
 def _apply_copy_on_write(base, items):
     """`base` copied with every (path parts, module) of `items` set in order, or None where a path does not
     run through child modules."""
