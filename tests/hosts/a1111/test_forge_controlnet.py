@@ -64,6 +64,28 @@ def test_a_full_controlnets_control_model_runs_fused_and_gives_forges_control(fa
     assert all(torch.equal(a, r) for a, r in zip(again, ref))
 
 
+def test_the_twins_resblocks_share_one_timestep_projection(fake_forge, stock_kernels, fused_path, monkeypatch):
+    """The twin holds the plan's ResBlock stand-ins themselves (not copies of them), so their timestep projections
+    run as one GEMM for the whole control model, as on the UNet (engine/patches/emb_projections.py)."""
+    from backend import operations
+    from sd_accel.engine.patches import emb_projections
+    # the stand-in's Linear is not read as Forge's (its forward's source differs); counted as one here, as Forge's is
+    monkeypatch.setattr(emb_projections, "LINEAR_CLASSES", emb_projections.LINEAR_CLASSES + [operations.Linear])
+    answered = []
+    real = emb_projections.EmbProjections.projection
+
+    def spy(self, block, emb):
+        out = real(self, block, emb)
+        answered.append(out is not None)
+        return out
+    monkeypatch.setattr(emb_projections.EmbProjections, "projection", spy)
+    base = make_patcher()
+    cn = make_controlnet()
+    clone, _ = forge.accelerate(base, ON)
+    _control(clone, cn.copy())
+    assert answered and all(answered), answered   # every ResBlock of the control model served from the batch
+
+
 def test_the_twin_sees_forges_weight_changes(fake_forge, stock_kernels, fused_path):
     """The twin shares the control model's parameter tables: a weight Forge changes (a load, a merge) is read."""
     base = make_patcher()
