@@ -287,6 +287,20 @@ def lora_check(base, x, cond, uncond, ref):
             "ours_after_lora_removed_db": round(psnr(ref, ours_plain), 2)}
 
 
+def time_ours(res, ours, ref):
+    """`ours(options)` with the default options as both configs record it: a first run, `--reps` timed runs, the
+    kernels they ran, the PSNR of one more run against `ref`. Returns (first run s, timed runs s)."""
+    k0 = kernel_report.snapshot()
+    peak_reset()
+    first = timed(lambda: ours(webui.WebUIOptions()), 1)[0]
+    times = timed(lambda: ours(webui.WebUIOptions()), OPT.reps)
+    res["ours_its"], res["ours_peak_gib"] = OPT.steps / statistics.median(times), peak_gib()
+    res["first_run_s"] = first - statistics.median(times)
+    res["kernels"] = kernel_report.summarize(k0, kernel_report.snapshot())
+    res["psnr_db"] = psnr(ref, ours(webui.WebUIOptions()))
+    return first, times
+
+
 def measure(name, cfg, latent):
     base = build(cfg, OPT.seed)
     x, cond, uncond = inputs(cfg, latent, OPT.seed)
@@ -302,14 +316,7 @@ def measure(name, cfg, latent):
         clone, info = forge.accelerate(base, options)   # a clone per sampling run, as the extension makes
         res["info"] = info
         return sample(clone, x, cond, uncond, n)
-    k0 = kernel_report.snapshot()
-    peak_reset()
-    first = timed(lambda: ours(webui.WebUIOptions()), 1)[0]
-    times = timed(lambda: ours(webui.WebUIOptions()), reps)
-    res["ours_its"], res["ours_peak_gib"] = n / statistics.median(times), peak_gib()
-    res["first_run_s"] = first - statistics.median(times)
-    res["kernels"] = kernel_report.summarize(k0, kernel_report.snapshot())
-    res["psnr_db"] = psnr(ref, ours(webui.WebUIOptions()))
+    first, times = time_ours(res, ours, ref)
     clone, _ = forge.accelerate(base, webui.WebUIOptions())
     res["unet_rel_err"] = float((one_call(clone, x, cond, uncond) - ref_call).norm() / ref_call.norm())
     st = forge_plan.state_of(base.model)
@@ -351,14 +358,7 @@ def measure_controlnet(name, cfg, latent):
     times = timed(lambda: run(base), reps)
     res["stock_its"], res["stock_peak_gib"] = n / statistics.median(times), peak_gib()
     ref = run(base)
-    k0 = kernel_report.snapshot()
-    peak_reset()
-    first = timed(lambda: ours(webui.WebUIOptions()), 1)[0]
-    times = timed(lambda: ours(webui.WebUIOptions()), reps)
-    res["ours_its"], res["ours_peak_gib"] = n / statistics.median(times), peak_gib()
-    res["first_run_s"] = first - statistics.median(times)
-    res["kernels"] = kernel_report.summarize(k0, kernel_report.snapshot())
-    res["psnr_db"] = psnr(ref, ours(webui.WebUIOptions()))
+    first, times = time_ours(res, ours, ref)
     res["controlnet_vs_plain_db"] = psnr(plain, ref)
     res["controlnets"] = forge_controlnet.status()
     st = forge_plan.state_of(base.model)
