@@ -160,15 +160,13 @@ def _bracket_calls(unet, st):
     each fused kernel's launch costs host time, and a host-bound step (SD1.5 at batch 1) is slower fused."""
     if st.eager_hooks is not None:
         return
+    pre = None
     try:
         pre = unet.register_forward_pre_hook(_enter_call, with_kwargs=True)
-    except TypeError as e:   # a torch without keyword hooks
-        st.eager_reason = "this torch cannot hook the UNet's calls (%s): outside CUDA graphs, the fused modules" % e
-        return
-    try:
         post = unet.register_forward_hook(_leave_call, always_call=True)
-    except TypeError as e:
-        pre.remove()
+    except TypeError as e:   # a torch without keyword or always-called hooks
+        if pre is not None:
+            pre.remove()
         st.eager_reason = "this torch cannot hook the UNet's calls (%s): outside CUDA graphs, the fused modules" % e
         return
     st.eager_hooks = (pre, post)
