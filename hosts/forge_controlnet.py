@@ -45,7 +45,6 @@ class _ControlState:
         self.eager_paths = eager.EagerPaths()
         self.checked = (None, None)   # (run epoch, (twin, forward) or the reason it runs as Forge made it)
         self.calls = 0
-        self.last = None         # what the last call ran: "accelerated" or the reason not
         self.counts = {}         # {op: modules} the last run's twin replaces
 
 
@@ -127,14 +126,13 @@ def _accelerated(cs, model, inner_model, st, options, unet, device):
         except Exception as e:  # noqa: BLE001 - a control model SD Accel cannot plan must still run, as Forge's
             run = "SD Accel could not plan the control model (%s: %s)" % (type(e).__name__, str(e)[:160])
         cs.checked = (st.epoch, run)
-        if isinstance(cs.checked[1], str):
-            log.info("[SD Accel] Forge ControlNet left to Forge: %s", cs.checked[1])
+        if isinstance(run, str):
+            log.info("[SD Accel] Forge ControlNet left to Forge: %s", run)
         for twin, forward in cs.twins.values():
             if forward is not None:
                 forward.new_run()
                 forward.graphs.clear_if_offloaded()
     run = cs.checked[1]
-    cs.last = "accelerated" if not isinstance(run, str) else run
     return None if isinstance(run, str) else run
 
 
@@ -182,8 +180,9 @@ def status():
     out = []
     for cs in list(_SEEN):
         run = cs.checked[1]
-        entry = {"calls": cs.calls, "last": cs.last, "patched": 0, "counts": {}, "graphs": {}}
-        if run is not None and not isinstance(run, str):
+        last = run if isinstance(run, str) or run is None else "accelerated"
+        entry = {"calls": cs.calls, "last": last, "patched": 0, "counts": {}, "graphs": {}}
+        if last == "accelerated":
             forward = run[1]
             entry.update(patched=sum(cs.counts.values()), counts=dict(cs.counts))
             if forward is not None:
