@@ -20,6 +20,8 @@ in this repo), then:
   ControlNet  Forge's built-in ControlNet with a random ControlNet of the checkpoint's config (a unit through
             the API, no preprocessor): it changes the image; its control model runs SD Accel's modules (the
             status says which), each called on every step, as the UNet's are; on vs off the same image
+  MultiDiffusion  Forge's built-in MultiDiffusion (its own model_function_wrapper, tiles): SD Accel's step runs
+            inside it for every tile batch, with the fused modules; on vs off the same image
 Exit status 0 when every check passes. `--expect-fused` (with `--env TRITON_INTERPRET=1`) also requires
 the Triton kernels to run (in Triton's interpreter: minutes).
 

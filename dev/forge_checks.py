@@ -60,12 +60,14 @@ class Checker:
     def set(self, **opts):
         call(self.url, "/sdapi/v1/options", opts)
 
-    def txt2img(self, tag, lora=False, hires=False, control=None):
+    def txt2img(self, tag, lora=False, hires=False, control=None, tiles=None):
         body = {"prompt": "a photo of a cat" + (" <lora:%s:1>" % self.lora if lora else ""), "negative_prompt": "",
                 "seed": 1234, "steps": self.args.steps, "width": 64, "height": 64, "cfg_scale": 7,
                 "sampler_name": "Euler", "batch_size": 1, "send_images": True, "save_images": False}
         if control is not None:
             body["alwayson_scripts"] = {"ControlNet": {"args": [control]}}
+        if tiles is not None:
+            body["alwayson_scripts"] = {"MultiDiffusion Integrated": {"args": [True, "MultiDiffusion"] + list(tiles)}}
         if hires:
             # Forge's API needs hr_additional_modules (its default None fails the request, with or without SD Accel)
             body.update(enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=HR_STEPS,
@@ -110,6 +112,7 @@ class Checker:
         self.check_switch(img_on)
         self.check_hires()
         self.check_controlnet(img_on)
+        self.check_multidiffusion()
 
     def check_options(self):
         opts = call(self.url, "/sdapi/v1/options")
@@ -233,6 +236,29 @@ class Checker:
         self.same(on, off, "ControlNet: on vs off")
         again, _ = self.txt2img("ControlNet removed, SD Accel on")
         self.same(again, plain, "ControlNet removed: the plain image again")
+
+    def check_multidiffusion(self):
+        """Forge's MultiDiffusion sets its own model_function_wrapper, which calls the UNet once per batch of tiles:
+        SD Accel's wrapper must run inside it (each tile batch through SD Accel's step), never be replaced by it."""
+        # 64x64 pixels (8x8 latent) in 32-pixel tiles overlapping by 16: 3x3 tiles, in batches of 4 (3 UNet calls
+        # per cond batch and step)
+        tiles = (32, 32, 16, 4)
+        w0 = self.status()["wrapper_calls"]
+        on, ran = self.txt2img("MultiDiffusion, SD Accel on", tiles=tiles)
+        s = self.status()
+        calls = s["wrapper_calls"] - w0
+        print("[status] wrapper %s, %d calls through it" % (s.get("wrapper"), calls), flush=True)
+        self.check(calls > self.args.steps and calls % self.args.steps == 0,
+                   "MultiDiffusion: SD Accel's step runs inside its wrapper, per tile batch (%d calls in %d steps; "
+                   "wrapper %s)" % (calls, self.args.steps, s.get("wrapper")))
+        per_step = s["counts"].get("layer_norm", 0)
+        got = module_calls(ran)["layer_norm"]
+        self.check(got == calls * per_step > 0, "MultiDiffusion: the fused modules run in each of those calls "
+                   "(%d LayerNorm calls = %d calls x %d)" % (got, calls, per_step))
+        self.set(sd_accel_enabled=False)
+        off, _ = self.txt2img("MultiDiffusion, SD Accel off", tiles=tiles)
+        self.set(sd_accel_enabled=True)
+        self.same(on, off, "MultiDiffusion: on vs off")
 
     def check_log(self, path):
         with open(path, errors="replace") as f:

@@ -258,6 +258,7 @@ def _make_step(st, options, kmodel):
     unet = kmodel.diffusion_model
 
     def step(apply_model, x, t, c):
+        st.wrapper_calls += 1
         to = c.get("transformer_options")
         gnw = to.get("group_norm_wrapper") if isinstance(to, dict) else None
         if gnw is not None and st.unfused:
@@ -337,11 +338,11 @@ def status(sd_model):
     kmodel = kmodel_of(sd_model)
     if kmodel is None:
         return {"model": None, "patched": 0, "counts": {}, "paths": [], "channels_last": False,
-                "state_dict_keys_unchanged": True, "graphs": {}, "runs": 0}
+                "state_dict_keys_unchanged": True, "graphs": {}, "runs": 0, "wrapper_calls": 0}
     st = state_of(kmodel)
     last = st.last or _summary({}, {}, True, None, False)
     out = dict(last, model=type(kmodel.diffusion_model).__name__, channels_last=st.channels_last,
-               state_dict_keys_unchanged=st.keys_ok, runs=st.runs,
+               state_dict_keys_unchanged=st.keys_ok, runs=st.runs, wrapper_calls=st.wrapper_calls,
                graphs=dict(st.graphs.stats) if st.graphs is not None else {})
     if st.graphs is not None and st.graphs.last_eager_reason:
         out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason

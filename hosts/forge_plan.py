@@ -67,6 +67,7 @@ class ForgeState:
         self.patch_token = None  # a new object whenever that set changes (part of the graph key)
         self.structure = (None, None)   # (epoch, webui.structure_signature) for the graph key
         self.runs = 0
+        self.wrapper_calls = 0  # UNet calls through SD Accel's model_function_wrapper (each step's, each tile's)
         self.unfused = {}       # fused norm+SiLU -> the norm it stands for (for a late group_norm_wrapper)
         self.shim = None        # (group_norm_wrapper, its stand-in)
         self.clones = {}        # options -> (weakref to the patcher, its signature, our clone, info, its leaves)
