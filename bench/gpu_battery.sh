@@ -48,7 +48,8 @@
 # _scaled_mm on SD1.5/SDXL's transformer Linears, with its launch configs swept; ~3 min, killed at 300 s), fp8_gemm_sdxl
 # (the same on SDXL's shapes only, BLOCK_K 256 in the sweep, cuBLAS's own FP8 GEMM beside it; ~2 min, killed at 240 s),
 # fp8_tma_trial (bench/fp8_gemm_tma_trial.py: the FP8 GEMM with TMA loads, plain and persistent, against ours and
-# cuBLAS's FP8 GEMM on SDXL's shapes; a trial for #20, nothing uses its kernel; ~1 min, killed at 200 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s),
+# cuBLAS's FP8 GEMM on SDXL's shapes; a trial for #20, nothing uses its kernel; ~1 min, killed at 200 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s), tests_capture (tests/gpu/test_patch_nodes_gpu.py's
+# failed-capture test alone: capture_failure_run.py in a process of its own, ~1 min, killed at 200 s),
 # stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
 # same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s), diagnose_stock_after
 # (diagnose_stock_after.py: SDXL 1024² stock KSampler before and after one graph run of ours, with the GPU's
@@ -140,6 +141,11 @@ for p in "$@"; do
         > "$OUT/fp8_gemm_sdxl/log.txt" 2>&1
       echo "== fp8_gemm_sdxl exit $?"
       grep -v "^\[W\|This is technically allowed\|skipped" "$OUT/fp8_gemm_sdxl/log.txt" | tail -10 | cut -c1-230 ;;
+    tests_capture)
+      mkdir -p "$OUT/tests_capture"
+      timeout 200 python3 -m pytest tests/gpu/test_patch_nodes_gpu.py -k failed_capture -q -rA \
+        > "$OUT/tests_capture/log.txt" 2>&1
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/tests_capture/log.txt" | tail -12 | cut -c1-300 ;;
     fp8_tests)
       mkdir -p "$OUT/fp8_tests"
       timeout 240 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -rA > "$OUT/fp8_tests/log.txt" 2>&1

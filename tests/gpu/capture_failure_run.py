@@ -75,20 +75,24 @@ def torch_graph_works(torch):
     return bool((y == 6.0).all())
 
 
+# What the layout recorder saw, one list per sampling run. A module global, not a closure cell: a patch's closure
+# is part of its graph key (engine/graphs/tokens.py), so a list growing in it would make every call a new key and
+# the failing patch would never reach its capture.
+LAYOUT_RUNS = [[]]
+
+
 def record_conv_layout(torch, model):
-    """Adds an input-block patch to `model` (a clone) that records, on each eager call, whether the UNet's 3x3
-    conv weights are channels_last: one list per sampling run, in the list returned (the caller appends one
-    before each run)."""
-    convs = [m for m in model.model.diffusion_model.modules()
-             if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
-    runs = [[]]
+    """Adds an input-block patch to `model` (a clone) that records in LAYOUT_RUNS[-1], on each eager call, whether
+    the UNet's 3x3 conv weights are channels_last (the caller appends a list before each run)."""
+    conv = next(m for m in model.model.diffusion_model.modules()
+                if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1)
 
     def conv_layout_seen(h, transformer_options):
         if not torch.cuda.is_current_stream_capturing():
-            runs[-1].append(not convs[0].weight.is_contiguous())
+            LAYOUT_RUNS[-1].append(not conv.weight.is_contiguous())
         return h
     model.set_model_input_block_patch(conv_layout_seen)
-    return runs
+    return LAYOUT_RUNS
 
 
 def cuda_rng_works(torch):
