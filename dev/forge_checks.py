@@ -240,9 +240,9 @@ class Checker:
     def check_multidiffusion(self):
         """Forge's MultiDiffusion sets its own model_function_wrapper, which calls the UNet once per batch of tiles:
         SD Accel's wrapper must run inside it (each tile batch through SD Accel's step), never be replaced by it."""
-        # 64x64 pixels (8x8 latent) in 32-pixel tiles overlapping by 16: 3x3 tiles, in batches of 4 (3 UNet calls
-        # per cond batch and step)
-        tiles = (32, 32, 16, 4)
+        # 64x64 pixels (8x8 latent) in 32-pixel tiles, no overlap (MultiDiffusion caps it at the tile less 4 latent
+        # pixels): 2x2 tiles in batches of 2, so 2 UNet calls per step where one would run without it
+        tiles = (32, 32, 0, 2)
         w0 = self.status()["wrapper_calls"]
         on, ran = self.txt2img("MultiDiffusion, SD Accel on", tiles=tiles)
         s = self.status()
