@@ -17,8 +17,9 @@ unloads it (another clone of the model loaded, the model moved off the GPU).
 * CUDA graphs: Forge's `model_function_wrapper` around `KModel.apply_model`, through
   `engine.graphs.step_graphs.StepGraphs` over the KModel (the UNet's weights and the predictor's sigma buffers, which
   Forge swaps for zero-terminal-SNR runs). That is Forge's one wrapper slot: a wrapper another extension set
-  before ours is chained (ours runs inside it); one set after ours replaces ours and the run is eager, with
-  the fused modules still in. Eager under an online LoRA (merged in Forge's forward from tensors it moves
+  before ours is chained (ours runs inside it: Forge's built-in extensions load before user extensions, so
+  MultiDiffusion's tiles each run through our step); one set after ours replaces ours and the run is eager,
+  with the fused modules still in. Eager under an online LoRA (merged in Forge's forward from tensors it moves
   per run). The graphs' memory is freed when Forge moves the model off the GPU, so its memory manager gets
   it back for the VAE or the next model.
 * ControlNet: Forge's built-in ControlNet calls its control model through the hook SD Accel sets on the clone

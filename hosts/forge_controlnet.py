@@ -3,8 +3,9 @@ and, on CUDA, replays it from CUDA graphs.
 
 Forge calls a ControlNet's control model in `get_control` (backend/patcher/controlnet.py) through the UNet
 patcher's transformer option `controlnet_model_function_wrapper` when one is set (Forge's own hook,
-`UnetPatcher.set_controlnet_model_function_wrapper`). SD Accel sets it on its clone of the UNet patcher; Forge's
-ControlNet script runs after SD Accel's and clones that patcher, so the hook reaches every ControlNet of the run.
+`UnetPatcher.set_controlnet_model_function_wrapper`). SD Accel sets it on its clone of the UNet patcher, the one the
+run samples with: Forge's built-in extensions load before user extensions, so its ControlNet script has added its
+ControlNets to the patcher SD Accel clones, and `get_control` reads the hook from the run's transformer options.
 The hook (`wrapper_for`) runs:
 * a full ControlNet (Forge's own `ControlNet` class; not a control-LoRA, which builds its model per run with
   weights of its own making): the control model's twin, a copy of its module tree along the paths that

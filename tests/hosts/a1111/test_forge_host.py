@@ -147,6 +147,28 @@ def test_foreign_wrapper_is_chained_and_reapplying_is_idempotent(fake_forge, sto
     assert forge.strip(again).model_options["model_function_wrapper"] is theirs
 
 
+def test_a_tiling_wrapper_set_before_ours_runs_each_tile_through_our_step(fake_forge, stock_kernels):
+    """Forge's MultiDiffusion (a built-in, so it runs before SD Accel) sets a model_function_wrapper that calls the
+    UNet once per batch of tiles: each of those calls goes through SD Accel's step, and the result is Forge's own
+    with that wrapper."""
+    base = make_patcher()
+
+    def tiles(apply_model, a):   # two halves of the latent's width, one UNet call each
+        x, halves = a["input"], []
+        w = x.shape[-1] // 2
+        for sl in (slice(0, w), slice(w, None)):
+            halves.append(apply_model(x[..., sl], a["timestep"], **a["c"]))
+        return torch.cat(halves, dim=-1)
+    base.set_model_unet_function_wrapper(tiles)
+    ref = denoise(base)
+    st = forge_plan.state_of(base.model)
+    clone, info = forge.accelerate(base, ON)
+    before = st.wrapper_calls
+    assert info["wrapper"] == "model_function_wrapper (chained)"
+    torch.testing.assert_close(denoise(clone), ref, atol=2e-5, rtol=1e-4)
+    assert st.wrapper_calls - before == 2
+
+
 def test_another_extensions_object_patch_is_left_alone(fake_forge, stock_kernels):
     base = make_patcher()
     block = "diffusion_model.input_blocks.1"
