@@ -14,7 +14,7 @@
 # by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
 # constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl), forge
 # (bench_forge.py: Forge's own UNet and sampling code, stock vs SD Accel, SD1.5 512², SDXL 1024², and SD1.5 512²
-# with Forge's ControlNet, ~4 min; needs
+# with Forge's ControlNet, ~4 min; forge_cn: the ControlNet config alone, killed at 240 s; both need
 # vendor/forge from `bench_forge.py --vendor-from <Forge tree>`, carried, with Forge's diffusers/huggingface_hub
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
@@ -124,6 +124,11 @@ for p in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
         vendor/forge/wheels/*.whl
       PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge 540 python3 bench/bench_forge.py ;;
+    forge_cn)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
+        vendor/forge/wheels/*.whl
+      PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge_cn 240 python3 bench/bench_forge.py \
+        --configs sd15_512_b1_cn ;;
     fp8) part fp8 300 python3 bench/bench_fp8.py --comfy-dir $COMFY --deadline 240 ;;
     fp8_gemm)
       mkdir -p "$OUT/fp8_gemm"
