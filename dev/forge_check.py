@@ -22,6 +22,8 @@ in this repo), then:
             status says which), each called on every step, as the UNet's are; on vs off the same image
   MultiDiffusion  Forge's built-in MultiDiffusion (its own model_function_wrapper, tiles): SD Accel's step runs
             inside it for every tile batch, with the fused modules; on vs off the same image
+  late wrapper  an extension loaded after SD Accel (dev/forge_late_wrapper.py, installed beside it) replaces SD
+            Accel's wrapper: every UNet call still takes SD Accel's eager path (the status counts them); the same image
 Exit status 0 when every check passes. `--expect-fused` (with `--env TRITON_INTERPRET=1`) also requires
 the Triton kernels to run (in Triton's interpreter: minutes).
 
@@ -46,6 +48,7 @@ TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
 EXTRA = ["setuptools>=77.0.3,<81", "clip-anytorch", "huggingface-guess==0.1.0", "joblib"]
 LORA = "sdaccel_forge_check"
 CONTROLNET = "sdaccel_forge_check_cn"
+LATE_WRAPPER = "zz-sdaccel-check-late-wrapper"   # loads after "sd-accel": Forge loads user extensions by folder name
 
 
 def say(*a):
@@ -150,6 +153,10 @@ def setup_extension(webui, py):
     run(["git", "clone", "-q", REPO, ext])
     if run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"]).strip():
         say("note: uncommitted changes in %s are not in the clone" % REPO)
+    late = os.path.join(webui, "extensions", LATE_WRAPPER, "scripts")
+    shutil.rmtree(os.path.dirname(late), ignore_errors=True)
+    os.makedirs(late)
+    shutil.copy(os.path.join(REPO, "dev", "forge_late_wrapper.py"), late)
     head = run(["git", "-C", ext, "log", "--oneline", "-1"]).strip()
     inst = run([py, os.path.join(ext, "install.py"), "--dry-run"]).strip().splitlines()[-1]
     say("extension %s; install.py: %s" % (head, inst))

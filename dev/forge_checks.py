@@ -60,7 +60,7 @@ class Checker:
     def set(self, **opts):
         call(self.url, "/sdapi/v1/options", opts)
 
-    def txt2img(self, tag, lora=False, hires=False, control=None, tiles=None):
+    def txt2img(self, tag, lora=False, hires=False, control=None, tiles=None, late_wrapper=False):
         body = {"prompt": "a photo of a cat" + (" <lora:%s:1>" % self.lora if lora else ""), "negative_prompt": "",
                 "seed": 1234, "steps": self.args.steps, "width": 64, "height": 64, "cfg_scale": 7,
                 "sampler_name": "Euler", "batch_size": 1, "send_images": True, "save_images": False}
@@ -68,6 +68,8 @@ class Checker:
             body["alwayson_scripts"] = {"ControlNet": {"args": [control]}}
         if tiles is not None:
             body["alwayson_scripts"] = {"MultiDiffusion Integrated": {"args": [True, "MultiDiffusion"] + list(tiles)}}
+        if late_wrapper:
+            body["alwayson_scripts"] = {"SD Accel check: late wrapper": {"args": [True]}}
         if hires:
             # Forge's API needs hr_additional_modules (its default None fails the request, with or without SD Accel)
             body.update(enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=HR_STEPS,
@@ -113,6 +115,7 @@ class Checker:
         self.check_hires()
         self.check_controlnet(img_on)
         self.check_multidiffusion()
+        self.check_late_wrapper(img_on)
 
     def check_options(self):
         opts = call(self.url, "/sdapi/v1/options")
@@ -259,6 +262,23 @@ class Checker:
         off, _ = self.txt2img("MultiDiffusion, SD Accel off", tiles=tiles)
         self.set(sd_accel_enabled=True)
         self.same(on, off, "MultiDiffusion: on vs off")
+
+    def check_late_wrapper(self, plain):
+        """An extension loaded after SD Accel replaces its model_function_wrapper: the UNet's calls then come
+        without SD Accel's step, and hooks around them still give each SD Accel's eager path."""
+        s0 = self.status()
+        on, ran = self.txt2img("late wrapper, SD Accel on", late_wrapper=True)
+        s = self.status()
+        outside, through = (s["outside_step"]["calls"] - s0["outside_step"]["calls"],
+                            s["wrapper_calls"] - s0["wrapper_calls"])
+        self.check(outside == self.args.steps and through == 0,
+                   "late wrapper: each UNet call outside SD Accel's step goes through its hooks (%d of %d steps; %d "
+                   "through its wrapper; status %s)" % (outside, self.args.steps, through, s["outside_step"]))
+        per_step = s["counts"].get("layer_norm", 0)
+        got = module_calls(ran)["layer_norm"]
+        self.check(got == self.args.steps * per_step > 0, "late wrapper: the eager path (held to the fused modules "
+                   "here) runs them on every step (%d LayerNorm calls)" % got)
+        self.same(on, plain, "late wrapper: the image without it")
 
     def check_log(self, path):
         with open(path, errors="replace") as f:

@@ -35,7 +35,7 @@ import torch
 from ..engine.patches import patching
 from ..engine.graphs import eager
 from ..engine.graphs.step_graphs import StepGraphs
-from . import forge_controlnet, forge_plan, webui
+from . import forge_calls, forge_controlnet, forge_plan, webui
 from .forge_plan import PREFIX, state_of
 
 log = logging.getLogger("sd_accel")
@@ -135,9 +135,7 @@ def strip(unet_patcher):
     if is_sd_unet(unet_patcher.model):
         st = state_of(unet_patcher.model)
         if st.channels_last:
-            n = patching.convert_conv_weights(unet_patcher.model.diffusion_model, torch.contiguous_format)
-            st.channels_last = False
-            _layout_changed(st, "SD Accel off: %d conv weights converted back" % n)
+            _layout_back(st, unet_patcher.model.diffusion_model, "SD Accel off: %d conv weights converted back")
     has = any(forge_plan.is_ours(v) for v in unet_patcher.object_patches.values()) or getattr(
         unet_patcher.model_options.get("model_function_wrapper"), "sd_accel_step", None) is not None or \
         forge_controlnet.is_ours(unet_patcher.model_options.get("transformer_options", {}).get(forge_controlnet.HOOK))
@@ -183,10 +181,8 @@ def accelerate(unet_patcher, options):
     st.runs += 1
     st.run_graphs = not _has_online_lora(unet_patcher)
     if not (options.want("channels_last") and options.want("cuda_graph")) and st.channels_last:
-        n = patching.convert_conv_weights(unet_patcher.model.diffusion_model, torch.contiguous_format)
-        st.channels_last = False
-        _layout_changed(st, "channels_last %s: %d conv weights converted back" % (
-            "off" if not options.want("channels_last") else "unused without CUDA graphs", n))
+        _layout_back(st, unet_patcher.model.diffusion_model, "channels_last %s: %%d conv weights converted back" % (
+            "off" if not options.want("channels_last") else "unused without CUDA graphs"))
     if unet_patcher.__dict__.get("sd_accel_options") == options:
         return unet_patcher, dict(st.last)
     sig, keep = _patcher_signature(unet_patcher)
@@ -212,6 +208,7 @@ def _accelerate(st, unet_patcher, options):
     if options.want("cuda_graph") or options.want("channels_last") or folded:
         wrapper = _install_wrapper(clone, st, options)
         _free_graphs_on_unload(clone, st)
+    forge_calls.bracket(clone.model.diffusion_model, st, _layout_back)
     why_not = forge_controlnet.install(clone, st, options, clone.model.diffusion_model)
     clone.sd_accel_options = options
     st.last = _summary(patches, skipped, fold, wrapper, options.want("cuda_graph") and st.run_graphs, options)
@@ -230,6 +227,13 @@ def _host_state(st, kmodel):
         st.structure = (st.epoch, webui.structure_signature(kmodel))
     loader = getattr(kmodel, "lora_loader", None)
     return (getattr(loader, "loaded_hash", None), webui.autocast_state(), st.structure[1], st.patch_token)
+
+
+def _layout_back(st, unet, why):
+    """Conv weights back in Forge's layout; `why` holds a %d for how many."""
+    n = patching.convert_conv_weights(unet, torch.contiguous_format)
+    st.channels_last = False
+    _layout_changed(st, why % n)
 
 
 def _layout_changed(st, what):
@@ -260,6 +264,10 @@ def _make_step(st, options, kmodel):
 
     def step(apply_model, x, t, c):
         st.wrapper_calls += 1
+        with forge_calls.IN_STEP.entered():
+            return run_step(apply_model, x, t, c)
+
+    def run_step(apply_model, x, t, c):
         to = c.get("transformer_options")
         gnw = to.get("group_norm_wrapper") if isinstance(to, dict) else None
         if gnw is not None and st.unfused:
@@ -281,9 +289,7 @@ def _make_step(st, options, kmodel):
                             before_capture=to_channels_last)
         if st.channels_last and not st.graphs.may_replay():
             # every key refused (a capture may just have failed): the eager steps run faster in Forge's layout
-            n = patching.convert_conv_weights(unet, torch.contiguous_format)
-            st.channels_last = False
-            _layout_changed(st, "no CUDA graph to replay: %d conv weights back in Forge's layout" % n)
+            _layout_back(st, unet, "no CUDA graph to replay: %d conv weights back in Forge's layout")
         return out
 
     def to_channels_last():
@@ -348,4 +354,5 @@ def status(sd_model):
     if st.graphs is not None and st.graphs.last_eager_reason:
         out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
     out["controlnets"] = forge_controlnet.status()
+    out["outside_step"] = forge_calls.status(st)
     return out

@@ -169,6 +169,44 @@ def test_a_tiling_wrapper_set_before_ours_runs_each_tile_through_our_step(fake_f
     assert st.wrapper_calls - before == 2
 
 
+def test_a_wrapper_set_after_ours_gets_the_eager_path_and_forge_s_layout(fake_forge, stock_kernels, monkeypatch):
+    """An extension loaded after SD Accel sets its model_function_wrapper on SD Accel's clone, replacing SD Accel's
+    step: the UNet's calls still take the eager path (held to Forge's own modules here, as a measured choice of
+    them would: no fused kernel runs), conv weights an earlier run left channels_last go back to Forge's layout, and the result is
+    Forge's with that wrapper. SD Accel off, the hooks leave the calls alone."""
+    from backend import memory_management
+    base = make_patcher()
+    unet = base.model.diffusion_model
+
+    def theirs(apply_model, a):
+        return apply_model(a["input"], a["timestep"], **a["c"]) * 0.5
+    plain = base.clone()
+    plain.set_model_unet_function_wrapper(theirs)
+    ref = denoise(plain)
+    memory_management.unload_all()
+    clone, _ = forge.accelerate(base, ON)
+    st = forge_plan.state_of(base.model)
+    from sd_accel.engine.patches import patching
+    patching.convert_conv_weights(unet)   # as an earlier run with CUDA graphs leaves them
+    st.channels_last = True
+    later = clone.clone()
+    later.set_model_unet_function_wrapper(theirs)
+    from sd_accel.engine.graphs import eager
+    monkeypatch.setattr(eager, "FORCED_PATH", "stock")
+    before, stock_before = kernel_report.snapshot(), st.eager_paths.stock_calls if st.eager_paths else 0
+    torch.testing.assert_close(denoise(later), ref, atol=2e-5, rtol=1e-4)
+    assert st.outside_calls == 1 and st.wrapper_calls == 0
+    assert st.eager_paths.stock_calls - stock_before == 1 and webui.kernel_summary(before) == {}
+    assert st.channels_last is False and all(m.weight.is_contiguous() for m in unet.modules()
+                                             if isinstance(m, torch.nn.Conv2d))
+    memory_management.unload_all()
+    off = forge.strip(later)
+    torch.testing.assert_close(denoise(off), ref, atol=2e-5, rtol=1e-4)
+    assert st.outside_calls == 1
+    status = forge.status(type("M", (), {"forge_objects": type("F", (), {"unet": later})})())
+    assert status["outside_step"] == {"calls": 1, "paths": {}}
+
+
 def test_another_extensions_object_patch_is_left_alone(fake_forge, stock_kernels):
     base = make_patcher()
     block = "diffusion_model.input_blocks.1"
