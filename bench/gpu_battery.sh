@@ -69,7 +69,8 @@
 # at 200 s),
 # eager (bench_eager.py: stock vs ours where graphs do not run, SD1.5 512² b1 and SDXL 1024² b1, 12 rotated reps;
 # ~4 min with the SDXL build, deadline 330 s, killed at 420 s), eager_caches (bench_eager.py at SD1.5 only, with
-# LazyCache and EasyCache pairs beside the plain and refused ones; ~2.5 min, deadline 170 s, killed at 240 s),
+# LazyCache and EasyCache pairs beside the plain and refused ones; ~2.5 min, deadline 170 s, killed at 240 s), eager_sdxl_patches (bench_eager.py at
+# SDXL 1024² b1 with EasyCache and PAG pairs beside the plain and refused ones; deadline 230 s, killed at 300 s),
 # text_encode (bench_text_encode.py: CLIP Text Encode on the checkpoint's CLIP vs on Apply SD Accel (CLIP)'s copy,
 # SD1.5 and SDXL, plain / weighted / long / clip-skip prompts; ~2 min with the SDXL build, killed at 300 s),
 # tests_clip (tests/gpu/test_clip_graphs_gpu.py alone, ~1 min, killed at 200 s),
@@ -210,6 +211,8 @@ for p in "$@"; do
     eager) part eager 420 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15,sdxl --deadline 330 ;;
     eager_caches) part eager_caches 240 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15 \
       --patches LazyCache,EasyCache --deadline 170 ;;
+    eager_sdxl_patches) part eager_sdxl_patches 300 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 \
+      --families sdxl --patches EasyCache,PerturbedAttentionGuidance --deadline 230 ;;
     fp8_stored) part fp8_stored 240 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 6 --profile ;;
     fp8_stored_peaks) part fp8_stored_peaks 200 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 3 --peaks ;;
     as_stored_replay) part as_stored_replay 200 python3 bench/bench_as_stored_replay.py --comfy-dir $COMFY --reps 5 \
