@@ -18,8 +18,8 @@ unloads it (another clone of the model loaded, the model moved off the GPU).
   `engine.graphs.step_graphs.StepGraphs` over the KModel (the UNet's weights and the predictor's sigma buffers, which
   Forge swaps for zero-terminal-SNR runs). That is Forge's one wrapper slot: a wrapper another extension set
   before ours is chained (ours runs inside it: Forge's built-in extensions load before user extensions, so
-  MultiDiffusion's tiles each run through our step); one set after ours replaces ours and the run is eager,
-  with the fused modules still in. Eager under an online LoRA (merged in Forge's forward from tensors it moves
+  MultiDiffusion's tiles each run through our step); one set after ours replaces ours, and the UNet's calls
+  then take the eager path through hooks around them (hosts/forge_calls.py). Eager under an online LoRA (merged in Forge's forward from tensors it moves
   per run). The graphs' memory is freed when Forge moves the model off the GPU, so its memory manager gets
   it back for the VAE or the next model.
 * ControlNet: Forge's built-in ControlNet calls its control model through the hook SD Accel sets on the clone

@@ -72,5 +72,8 @@ def ours_in_place(unet, st):
 
 
 def status(st):
-    return {"calls": st.outside_calls,
-            "paths": st.eager_paths.choices() if st.eager_paths is not None and st.outside_calls else {}}
+    out = {"calls": st.outside_calls,
+           "paths": st.eager_paths.choices() if st.eager_paths is not None and st.outside_calls else {}}
+    if st.call_hooks_missing:
+        out["not_hooked"] = st.call_hooks_missing
+    return out
