@@ -34,7 +34,7 @@ from ..engine.patches import fused_modules, patching
 from ..engine.graphs import eager
 from ..engine.graphs.step_graphs import StepGraphs
 from ..engine.fp8 import weights as fp8_weights
-from . import a1111_fp8, a1111_lora, webui
+from . import a1111_fp8, a1111_lora, unet_call_hooks, webui
 from .attached import state_on
 from .webui import kernel_summary  # noqa: F401 - the extension script's status route reads it here
 
@@ -61,9 +61,7 @@ class _UnetState:
         self.fp8_reason = None    # why precision fp8 was asked for and not set
         self.route_active = False  # SD Accel's "SD Unet" is the active one (its graph route runs the UNet's calls)
         self.eager_paths = eager.EagerPaths()   # calls outside that route: the faster of fused and stock modules
-        self.eager_hooks = None   # the (pre, post) hook handles that bracket those calls
-        self.eager_scopes = []    # per UNet call in progress: its eager path's scope, or None (the graph route)
-        self.eager_reason = None  # why the calls outside the route always run the fused modules
+        self.eager_hooks = None   # unet_call_hooks.CallHooks around those calls
 
 
 _STATE_ATTR = "_sd_accel_state"
@@ -154,51 +152,26 @@ def apply_fused(unet, ops=patching.ALL_OPS):
 # -- the UNet's calls outside the graph route ---------------------------------------------------------
 
 def _bracket_calls(unet, st):
-    """Hooks around the UNet's own calls: where SD Accel's graph route does not run a call (CUDA graphs off,
-    another "SD Unet", an extension that set the UNet's own `forward`, as sd-webui-controlnet does), the call runs
-    on the faster of the fused and the stock modules, measured per shape (engine/graphs/eager.py): without graphs
-    each fused kernel's launch costs host time, and a host-bound step (SD1.5 at batch 1) is slower fused."""
-    if st.eager_hooks is not None:
-        return
-    pre = None
-    try:
-        pre = unet.register_forward_pre_hook(_enter_call, with_kwargs=True)
-        post = unet.register_forward_hook(_leave_call, always_call=True)
-    except TypeError as e:   # a torch without keyword or always-called hooks
-        if pre is not None:
-            pre.remove()
-        st.eager_reason = "this torch cannot hook the UNet's calls (%s): outside CUDA graphs, the fused modules" % e
-        return
-    st.eager_hooks = (pre, post)
+    """Hooks around the UNet's own calls (hosts/unet_call_hooks.py): a call SD Accel's graph route does not run
+    (CUDA graphs off, another "SD Unet", an extension that set the UNet's own `forward`, as sd-webui-controlnet
+    does) takes the faster of the fused and the stock modules: a host-bound step (SD1.5 at batch 1) is slower
+    fused without graphs."""
+    if st.eager_hooks is None:
+        st.eager_hooks = unet_call_hooks.hook_calls(unet, _path_outside_route)
 
 
 def _unbracket_calls(st):
     if st.eager_hooks is not None:
-        for h in st.eager_hooks:
-            h.remove()
+        st.eager_hooks.remove()
         st.eager_hooks = None
-        st.eager_scopes.clear()
 
 
-def _enter_call(unet, args, kwargs):
+def _path_outside_route(unet, x):
     st = _state(unet)
     if st.route_active and "forward" not in unet.__dict__:
-        st.eager_scopes.append(None)   # the graph route runs it (its refused keys choose their own path)
-        return None
-    x = args[0] if args else kwargs.get("x")
+        return None   # the graph route runs it (its refused keys choose their own path)
     key = ("outside the graph route", tuple(getattr(x, "shape", ())), getattr(x, "dtype", None))
-    scope = st.eager_paths.path_for(key, getattr(x, "device", None))
-    scope.__enter__()
-    st.eager_scopes.append(scope)
-    return None
-
-
-def _leave_call(unet, args, output):
-    st = _state(unet)
-    scope = st.eager_scopes.pop() if st.eager_scopes else None
-    if scope is not None:
-        scope.__exit__(None, None, None)
-    return None
+    return st.eager_paths.path_for(key, getattr(x, "device", None))
 
 
 def remove_fused(unet):
@@ -310,8 +283,8 @@ def status(unet):
         out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
     if st and st.replacements:   # calls outside the graph route: which path each shape measured faster
         out["outside_graphs"] = {"paths": st.eager_paths.choices(), "stock_calls": st.eager_paths.stock_calls}
-        if st.eager_reason:
-            out["reasons"]["outside CUDA graphs"] = st.eager_reason
+        if st.eager_hooks is not None and st.eager_hooks.missing:
+            out["reasons"]["outside CUDA graphs"] = st.eager_hooks.missing + ": outside CUDA graphs, the fused modules"
     if st and st.fp8:   # the FP8 weights are VRAM beside the fp16 ones (all derived copies on that GPU)
         weight = next(iter(st.fp8.values()))[0].weight
         out["derived_weight_copies_mib"] = round(fp8_weights.bytes_on(weight.device) / 2 ** 20, 2)

@@ -14,51 +14,31 @@ import weakref
 from ..engine.graphs import eager
 from ..engine.thread_scope import ThreadScope
 from ..engine.patches import patching
+from . import unet_call_hooks
 
 IN_STEP = ThreadScope()   # SD Accel's step is running on this thread (its calls choose their own path)
 
 
 def bracket(unet, st, layout_back):
-    """Hooks `unet`'s calls once per model. `layout_back(st, unet, why)`: the conv weights back in Forge's layout
-    (a module-level function: the hooks hold nothing that holds the model)."""
+    """Hooks `unet`'s calls once per model (hosts/unet_call_hooks.py). `layout_back(st, unet, why)`: the conv
+    weights back in Forge's layout (a module-level function: the hooks hold nothing that holds the model)."""
     if st.call_hooks is not None:
         return
     ref = weakref.ref(st)    # the hooks live on the UNet, the state on its KModel: no cycle through them
 
-    def enter(module, args, kwargs):
+    def choose(module, x):
         s = ref()
         if s is None or IN_STEP.local.depth or not ours_in_place(module, s):
-            if s is not None:
-                s.call_scopes.append(None)
             return None
         if s.channels_last:
             layout_back(s, module, "a UNet call outside SD Accel's step (another extension's wrapper replaced it): "
                         "%d conv weights back in Forge's layout")
-        x = args[0] if args else kwargs.get("x")
         if s.eager_paths is None:
             s.eager_paths = eager.EagerPaths()
-        scope = s.eager_paths.path_for(("outside SD Accel's step", tuple(x.shape), x.dtype), x.device)
-        scope.__enter__()
         s.outside_calls += 1
-        s.call_scopes.append(scope)
-        return None
+        return s.eager_paths.path_for(("outside SD Accel's step", tuple(x.shape), x.dtype), x.device)
 
-    def leave(module, args, output):
-        s = ref()
-        scope = s.call_scopes.pop() if s is not None and s.call_scopes else None
-        if scope is not None:
-            scope.__exit__(None, None, None)
-        return None
-
-    pre = None
-    try:
-        pre = unet.register_forward_pre_hook(enter, with_kwargs=True)
-        st.call_hooks = (pre, unet.register_forward_hook(leave, always_call=True))
-    except TypeError as e:   # a torch without keyword or always-called hooks
-        if pre is not None:
-            pre.remove()
-        st.call_hooks = ()
-        st.call_hooks_missing = "this torch cannot hook the UNet's calls (%s)" % e
+    st.call_hooks = unet_call_hooks.hook_calls(unet, choose)
 
 
 def ours_in_place(unet, st):
@@ -74,6 +54,6 @@ def ours_in_place(unet, st):
 def status(st):
     out = {"calls": st.outside_calls,
            "paths": st.eager_paths.choices() if st.eager_paths is not None and st.outside_calls else {}}
-    if st.call_hooks_missing:
-        out["not_hooked"] = st.call_hooks_missing
+    if st.call_hooks is not None and st.call_hooks.missing:
+        out["not_hooked"] = st.call_hooks.missing
     return out

@@ -69,9 +69,7 @@ class ForgeState:
         self.runs = 0
         self.wrapper_calls = 0  # UNet calls through SD Accel's model_function_wrapper (each step's, each tile's)
         self.outside_calls = 0  # UNet calls with SD Accel's modules in but not through its step (forge_calls.py)
-        self.call_hooks = None  # forge_calls' hook handles around the UNet's calls (() where torch has none)
-        self.call_hooks_missing = None
-        self.call_scopes = []   # per UNet call in progress: its eager path's scope, or None
+        self.call_hooks = None  # unet_call_hooks.CallHooks around the UNet's calls (forge_calls.py)
         self.unfused = {}       # fused norm+SiLU -> the norm it stands for (for a late group_norm_wrapper)
         self.shim = None        # (group_norm_wrapper, its stand-in)
         self.clones = {}        # options -> (weakref to the patcher, its signature, our clone, info, its leaves)
