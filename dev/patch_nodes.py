@@ -18,6 +18,8 @@ NODE_MODULES = {
     "UNetSelfAttentionMultiply": "nodes_attention_multiply", "UNetCrossAttentionMultiply": "nodes_attention_multiply",
     "EasyCache": "nodes_easycache", "LazyCache": "nodes_easycache",
     "PatchModelAddDownscale": "nodes_model_downscale",
+    "APG": "nodes_apg", "CFGZeroStar": "nodes_cfg", "CFGNorm": "nodes_cfg", "TCFG": "nodes_tcfg",
+    "Mahiro": "nodes_mahiro", "FreSca": "nodes_fresca", "Epsilon Scaling": "nodes_eps",
 }
 # the case whose model comes from UNETLoader with weight_dtype fp8_e4m3fn instead of a patch node
 FP8_UNET = "UNETLoader_fp8_e4m3fn"
@@ -29,12 +31,26 @@ FREEU_V2 = ("FreeU_V2", {"b1": 1.3, "b2": 1.4, "s1": 0.9, "s2": 0.2})
 FREEU = ("FreeU", {"b1": 1.1, "b2": 1.2, "s1": 0.9, "s2": 0.2})
 V_PREDICTION = ("ModelSamplingDiscrete", {"sampling": "v_prediction", "zsnr": False})
 EPS_ZSNR = ("ModelSamplingDiscrete", {"sampling": "eps", "zsnr": True})
+X0 = ("ModelSamplingDiscrete", {"sampling": "x0", "zsnr": False})
 EDM = ("ModelSamplingContinuousEDM", {"sampling": "v_prediction", "sigma_max": 120.0, "sigma_min": 0.002})
 # Deep Shrink: end_percent 0.5 puts the first half of the steps at half size and the rest at full size, so
 # both phases run in any schedule of two steps or more
 DEEP_SHRINK = ("PatchModelAddDownscale", {"block_number": 3, "downscale_factor": 2.0, "start_percent": 0.0,
                                           "end_percent": 0.5, "downscale_after_skip": True,
                                           "downscale_method": "bicubic", "upscale_method": "bicubic"})
+
+
+# Guidance nodes: they change CFG's inputs or result outside the UNet call (pre- and post-CFG functions). APG with
+# a negative momentum keeps a running average across steps in its closure; Epsilon Scaling at 1.1 (its range is
+# 0.5-1.5; the default 1.005 moves a few-step image too little to tell a lost patch from noise).
+GUIDANCE = {
+    "APG": [("APG", {"eta": 0.5, "norm_threshold": 5.0, "momentum": -0.5})],
+    "CFGZeroStar": [("CFGZeroStar", {})],
+    "CFGNorm": [("CFGNorm", {"strength": 1.0})],
+    "TCFG": [("TCFG", {})],
+    "Mahiro": [("Mahiro", {})],
+    "Epsilon Scaling": [("Epsilon Scaling", {"scaling_factor": 1.1})],
+}
 
 
 # EasyCache / LazyCache at their default threshold, from the first step to the last: they skip steps even in a
@@ -57,11 +73,15 @@ def cases(size):
         "UNetCrossAttentionMultiply": [("UNetCrossAttentionMultiply", ATTN_SCALES)],
         "ModelSamplingDiscrete_v_prediction": [V_PREDICTION],
         "ModelSamplingDiscrete_eps_zsnr": [EPS_ZSNR],
+        "ModelSamplingDiscrete_x0": [X0],
         "ModelSamplingContinuousEDM": [EDM],
         "EasyCache": [("EasyCache", CACHE)],
         "LazyCache": [("LazyCache", CACHE)],
         "PatchModelAddDownscale": [DEEP_SHRINK],
         FP8_UNET: [],
+        # FreSca's low band is the centre `freq_cutoff` indices each way: an eighth of the latent's side
+        "FreSca": [("FreSca", {"scale_low": 0.9, "scale_high": 1.25, "freq_cutoff": max(1, size // 64)})],
+        **GUIDANCE,
     }
 
 
