@@ -74,7 +74,8 @@ class ComfyServer:
             # diffusion_models -> checkpoints: current ComfyUI's UNETLoader loads a checkpoint's UNet
             # (with weight_dtype fp8_e4m3fn, say), so the fixture checkpoints serve it too
             f.write("sd_accel_test:\n    base_path: %s\n    checkpoints: checkpoints\n    controlnet: controlnet\n"
-                    "    loras: loras\n    vae: vae\n    vae_approx: vae_approx\n    diffusion_models: checkpoints\n" % self.models_dir)
+                    "    loras: loras\n    vae: vae\n    vae_approx: vae_approx\n    diffusion_models: checkpoints\n"
+                    "    hypernetworks: hypernetworks\n" % self.models_dir)
             if self.extra_nodes:
                 f.write("sd_accel_test_nodes:\n    base_path: %s\n    custom_nodes: custom_nodes\n"
                         % self._link_extra_nodes())

@@ -227,6 +227,32 @@ def build_taesd(comfy_dir, path, seed=0):
     return _save(out, path, torch.float16, {"sd_accel_fixture": "taesd", "seed": seed})
 
 
+HYPERNETWORK_DIMS = (320, 640, 768, 1280)   # SD1.5's attention widths and its context width
+
+
+def build_hypernetwork(path, seed=0, scale=0.5):
+    """Random hypernetwork in the A1111 format ComfyUI's HypernetworkLoader reads (comfy_extras/
+    nodes_hypernetwork.py): per width a pair (k, v) of two Linear layers, width -> width/4 -> width, with ReLU
+    between them, no layer norm and no dropout (ComfyUI builds its dropout layers in training mode)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    out = {"activation_func": "relu", "is_layer_norm": False, "use_dropout": False, "activate_output": False,
+           "last_layer_dropout": False}
+    for dim in HYPERNETWORK_DIMS:
+        pair = []
+        for _ in range(2):
+            hidden = dim // 4
+            pair.append({"linear.0.weight": torch.randn(hidden, dim, generator=gen) / math.sqrt(dim),
+                         "linear.0.bias": torch.zeros(hidden),
+                         "linear.1.weight": torch.randn(dim, hidden, generator=gen) * scale / math.sqrt(hidden),
+                         "linear.1.bias": torch.zeros(dim)})
+        out[dim] = pair
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(out, path + ".tmp")
+    os.replace(path + ".tmp", path)   # atomic, as _save
+    return path
+
+
 def ensure(path, builder, *args, **kw):
     """Build once; later calls (and later test runs) reuse the cached file."""
     if not os.path.exists(path):
@@ -239,7 +265,7 @@ def ensure(path, builder, *args, **kw):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy-dir", required=True)
-    ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd"], required=True)
+    ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd", "hypernet15"], required=True)
     ap.add_argument("--preset", choices=sorted(UNET_PRESETS), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -250,6 +276,8 @@ def main():
         ensure(a.out, build_controlnet, a.comfy_dir, a.preset, a.out, a.seed)
     elif a.kind == "taesd":
         ensure(a.out, build_taesd, a.comfy_dir, a.out, a.seed)
+    elif a.kind == "hypernet15":
+        ensure(a.out, build_hypernetwork, a.out, a.seed)
     else:
         ensure(a.out, build_lora, a.comfy_dir, a.preset, a.out, seed=a.seed)
 

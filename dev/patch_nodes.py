@@ -20,7 +20,11 @@ NODE_MODULES = {
     "PatchModelAddDownscale": "nodes_model_downscale",
     "APG": "nodes_apg", "CFGZeroStar": "nodes_cfg", "CFGNorm": "nodes_cfg", "TCFG": "nodes_tcfg",
     "Mahiro": "nodes_mahiro", "FreSca": "nodes_fresca", "Epsilon Scaling": "nodes_eps",
+    "HypernetworkLoader": "nodes_hypernetwork",
 }
+# dev/fixtures.py's random hypernetwork, in the models' hypernetworks folder (its layers are a patch's own modules,
+# outside the UNet, which the host moves with `.to()` at every load and unload)
+HYPERNETWORK = "sdaccel_random_hypernet15.pt"
 # the case whose model comes from UNETLoader with weight_dtype fp8_e4m3fn instead of a patch node
 FP8_UNET = "UNETLoader_fp8_e4m3fn"
 # strong enough to move a small random model's image by far more than fp16 noise (v and out dominate)
@@ -81,6 +85,7 @@ def cases(size):
         FP8_UNET: [],
         # FreSca's low band is the centre `freq_cutoff` indices each way: an eighth of the latent's side
         "FreSca": [("FreSca", {"scale_low": 0.9, "scale_high": 1.25, "freq_cutoff": max(1, size // 64)})],
+        "HypernetworkLoader": [("HypernetworkLoader", {"hypernetwork_name": HYPERNETWORK, "strength": 1.0})],
         **GUIDANCE,
     }
 
@@ -113,6 +118,17 @@ def apply_case(model, nodes):
     for node_id, inputs in nodes:
         model = apply_node(node_id, model, inputs)
     return model
+
+
+def provide_hypernetwork(folder):
+    """dev/fixtures.py's random hypernetwork in `folder` (built once), registered as ComfyUI's hypernetworks
+    folder: for in-process use (the servers find it in the models' hypernetworks folder)."""
+    import os
+    import folder_paths
+    import fixtures
+    path = os.path.join(folder, HYPERNETWORK)
+    fixtures.ensure(path, fixtures.build_hypernetwork, path)
+    folder_paths.add_model_folder_path("hypernetworks", folder, is_default=True)
 
 
 def load_fp8_unet(unet_name):

@@ -97,3 +97,16 @@ def key_diff(a, b):
     """First differing positions of two keys, for the debug log when a new key appears."""
     diffs = [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y]
     return diffs[:3] if diffs or len(a) == len(b) else "length %d vs %d" % (len(a), len(b))
+
+
+def soft_marks(soft):
+    """What a replay checks of the soft tensors a capture read: each one's object and where its data is (a
+    module's `.to()` moves a parameter's data and keeps the object)."""
+    return [(t, t.data_ptr()) for t in soft]
+
+
+def soft_changed(marks, soft):
+    """Indices of the soft tensors that are not what the capture read (all of them if the count differs)."""
+    if len(marks) != len(soft):
+        return list(range(len(soft)))
+    return [i for i, ((t, ptr), now) in enumerate(zip(marks, soft)) if t is not now or now.data_ptr() != ptr]

@@ -66,7 +66,8 @@ class StepGraphs:
         self.verdicts = OrderedDict()     # key -> _Verdict, kept when the graphs are dropped
         self.eager_paths = eager.EagerPaths()
         self.pool = None
-        self.stats = {"captures": 0, "replays": 0, "eager": 0, "invalidations": 0}
+        # recaptures: graphs captured again because a tensor inside the call's objects was replaced or moved
+        self.stats = {"captures": 0, "replays": 0, "eager": 0, "invalidations": 0, "recaptures": 0}
         self.refused = Counter()          # one-line reason -> calls that ran eagerly for it
         self.last_eager_reason = None
         self._new_in_a_row = []           # keys first seen since the last replay
@@ -226,7 +227,7 @@ class StepGraphs:
         host_values = {i: tensors[i].detach().cpu() for i in result.input_reads}
         full = (key, tuple(tuple(v.reshape(-1).tolist()) for v in host_values.values()))
         entry = self.entries.get(full)
-        if entry is not None and any(a is not b for a, b in zip(entry.soft, soft)):
+        if entry is not None and keys.soft_changed(entry.soft, soft):
             entry = self._soft_changed(full, key, soft)
             if entry is False:
                 return self._eager(fn, args, kwargs, self.verdicts[key].result.reason, key=key, device=device)
@@ -258,15 +259,16 @@ class StepGraphs:
         return keys.map_tensors(entry.static_out, lambda t: t.clone())
 
     def _soft_changed(self, full, key, soft):
-        """A tensor inside the call's objects is another object than the capture read (by address): the graph
-        is captured again; a key whose tensors change before every call is refused. None (capture) or False."""
-        old = self.entries.pop(full).soft
-        changed = [i for i, (a, b) in enumerate(zip(old, soft)) if a is not b]
+        """A tensor inside the call's objects is another object than the capture read, or its data moved (the
+        graph reads it by address): the graph is captured again; a key whose tensors change before every call is
+        refused. None (capture) or False."""
+        changed = keys.soft_changed(self.entries.pop(full).soft, soft)
         log.log(DIAG_LEVEL, "[SD Accel] %s: tensors inside the call's objects replaced (%s): captured again", self.name,
                 ", ".join("#%d %s" % (i, tuple(soft[i].shape)) for i in changed[:4]))
         v = self.verdicts[key]
         v.soft_changes += 1
         if v.soft_changes <= CHURN:
+            self.stats["recaptures"] += 1
             return None
         v.probed, v.result = PROBES, probe.Verdict("a tensor the step reads is replaced before every call")
         return False
@@ -303,7 +305,7 @@ class StepGraphs:
         entry.static_out = out
         # tensors inside the call's objects as they are after the capture (the capture's own where the step
         # stored one): later calls copy theirs into these (see tokens.signature)
-        entry.soft = keys.flatten((args, kwargs)).soft
+        entry.soft = keys.soft_marks(keys.flatten((args, kwargs)).soft)
         # which fused kernels (or fallbacks) the graph holds: counted again on every replay
         entry.kernel_calls = kernel_report.calls_between(k0, kernel_report.snapshot())
         self.entries[full] = entry

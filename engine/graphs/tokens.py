@@ -14,9 +14,10 @@ patch could replay the graph of a dead one), and one object whose content change
   deep; a function found inside that content is its code (patches create helper closures per call, ToMe's
   unmerge for one, which must not make every call a new key). A GPU tensor found there is its shape, dtype
   and strides and is appended to `soft`: a graph reads it by address, so a call whose tensor is another
-  object than the capture read is captured again (StepGraphs); a tensor the step itself stores (SAG keeps
+  object than the capture read, or the same one whose data moved, is captured again (StepGraphs); a tensor the step itself stores (SAG keeps
   its attention scores in a closure) is the capture's own from then on, which each replay rewrites.
-  Modules and model patchers are identity only (their weights are the fingerprint's business). Other plain
+  Modules and model patchers are identity only (their weights are the fingerprint's business), but a small
+  module's GPU weights (a patch's own layers, outside the model) are `soft` tensors too. Other plain
   objects are their type: holders of per-run state (EasyCache's, LazyCache's) are new objects every run and
   are read by wrappers outside the graph; one that a step changes is found by the probe (`state_of`).
 * `state_of(obj)`: a deeper snapshot of the same walk that also reads plain objects' attributes and random
@@ -28,6 +29,7 @@ change what a step computes, so they enter a key by name and that description, w
 """
 import enum
 import functools
+import itertools
 import random
 import types
 import uuid
@@ -38,6 +40,7 @@ import torch
 INERT = "sd_accel_inert"
 DEPTH = 4            # levels below a callable that are walked
 BUDGET = 4000        # items one signature may visit; beyond that the rest is identity only
+MODULE_TENSORS = 64  # a module found in a call with more weights than this is left to the fingerprint
 _PRIMITIVE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
               uuid.UUID, enum.Enum, range, slice)
 
@@ -109,6 +112,8 @@ class _Walk:
             items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
             return (type(obj).__name__,) + tuple(self.leaf(v, depth - 1) for v in items)
         if is_opaque(obj):
+            if self.soft is not None and isinstance(obj, torch.nn.Module):
+                self.module_tensors(obj)
             return ("id", Token(obj))
         if isinstance(obj, random.Random):
             return ("rng", Token(obj), hash(obj.getstate()))
@@ -141,6 +146,18 @@ class _Walk:
         return ("fn", Token(fn), tuple(cells), self.leaf(fn.__defaults__, depth - 1),
                 self.leaf(fn.__kwdefaults__, depth - 1))
 
+
+    def module_tensors(self, module):
+        """A small module's GPU weights go to `soft` (a patch's own layers: a hypernetwork's, moved off the GPU
+        and back in place by the host's `model_patches_to`, the same Parameter objects at new addresses). A
+        large one's are the fingerprint's: the model's, or modules of its tree."""
+        found = []
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            if len(found) == MODULE_TENSORS:
+                return
+            if t.device.type != "cpu":
+                found.append(t)
+        self.soft.extend(found)
 
     def tensor(self, t):
         if t.device.type == "cpu" and t.numel() <= 256:

@@ -164,6 +164,44 @@ def test_gpu_tensors_inside_objects_are_soft_inputs_by_shape():
     assert keys.flatten({"p": patch2}).key != k1.key          # another shape: another graph
 
 
+class _Hypernet:
+    """A patch object holding its own layers, as ComfyUI's HypernetworkLoader builds it (a dict of dim ->
+    ModuleList) and moves them with `.to()` (the host's `model_patches_to` at every load and unload)."""
+
+    def __init__(self, layers):
+        self.hypernet = {320: layers}
+        self.strength = 1.0
+
+    def __call__(self, q, k, v, extra_options):
+        return q, k, v
+
+
+def test_a_patchs_own_layers_are_soft_inputs_and_their_move_in_place_is_seen():
+    """A patch's layers live outside the model, so the fingerprint never reads them. Their GPU weights are soft
+    inputs (meta tensors stand for GPU ones), and a move of them in place (the same Parameter objects at new
+    addresses, as `Module.to` does) is a change: a replay would read the old addresses."""
+    layers = torch.nn.ModuleList([torch.nn.Linear(8, 2, device="meta"), torch.nn.Linear(2, 8, device="meta")])
+    patch = _Hypernet(layers)
+    call = {"transformer_options": {"patches": {"attn1_patch": [patch]}}}
+    a, b = keys.flatten(call), keys.flatten(call)
+    params = list(layers.parameters())
+    assert a.key == b.key and len(a.soft) == 4 and all(x is y for x, y in zip(a.soft, params))
+    cpu = torch.nn.Linear(8, 2)        # real storage, so the move gets a new address
+    marks = keys.soft_marks(list(cpu.parameters()))
+    assert keys.soft_changed(marks, list(cpu.parameters())) == []
+    cpu.to(torch.float64)
+    assert keys.soft_changed(marks, list(cpu.parameters())) == [0, 1]
+    assert keys.soft_changed(marks, list(cpu.parameters())[:1]) == [0]     # another count: all changed
+
+
+def test_a_large_modules_weights_are_left_to_the_fingerprint():
+    """A module with more weights than a patch's own layers (the model, or a part of its tree a patch holds) is
+    identity only: walking it per call would cost the host, and the fingerprint reads the model's weights."""
+    big = torch.nn.Sequential(*[torch.nn.Linear(2, 2, device="meta") for _ in range(tokens.MODULE_TENSORS)])
+    flat = keys.flatten({"p": _Hypernet(big)})
+    assert flat.soft == []
+
+
 def test_helper_closures_made_per_call_do_not_change_the_key():
     """ToMe's patch keeps the unmerge closure it made for this call in a cell of its own."""
     state = {"u": None}

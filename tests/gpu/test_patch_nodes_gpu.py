@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 from test_graphs_gpu import COMFY, REPO, WORK, _rel, _sample, comfy_env  # noqa: F401  (the shared module fixture)
 
@@ -45,6 +46,8 @@ def _patched(env, case):
         import folder_paths
         folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
         return patch_nodes.load_fp8_unet("gpu_small.safetensors")
+    if case == "HypernetworkLoader":
+        patch_nodes.provide_hypernetwork(os.path.join(WORK, "hypernetworks"))
     return patch_nodes.apply_case(env.model, CASES[case])
 
 
@@ -138,6 +141,32 @@ def test_plain_patched_plain_never_replays_a_stale_graph(comfy_env, plain_ref, c
     after, rep_after = _sample(comfy_env, comfy_env.model)
     assert _rel(before, plain_ref) < TOL and _rel(after, plain_ref) < TOL, (
         case, _rel(before, plain_ref), _rel(after, plain_ref), rep_after["graphs"])
+
+
+def test_a_patchs_layers_moved_off_the_gpu_and_back_never_replay_stale(comfy_env):  # noqa: F811
+    """HypernetworkLoader's layers live in its patch object, outside the UNet, so the weights fingerprint never
+    reads them. ComfyUI moves them to the CPU when another clone of the model is loaded (`detach` ->
+    `model_patches_to`) and back when this one is loaded again: the same Parameter objects at new addresses, the
+    UNet's weights untouched. Graphs captured on the old addresses must be captured again, never replayed: the
+    old blocks are held here and filled with NaN, so a stale replay shows in the latent."""
+    model = _patched(comfy_env, "HypernetworkLoader")
+    ref, _ = _sample(comfy_env, model, ours=False)
+    _sample(comfy_env, model)
+    out, rep = _sample(comfy_env, model)
+    assert rep["graphs"]["replays"] >= 1 and _rel(out, ref) < TOL, (_rel(out, ref), rep["graphs"])
+    patch = model.model_options["transformer_options"]["patches"]["attn1_patch"][0]
+    params = [p for layers in patch.hypernet.values() for p in layers.parameters()]
+    assert params and all(p.is_cuda for p in params), [p.device for p in params]
+    old = [p.data for p in params]            # held: the move cannot free these blocks or land in them again
+    _sample(comfy_env, comfy_env.model)       # ours on the plain clone: the hypernetwork's model is detached
+    assert all(p.device.type == "cpu" for p in params), "ComfyUI no longer moves a detached model's patches"
+    with torch.no_grad():
+        for t in old:
+            t.fill_(float("nan"))
+    out, rep = _sample(comfy_env, model)
+    assert all(p.is_cuda for p in params) and all(p.data_ptr() != t.data_ptr() for p, t in zip(params, old))
+    assert torch.isfinite(out).all() and _rel(out, ref) < TOL, (_rel(out, ref), rep["graphs"])
+    assert rep["graphs"]["recaptures"] >= 1, ("the layers' move was not what made the graphs new", rep["graphs"])
 
 
 def test_a_failed_capture_leaves_stock_rng_allocator_and_other_keys_working(comfy_env):  # noqa: F811

@@ -28,6 +28,7 @@ FIXTURES = {  # file -> (kind, folder[, preset]); the key in `models` is the kin
     "sdaccel_random_sd15_%s.safetensors" % PRESET: ("sd15", "checkpoints"),
     "sdaccel_random_cn15_%s.safetensors" % PRESET: ("cn15", "controlnet"),
     "sdaccel_random_lora15_%s.safetensors" % PRESET: ("lora15", "loras"),
+    "sdaccel_random_hypernet15.pt": ("hypernet15", "hypernetworks"),
     # SD1.5's layout in small: the deepest level without attention (tests/server/test_other_packs.py)
     "sdaccel_random_sd15_small_plain_deep.safetensors": ("sd15", "checkpoints", "small_plain_deep"),
 }
