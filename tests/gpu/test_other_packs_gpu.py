@@ -40,7 +40,7 @@ def _load_pack(name):
 @pytest.fixture(scope="module")
 def packs(comfy_env):  # noqa: F811
     return {n: _load_pack("standin_" + n) for n in ("ipadapter", "animatediff", "advanced_controlnet", "impact",
-                                                      "deepcache")}
+                                                      "deepcache", "fbcache")}
 
 
 # -- sampling ---------------------------------------------------------------------------------------------
@@ -265,6 +265,21 @@ def test_deepcache_loop_runs_the_hosts_modules_and_is_stock_in_every_order(comfy
 
 def _on_gpu(conditioning):
     return [[t.cuda(), {k: v.cuda() if torch.is_tensor(v) else v for k, v in d.items()}] for t, d in conditioning]
+
+
+# -- WaveSpeed's First Block Cache: the UNet's _forward set per call, cache decisions read on the host ----------
+def test_first_block_cache_with_graphs_is_stock_in_every_order(comfy_env, packs):  # noqa: F811
+    """Its wrapper sets the UNet's `_forward` on the instance around each call of the model function (SD Accel's
+    step), and that forward decides by `.item()` of values it computed whether the rest of the UNet runs: a capture
+    would bake one decision in, so the step must refuse the key and run it eagerly, stock's latent in every order.
+    At threshold 0.5 it runs 2 of 6 steps whole here (the residual moves by 0.7 after the first, then ~0.2: far
+    from the threshold, so fp16 noise cannot flip a decision); its effect on the latent is ~0.06 (CPU, fp32)."""
+    build = lambda m: packs["fbcache"].FBCacheLikeApply().apply(m, 0.5)[0]  # noqa: E731
+    ref = check_every_order(comfy_env, build, {}, "fbcache")
+    plain, _ = _run(comfy_env, comfy_env.model, "stock")
+    assert _rel(ref, plain) > 2 * FP16_NOISE, ("the cache changed the latent too little to test", _rel(ref, plain))
+    _, report = _run(comfy_env, build(comfy_env.model), "ours")
+    assert report["graphs"].get("refused") and not report["graphs"].get("replays"), report["graphs"]
 
 
 # -- torch.compile (ComfyUI's TorchCompileModel): SD Accel leaves the UNet to it -------------------------------

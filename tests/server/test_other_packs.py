@@ -129,7 +129,7 @@ def check_orders(srv, build, fused_kernels, orders=ORDERS):
 
 
 STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
-             "ImpactLikeDetailer", "DeepCacheLikeApply")
+             "ImpactLikeDetailer", "DeepCacheLikeApply", "FBCacheLikeApply")
 
 
 def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
@@ -378,3 +378,22 @@ def test_deepcache_loop_runs_the_hosts_modules_bit_for_bit_and_says_so(comfy_pac
     plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="dc_none", steps=4))
     assert_changed(ref, plain, "the DeepCache stand-in")
 
+
+# -- WaveSpeed's First Block Cache: the UNet's _forward replaced per call, host reads decide the cache ----------
+def fbcache(threshold=0.5):
+    return ("FBCacheLikeApply", {"residual_diff_threshold": threshold, "start": 0.0, "end": 1.0,
+                                 "max_consecutive_cache_hits": -1})
+
+
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
+def test_first_block_cache_in_every_order_is_stock(comfy_packs, models, fused_kernels):
+    """Its wrapper calls the model function (SD Accel's step) with the UNet's `_forward` set on the instance for
+    the call: the step runs the pack's forward, whose cache decisions read GPU values on the host. In every order,
+    stock's output; the pack must have used its cache (the output differs from the plain graph's)."""
+    if _is_2024(comfy_packs):
+        pytest.skip("WaveSpeed's First Block Cache patches UNetModel._forward, which ComfyUI 2024 does not have")
+    nodes = [fbcache()]
+    ref, _ = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, fused_kernels, prefix="fbc", steps=6),
+                          fused_kernels)
+    plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="fbc_none", steps=6))
+    assert_changed(ref, plain, "the First Block Cache stand-in")
