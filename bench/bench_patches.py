@@ -48,14 +48,14 @@ def config_table(patch_nodes):
     and the configs after it run without graphs: it runs last and is released after)."""
     table = {"patch_%s_sdxl" % c.lower(): ("sdxl", c) for c in SDXL_NODES}
     sd15 = sorted(patch_nodes.cases(512), key=lambda c: (c == patch_nodes.FP8_UNET, c in RISKY))
-    table.update({"patch_%s" % c.lower(): ("sd15", c) for c in sd15})
+    table.update({"patch_%s" % c.lower().replace(" ", "_"): ("sd15", c) for c in sd15})
     return table
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cb.add_common_args(ap, deadline=330.0)
-    ap.add_argument("--configs", default="", help="comma-separated; default: every config")
+    ap.add_argument("--configs", default="", help="comma-separated; default: every config but dev/patch_nodes.py's LATER")
     ap.add_argument("--steps", type=int, default=None, help="default 20 (3 with --smoke)")
     ap.add_argument("--passes", default="fresh,after_refused")
     ap.add_argument("--refuse-first", default="uncapturable",
@@ -108,6 +108,8 @@ def patched_model(family, case):
         return patch_nodes.load_fp8_unet("random_%s_fp16.safetensors" % family), clip, vae
     if case == "uncapturable":
         return patch_nodes.add_capture_breaking_patch(model), clip, vae
+    if case == "HypernetworkLoader":
+        patch_nodes.provide_hypernetwork(os.path.join(OPT.work, "hypernetworks"))
     return patch_nodes.apply_case(model, patch_nodes.cases(size_of(family))[case]), clip, vae
 
 
@@ -242,7 +244,7 @@ def print_table(rows):
 
 def main():
     say("ENV", json.dumps(cb.versions(ENV, OPT.comfy_dir)), "allocator:", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    wanted = [c for c in OPT.configs.split(",") if c] or list(CONFIGS)
+    wanted = [c for c in OPT.configs.split(",") if c] or [c for c in CONFIGS if CONFIGS[c][1] not in patch_nodes.LATER]
     unknown = [c for c in wanted if c not in CONFIGS]
     if unknown:
         sys.exit("unknown configs %s; known: %s" % (unknown, ", ".join(CONFIGS)))

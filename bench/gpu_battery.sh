@@ -18,7 +18,8 @@
 # vendor/forge from `bench_forge.py --vendor-from <Forge tree>`, carried, with Forge's diffusers/huggingface_hub
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
-# patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
+# patches_more (the same fresh pass on dev/patch_nodes.py's LATER cases: HypernetworkLoader, the guidance nodes,
+# FreSca, ModelSamplingDiscrete x0; estimated 4 min, the same limits), patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
 # configs, stock vs ours; deadline 200 s, killed at 240 s), server (bench_server.py, the headline: a real ComfyUI
 # server, stock vs SD Accel graphs, SD1.5 512² b1 and b4, previews none then latent2rgb in a second server process;
 # estimated 3-4 min with the SD1.5 build; no config starts after 200 s, killed at 300 s), server_more (SD1.5 512² b1 +
@@ -165,6 +166,8 @@ for p in "$@"; do
     fp8_profile) part fp8_profile 300 python3 bench/bench_fp8.py --comfy-dir $COMFY --configs sdxl_1024_b1 \
       --reps 3 --profile --deadline 200 ;;
     patches) part patches 360 python3 bench/bench_patches.py --comfy-dir $COMFY --passes fresh --deadline 320 ;;
+    patches_more) part patches_more 360 python3 bench/bench_patches.py --comfy-dir $COMFY --passes fresh --deadline 320 \
+      --configs patch_hypernetworkloader,patch_apg,patch_cfgzerostar,patch_cfgnorm,patch_tcfg,patch_mahiro,patch_fresca,patch_epsilon_scaling,patch_modelsamplingdiscrete_x0 ;;
     patches_after_refused)
       part patches_after_refused 240 python3 bench/bench_patches.py --comfy-dir $COMFY --passes after_refused \
         --deadline 200 ;;
