@@ -33,6 +33,7 @@ import torch
 from ..engine.patches import fused_modules, patching
 from ..engine.graphs import eager
 from ..engine.graphs.step_graphs import StepGraphs
+from ..engine.graphs.tokens import Token
 from ..engine.fp8 import weights as fp8_weights
 from . import a1111_fp8, a1111_lora, unet_call_hooks, webui
 from .attached import state_on
@@ -344,9 +345,18 @@ def host_state(unet, st):
     """What A1111 changes without changing the weights' identity: LoRA set (A1111 applies it lazily
     in forward, which a replay skips), hypernetworks, autocast, module structure."""
     shared = sys.modules.get("modules.shared")
-    hns = tuple((getattr(h, "name", id(h)), getattr(h, "multiplier", None))
-                for h in getattr(shared, "loaded_hypernetworks", ()) or ())
+    hns = tuple(hypernetwork_state(h) for h in getattr(shared, "loaded_hypernetworks", ()) or ())
     return (a1111_lora.wanted_names(), a1111_lora.functional(), hns, webui.autocast_state(), _structure(unet, st))
+
+
+def hypernetwork_state(h):
+    """A loaded hypernetwork as a captured step reads it (its layers run inside the UNet's cross-attention): the
+    object itself (one unloaded by a prompt without it and loaded again by a later one is a new object, its weights
+    at new addresses), each layer's multiplier (A1111 sets the prompt's strength on the layers, a number the capture
+    bakes in) and where each layer's weights are."""
+    layers = [m for pair in (getattr(h, "layers", None) or {}).values() for m in pair]
+    return (Token(h), getattr(h, "name", None), tuple(getattr(m, "multiplier", None) for m in layers),
+            tuple(p.data_ptr() for m in layers for p in m.parameters()))
 
 
 def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs):
