@@ -346,7 +346,15 @@ def host_state(unet, st):
     in forward, which a replay skips), hypernetworks, autocast, module structure."""
     shared = sys.modules.get("modules.shared")
     hns = tuple(hypernetwork_state(h) for h in getattr(shared, "loaded_hypernetworks", ()) or ())
-    return (a1111_lora.wanted_names(), a1111_lora.functional(), hns, webui.autocast_state(), _structure(unet, st))
+    opts = getattr(shared, "opts", None)
+    attention = tuple(getattr(opts, name, None) for name in ATTENTION_OPTIONS)
+    return (a1111_lora.wanted_names(), a1111_lora.functional(), hns, attention, webui.autocast_state(),
+            _structure(unet, st))
+
+
+# settings A1111's cross-attention optimisations read on every call (modules/sd_hijack_optimizations.py): a capture
+# bakes in the branch each one took
+ATTENTION_OPTIONS = ("upcast_attn", "sub_quad_q_chunk_size", "sub_quad_kv_chunk_size", "sub_quad_chunk_threshold")
 
 
 def hypernetwork_state(h):

@@ -1,4 +1,5 @@
-"""A1111's hypernetworks in what a captured step's graphs are checked against (hosts/a1111.host_state).
+"""A1111's hypernetworks and attention settings in what a captured step's graphs are checked against
+(hosts/a1111.host_state).
 
 Their layers run inside the UNet's cross-attention, so a graph bakes in each layer's multiplier and reads its
 weights by address. The stand-in has the shape of A1111 v1.10's modules/hypernetworks/hypernetwork.py: a
@@ -95,4 +96,11 @@ def test_its_layers_moved_are_seen(shared, unet_state):
     for layers in shared.loaded_hypernetworks[0].layers.values():
         for layer in layers:
             layer.to(torch.float64)      # the same Parameter objects, new storage
+    assert state(*unet_state) != before
+
+
+def test_an_attention_setting_change_is_seen(shared, unet_state):
+    """A1111's attention functions read `upcast_attn` (and the sub-quadratic chunk sizes) on every call."""
+    before = state(*unet_state)
+    shared.opts.upcast_attn = True
     assert state(*unet_state) != before
