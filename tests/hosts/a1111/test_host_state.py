@@ -1,7 +1,7 @@
 """A1111's hypernetworks and attention settings in what a captured step's graphs are checked against
 (hosts/a1111.host_state).
 
-Their layers run inside the UNet's cross-attention, so a graph bakes in each layer's multiplier and reads its
+A hypernetwork's layers run inside the UNet's cross-attention, so a graph bakes in each layer's multiplier and reads its
 weights by address. The stand-in has the shape of A1111 v1.10's modules/hypernetworks/hypernetwork.py: a
 `Hypernetwork` with `layers = {size: (HypernetworkModule, HypernetworkModule)}`, `set_multiplier` setting the
 prompt's strength on each layer (the class attribute is the default), `load_hypernetworks` keeping only the
