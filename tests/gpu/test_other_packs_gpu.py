@@ -40,7 +40,7 @@ def _load_pack(name):
 @pytest.fixture(scope="module")
 def packs(comfy_env):  # noqa: F811
     return {n: _load_pack("standin_" + n) for n in ("ipadapter", "animatediff", "advanced_controlnet", "impact",
-                                                      "deepcache", "fbcache")}
+                                                      "deepcache", "fbcache", "tiled_diffusion")}
 
 
 # -- sampling ---------------------------------------------------------------------------------------------
@@ -280,6 +280,20 @@ def test_first_block_cache_with_graphs_is_stock_in_every_order(comfy_env, packs)
     assert _rel(ref, plain) > 2 * FP16_NOISE, ("the cache changed the latent too little to test", _rel(ref, plain))
     _, report = _run(comfy_env, build(comfy_env.model), "ours")
     assert report["graphs"].get("refused") and not report["graphs"].get("replays"), report["graphs"]
+
+
+# -- Tiled Diffusion: the model function called per batch of tiles ----------------------------------------------
+@pytest.mark.parametrize("method", ["MultiDiffusion", "Mixture of Diffusers"])
+def test_tiled_diffusion_replays_graphs_per_tile_shape_and_is_stock_in_every_order(comfy_env, packs, method):  # noqa: F811
+    """256 px in 128 px tiles overlapping by 32 px, two per call: 9 tiles in 5 calls per step, the last one a
+    single tile (another shape). The wrapper's host read of the sigma is outside SD Accel's step, and the tiles are
+    the step's inputs: each tile shape replays its graph, and every order gives stock's latent."""
+    build = lambda m: packs["tiled_diffusion"].TiledDiffusionLikeApply().apply(m, method, 128, 128, 32, 2)[0]  # noqa: E731
+    ref = check_every_order(comfy_env, build, {}, "tiled diffusion")
+    plain, _ = _run(comfy_env, comfy_env.model, "stock")
+    assert _rel(ref, plain) > PACK_EFFECT, ("tiling changed the latent too little to test", _rel(ref, plain))
+    _, report = _run(comfy_env, build(comfy_env.model), "ours")
+    assert report["graphs"]["replays"] >= 5 * 5 and not report["graphs"].get("refused"), report["graphs"]
 
 
 # -- torch.compile (ComfyUI's TorchCompileModel): SD Accel leaves the UNet to it -------------------------------

@@ -129,7 +129,8 @@ def check_orders(srv, build, fused_kernels, orders=ORDERS):
 
 
 STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
-             "ImpactLikeDetailer", "DeepCacheLikeApply", "FBCacheLikeApply")
+             "ImpactLikeDetailer", "DeepCacheLikeApply", "FBCacheLikeApply",
+             "TiledDiffusionLikeApply")
 
 
 def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
@@ -397,3 +398,23 @@ def test_first_block_cache_in_every_order_is_stock(comfy_packs, models, fused_ke
                           fused_kernels)
     plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="fbc_none", steps=6))
     assert_changed(ref, plain, "the First Block Cache stand-in")
+
+
+# -- Tiled Diffusion: the model function called per batch of tiles -----------------------------------------------
+def tiled(method):
+    """64 px: 48 px tiles overlapping by 16 px, two tiles per call: two calls of the model function per step."""
+    return ("TiledDiffusionLikeApply", {"method": method, "tile_width": 48, "tile_height": 48, "tile_overlap": 16,
+                                        "tile_batch_size": 2})
+
+
+@pytest.mark.parametrize("method,fused_kernels", [("MultiDiffusion", False), ("Mixture of Diffusers", True)],
+                         ids=["multidiffusion_plumbing_exact", "mixture_of_diffusers_fused"])
+def test_tiled_diffusion_in_every_order_is_stock(comfy_packs, models, method, fused_kernels):
+    """Its wrapper calls the model function (SD Accel's step) once per batch of tiles, each call a latent of the
+    tile's shape with the conditioning repeated to it; its state (the grid, the output buffer) lives on the wrapper
+    object. In every order, stock's output, and tiling changed it."""
+    nodes = [tiled(method)]
+    ref, _ = check_orders(comfy_packs, lambda o: model_graph(models, nodes, o, fused_kernels, prefix="td"),
+                          fused_kernels)
+    plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="td_none"))
+    assert_changed(ref, plain, "the Tiled Diffusion stand-in (%s)" % method)
