@@ -217,6 +217,23 @@ def test_advanced_controlnet_keyframes_with_graphs_are_stock(comfy_env, packs, c
     check_every_order(comfy_env, lambda m: m, {"pos": pos, "neg": neg}, "acn", orders=("ours", "apply_first"))
 
 
+def test_tiled_diffusion_with_a_controlnet_with_graphs_is_stock_in_every_order(comfy_env, packs, controlnet):  # noqa: F811
+    """The pack runs the ControlNet per batch of tiles, its hint cut into the same tiles (`cond_hint` set per
+    call), through the `get_control` it saved from the instance: on an Accelerated KSampler's run, that of SD
+    Accel's ControlNet copy (with graphs, the one that defers the ControlNet into the UNet's graph). The hint is a
+    light square off-centre, so every tile's cut differs: a hint baked into a graph or taken from the wrong tile
+    shows."""
+    hint = torch.full((1, 256, 256, 3), 0.1)
+    hint[:, 140:220, 30:120, :] = 0.9
+    with torch.inference_mode():
+        pos, neg = comfy_env.nodes.ControlNetApplyAdvanced().apply_controlnet(comfy_env.pos, comfy_env.neg,
+                                                                              controlnet, hint, 1.0, 0.0, 1.0)[:2]
+    build = lambda m: packs["tiled_diffusion"].TiledDiffusionLikeApply().apply(m, "MultiDiffusion", 128, 128, 32, 2)[0]  # noqa: E731
+    ref = check_every_order(comfy_env, build, {"pos": pos, "neg": neg}, "tiled diffusion with a controlnet")
+    no_cn, _ = _run(comfy_env, build(comfy_env.model), "stock")
+    assert _rel(ref, no_cn) > 2 * FP16_NOISE, ("the ControlNet changed the latent too little to test", _rel(ref, no_cn))
+
+
 # -- Impact Pack detailer ---------------------------------------------------------------------------------
 def _detail(env, packs, image, model, ksampler):
     with torch.inference_mode():

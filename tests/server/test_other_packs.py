@@ -418,3 +418,36 @@ def test_tiled_diffusion_in_every_order_is_stock(comfy_packs, models, method, fu
                           fused_kernels)
     plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", prefix="td_none"))
     assert_changed(ref, plain, "the Tiled Diffusion stand-in (%s)" % method)
+
+
+def tiled_cn_graph(models, order, fused_kernels, with_cn=True, with_tiles=True, prefix="tdcn"):
+    """Tiled Diffusion (MultiDiffusion) with a ComfyUI ControlNet whose hint is not uniform (a light square on a
+    dark image, off-centre), so each tile's cut of it differs."""
+    wf = model_graph(models, [tiled("MultiDiffusion")] if with_tiles else [], order, fused_kernels, prefix=prefix)
+    if not with_cn:
+        return wf
+    wf["c_load"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": models["cn15"]}}
+    wf["c_dark"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0x101010}}
+    wf["c_light"] = {"class_type": "EmptyImage", "inputs": {"width": 24, "height": 16, "batch_size": 1,
+                                                            "color": 0xF0E0C0}}
+    wf["c_hint"] = {"class_type": "ImageCompositeMasked", "inputs": {
+        "destination": ["c_dark", 0], "source": ["c_light", 0], "x": 8, "y": 36, "resize_source": False}}
+    wf["c_apply"] = {"class_type": "ControlNetApplyAdvanced", "inputs": {
+        "positive": ["6", 0], "negative": ["7", 0], "control_net": ["c_load", 0], "image": ["c_hint", 0],
+        "strength": 1.0, "start_percent": 0.0, "end_percent": 1.0}}
+    wf[SAMPLER]["inputs"].update(positive=["c_apply", 0], negative=["c_apply", 1])
+    return wf
+
+
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
+def test_tiled_diffusion_with_a_controlnet_in_every_order_is_stock(comfy_packs, models, fused_kernels):
+    """The pack makes the ControlNet hand itself to its wrapper (`get_control` set on the instance), then runs it
+    per batch of tiles on the hint cut into the same tiles (`cond_hint` set per call), through the `get_control` it
+    saved: on an Accelerated KSampler's run, the ControlNet copy SD Accel made for it. In every order, stock's
+    output; the ControlNet acted, and so did the tiling."""
+    ref, _ = check_orders(comfy_packs, lambda o: tiled_cn_graph(models, o, fused_kernels), fused_kernels)
+    no_cn, _ = run_output(comfy_packs, tiled_cn_graph(models, "stock", fused_kernels, with_cn=False, prefix="tdcn_nocn"))
+    no_tiles, _ = run_output(comfy_packs, tiled_cn_graph(models, "stock", fused_kernels, with_tiles=False,
+                                                         prefix="tdcn_notiles"))
+    assert_changed(ref, no_cn, "the ControlNet under Tiled Diffusion")
+    assert_changed(ref, no_tiles, "Tiled Diffusion with a ControlNet")
