@@ -25,7 +25,7 @@ Flat = namedtuple("Flat", "tensors key soft")
 
 class _Flat:
     def __init__(self):
-        self.tensors, self.key, self.uuids, self.soft = [], [], {}, []
+        self.tensors, self.key, self.uuids, self.soft, self.modules = [], [], {}, [], set()
 
     def walk(self, obj):
         if isinstance(obj, torch.Tensor):
@@ -44,7 +44,7 @@ class _Flat:
         elif isinstance(obj, tokens.Token):
             self.key.append(obj)
         else:
-            self.key.append(tokens.signature(obj, self.soft))
+            self.key.append(tokens.signature(obj, self.soft, self.modules))
 
     def tensor(self, t):
         if t.is_cuda:

@@ -82,9 +82,10 @@ def is_opaque(obj):
 
 
 class _Walk:
-    def __init__(self, deep, soft=None):
+    def __init__(self, deep, soft=None, modules=None):
         self.deep = deep          # state_of: plain objects' attributes and RNG states too
         self.soft = soft          # where GPU tensors found inside objects are collected (signature)
+        self.modules = set() if modules is None else modules   # ids of modules whose weights are in `soft`
         self.left = BUDGET
         self.seen = {}
 
@@ -151,6 +152,9 @@ class _Walk:
         """A small module's GPU weights go to `soft` (a patch's own layers: a hypernetwork's, moved off the GPU
         and back in place by the host's `model_patches_to`, the same Parameter objects at new addresses). A
         large one's are the fingerprint's: the model's, or modules of its tree."""
+        if id(module) in self.modules:     # once per call: IPAdapter's patch on every block holds the same module
+            return
+        self.modules.add(id(module))
         found = []
         for t in itertools.chain(module.parameters(), module.buffers()):
             if len(found) == MODULE_TENSORS:
@@ -180,9 +184,10 @@ def _generator_state(g):
         return None
 
 
-def signature(obj, soft=None):
-    """What a graph key holds for `obj` (see the module doc); GPU tensors inside it appended to `soft`."""
-    return _Walk(deep=False, soft=soft).leaf(obj, DEPTH, top=True)
+def signature(obj, soft=None, modules=None):
+    """What a graph key holds for `obj` (see the module doc); GPU tensors inside it appended to `soft`. `modules`:
+    a set shared by the signatures of one call, so a module's weights enter `soft` once."""
+    return _Walk(deep=False, soft=soft, modules=modules).leaf(obj, DEPTH, top=True)
 
 
 def state_of(obj):

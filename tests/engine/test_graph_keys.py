@@ -192,6 +192,9 @@ def test_a_patchs_own_layers_are_soft_inputs_and_their_move_in_place_is_seen():
     cpu.to(torch.float64)
     assert keys.soft_changed(marks, list(cpu.parameters())) == [0, 1]
     assert keys.soft_changed(marks, list(cpu.parameters())[:1]) == [0]     # another count: all changed
+    # one module held by a patch on every block (IPAdapter's): its weights enter once per call
+    blocks = {"patches_replace": {"attn2": {("input", i): _Hypernet(layers) for i in range(3)}}}
+    assert len(keys.flatten(blocks).soft) == 4
 
 
 def test_a_large_modules_weights_are_left_to_the_fingerprint():
