@@ -55,7 +55,8 @@ def config_table(patch_nodes):
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cb.add_common_args(ap, deadline=330.0)
-    ap.add_argument("--configs", default="", help="comma-separated; default: every config but dev/patch_nodes.py's LATER")
+    ap.add_argument("--configs", default="",
+                    help="comma-separated; default: every config but dev/patch_nodes.py's LATER")
     ap.add_argument("--steps", type=int, default=None, help="default 20 (3 with --smoke)")
     ap.add_argument("--passes", default="fresh,after_refused")
     ap.add_argument("--refuse-first", default="uncapturable",

@@ -71,11 +71,12 @@ class ComfyServer:
         link_pack(self.comfy_dir)
         cfg = os.path.join(self.work_dir, "extra_model_paths.yaml")
         with open(cfg, "w") as f:
-            # diffusion_models -> checkpoints: current ComfyUI's UNETLoader loads a checkpoint's UNet
-            # (with weight_dtype fp8_e4m3fn, say), so the fixture checkpoints serve it too
+            # UNETLoader's folders (diffusion_models, 2024's unet) -> checkpoints too: current ComfyUI's UNETLoader
+            # loads a checkpoint's UNet (with weight_dtype fp8_e4m3fn, say), so the fixture checkpoints serve it
+            unet_folders = "|\n        checkpoints\n        diffusion_models\n"
             f.write("sd_accel_test:\n    base_path: %s\n    checkpoints: checkpoints\n    controlnet: controlnet\n"
-                    "    loras: loras\n    vae: vae\n    vae_approx: vae_approx\n    diffusion_models: checkpoints\n"
-                    "    hypernetworks: hypernetworks\n" % self.models_dir)
+                    "    loras: loras\n    vae: vae\n    vae_approx: vae_approx\n    hypernetworks: hypernetworks\n"
+                    "    diffusion_models: %s    unet: %s" % (self.models_dir, unet_folders, unet_folders))
             if self.extra_nodes:
                 f.write("sd_accel_test_nodes:\n    base_path: %s\n    custom_nodes: custom_nodes\n"
                         % self._link_extra_nodes())

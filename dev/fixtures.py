@@ -135,6 +135,22 @@ def build_checkpoint(comfy_dir, kind, preset, path, seed=0, dtype="fp16"):
                  {"sd_accel_fixture": kind, "preset": preset, "seed": seed})
 
 
+def build_unet(comfy_dir, preset, path, in_channels=4, seed=0):
+    """A diffusion-model-only file (UNETLoader's), SD1.5's layout at `preset`; `in_channels` 9 makes it an
+    inpainting UNet (latent, mask and masked-image latent concatenated: ComfyUI reads the count from the first conv)."""
+    comfy = _import_comfy(comfy_dir)
+    import torch
+    mc = _model_config(comfy, dict(sd15_unet_config(preset), in_channels=in_channels))
+    if type(mc).__name__ != "SD15":
+        raise RuntimeError("ComfyUI matched %s, expected SD15" % type(mc).__name__)
+    with torch.device("meta"), torch.inference_mode():
+        unet = mc.get_model({}, "").diffusion_model.state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    sd = {k: _random(k, unet[k], gen) for k in sorted(unet)}
+    return _save(sd, path, torch.float16, {"sd_accel_fixture": "unet15", "preset": preset, "seed": seed,
+                                           "in_channels": in_channels})
+
+
 def random_vae(comfy_dir, seed=0, ddconfig=None, dtype=None):
     """A comfy.sd.VAE of random weights: SD's full-size AutoencoderKL (SD1.5's and SDXL's VAEs are this one
     architecture) read from a state dict as ComfyUI reads a VAE file, or `ddconfig`'s smaller one (8x still).
@@ -265,7 +281,8 @@ def ensure(path, builder, *args, **kw):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy-dir", required=True)
-    ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd", "hypernet15"], required=True)
+    ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd", "hypernet15",
+                                                  "unet15inpaint"], required=True)
     ap.add_argument("--preset", choices=sorted(UNET_PRESETS), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -278,6 +295,8 @@ def main():
         ensure(a.out, build_taesd, a.comfy_dir, a.out, a.seed)
     elif a.kind == "hypernet15":
         ensure(a.out, build_hypernetwork, a.out, a.seed)
+    elif a.kind == "unet15inpaint":
+        ensure(a.out, build_unet, a.comfy_dir, a.preset, a.out, 9, a.seed)
     else:
         ensure(a.out, build_lora, a.comfy_dir, a.preset, a.out, seed=a.seed)
 

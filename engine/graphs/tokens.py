@@ -14,8 +14,9 @@ patch could replay the graph of a dead one), and one object whose content change
   deep; a function found inside that content is its code (patches create helper closures per call, ToMe's
   unmerge for one, which must not make every call a new key). A GPU tensor found there is its shape, dtype
   and strides and is appended to `soft`: a graph reads it by address, so a call whose tensor is another
-  object than the capture read, or the same one whose data moved, is captured again (StepGraphs); a tensor the step itself stores (SAG keeps
-  its attention scores in a closure) is the capture's own from then on, which each replay rewrites.
+  object than the capture read, or the same one whose data moved, is captured again (StepGraphs); a tensor
+  the step itself stores (SAG keeps its attention scores in a closure) is the capture's own from then on,
+  which each replay rewrites.
   Modules and model patchers are identity only (their weights are the fingerprint's business), but a small
   module's GPU weights (a patch's own layers, outside the model) are `soft` tensors too. Other plain
   objects are their type: holders of per-run state (EasyCache's, LazyCache's) are new objects every run and

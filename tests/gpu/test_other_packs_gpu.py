@@ -217,7 +217,8 @@ def test_advanced_controlnet_keyframes_with_graphs_are_stock(comfy_env, packs, c
     check_every_order(comfy_env, lambda m: m, {"pos": pos, "neg": neg}, "acn", orders=("ours", "apply_first"))
 
 
-def test_tiled_diffusion_with_a_controlnet_with_graphs_is_stock_in_every_order(comfy_env, packs, controlnet):  # noqa: F811
+def test_tiled_diffusion_with_a_controlnet_with_graphs_is_stock_in_every_order(  # noqa: F811
+        comfy_env, packs, controlnet):  # noqa: F811
     """The pack runs the ControlNet per batch of tiles, its hint cut into the same tiles (`cond_hint` set per
     call), through the `get_control` it saved from the instance: on an Accelerated KSampler's run, that of SD
     Accel's ControlNet copy (with graphs, the one that defers the ControlNet into the UNet's graph). The hint is a
@@ -228,7 +229,8 @@ def test_tiled_diffusion_with_a_controlnet_with_graphs_is_stock_in_every_order(c
     with torch.inference_mode():
         pos, neg = comfy_env.nodes.ControlNetApplyAdvanced().apply_controlnet(comfy_env.pos, comfy_env.neg,
                                                                               controlnet, hint, 1.0, 0.0, 1.0)[:2]
-    build = lambda m: packs["tiled_diffusion"].TiledDiffusionLikeApply().apply(m, "MultiDiffusion", 128, 128, 32, 2)[0]  # noqa: E731
+    tiled = packs["tiled_diffusion"].TiledDiffusionLikeApply()
+    build = lambda m: tiled.apply(m, "MultiDiffusion", 128, 128, 32, 2)[0]  # noqa: E731
     ref = check_every_order(comfy_env, build, {"pos": pos, "neg": neg}, "tiled diffusion with a controlnet")
     no_cn, _ = _run(comfy_env, build(comfy_env.model), "stock")
     assert _rel(ref, no_cn) > 2 * FP16_NOISE, ("the ControlNet changed the latent too little to test", _rel(ref, no_cn))
@@ -301,11 +303,13 @@ def test_first_block_cache_with_graphs_is_stock_in_every_order(comfy_env, packs)
 
 # -- Tiled Diffusion: the model function called per batch of tiles ----------------------------------------------
 @pytest.mark.parametrize("method", ["MultiDiffusion", "Mixture of Diffusers"])
-def test_tiled_diffusion_replays_graphs_per_tile_shape_and_is_stock_in_every_order(comfy_env, packs, method):  # noqa: F811
+def test_tiled_diffusion_replays_graphs_per_tile_shape_and_is_stock_in_every_order(  # noqa: F811
+        comfy_env, packs, method):  # noqa: F811
     """256 px in 128 px tiles overlapping by 32 px, two per call: 9 tiles in 5 calls per step, the last one a
     single tile (another shape). The wrapper's host read of the sigma is outside SD Accel's step, and the tiles are
     the step's inputs: each tile shape replays its graph, and every order gives stock's latent."""
-    build = lambda m: packs["tiled_diffusion"].TiledDiffusionLikeApply().apply(m, method, 128, 128, 32, 2)[0]  # noqa: E731
+    tiled = packs["tiled_diffusion"].TiledDiffusionLikeApply()
+    build = lambda m: tiled.apply(m, method, 128, 128, 32, 2)[0]  # noqa: E731
     ref = check_every_order(comfy_env, build, {}, "tiled diffusion")
     plain, _ = _run(comfy_env, comfy_env.model, "stock")
     assert _rel(ref, plain) > PACK_EFFECT, ("tiling changed the latent too little to test", _rel(ref, plain))

@@ -29,6 +29,8 @@ FIXTURES = {  # file -> (kind, folder[, preset]); the key in `models` is the kin
     "sdaccel_random_cn15_%s.safetensors" % PRESET: ("cn15", "controlnet"),
     "sdaccel_random_lora15_%s.safetensors" % PRESET: ("lora15", "loras"),
     "sdaccel_random_hypernet15.pt": ("hypernet15", "hypernetworks"),
+    # an inpainting UNet alone (9 input channels), for UNETLoader (dev/comfy_server.py maps its folders here)
+    "sdaccel_random_unet15inpaint_tiny.safetensors": ("unet15inpaint", "diffusion_models", "tiny"),
     # SD1.5's layout in small: the deepest level without attention (tests/server/test_other_packs.py)
     "sdaccel_random_sd15_small_plain_deep.safetensors": ("sd15", "checkpoints", "small_plain_deep"),
 }

@@ -427,7 +427,8 @@ def tiled_cn_graph(models, order, fused_kernels, with_cn=True, with_tiles=True, 
     if not with_cn:
         return wf
     wf["c_load"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": models["cn15"]}}
-    wf["c_dark"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0x101010}}
+    wf["c_dark"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
+                                                           "color": 0x101010}}
     wf["c_light"] = {"class_type": "EmptyImage", "inputs": {"width": 24, "height": 16, "batch_size": 1,
                                                             "color": 0xF0E0C0}}
     wf["c_hint"] = {"class_type": "ImageCompositeMasked", "inputs": {
@@ -446,7 +447,8 @@ def test_tiled_diffusion_with_a_controlnet_in_every_order_is_stock(comfy_packs, 
     saved: on an Accelerated KSampler's run, the ControlNet copy SD Accel made for it. In every order, stock's
     output; the ControlNet acted, and so did the tiling."""
     ref, _ = check_orders(comfy_packs, lambda o: tiled_cn_graph(models, o, fused_kernels), fused_kernels)
-    no_cn, _ = run_output(comfy_packs, tiled_cn_graph(models, "stock", fused_kernels, with_cn=False, prefix="tdcn_nocn"))
+    no_cn, _ = run_output(comfy_packs, tiled_cn_graph(models, "stock", fused_kernels, with_cn=False,
+                                                      prefix="tdcn_nocn"))
     no_tiles, _ = run_output(comfy_packs, tiled_cn_graph(models, "stock", fused_kernels, with_tiles=False,
                                                          prefix="tdcn_notiles"))
     assert_changed(ref, no_cn, "the ControlNet under Tiled Diffusion")

@@ -192,7 +192,8 @@ class TiledDiffusionLikeApply:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("MODEL",),
-                             "method": (["MultiDiffusion", "Mixture of Diffusers"], {"default": "Mixture of Diffusers"}),
+                             "method": (["MultiDiffusion", "Mixture of Diffusers"],
+                                        {"default": "Mixture of Diffusers"}),
                              "tile_width": ("INT", {"default": 768, "min": 16, "max": 8192, "step": 16}),
                              "tile_height": ("INT", {"default": 768, "min": 16, "max": 8192, "step": 16}),
                              "tile_overlap": ("INT", {"default": 64, "min": 0, "max": 2048, "step": 32}),
