@@ -343,7 +343,7 @@ def _structure(unet, st):
 
 def host_state(unet, st):
     """What A1111 changes without changing the weights' identity: LoRA set (A1111 applies it lazily
-    in forward, which a replay skips), hypernetworks, autocast, module structure."""
+    in forward, which a replay skips), hypernetworks, attention settings, autocast, module structure."""
     shared = sys.modules.get("modules.shared")
     hns = tuple(hypernetwork_state(h) for h in getattr(shared, "loaded_hypernetworks", ()) or ())
     opts = getattr(shared, "opts", None)

@@ -17,7 +17,7 @@ patch could replay the graph of a dead one), and one object whose content change
   object than the capture read, or the same one whose data moved, is captured again (StepGraphs); a tensor
   the step itself stores (SAG keeps its attention scores in a closure) is the capture's own from then on,
   which each replay rewrites.
-  Modules and model patchers are identity only (their weights are the fingerprint's business), but a small
+  Modules and model patchers are identity only (the model's weights are the fingerprint's business), but a
   module's GPU weights (a patch's own layers, outside the model) are `soft` tensors too. Other plain
   objects are their type: holders of per-run state (EasyCache's, LazyCache's) are new objects every run and
   are read by wrappers outside the graph; one that a step changes is found by the probe (`state_of`).
@@ -41,7 +41,7 @@ import torch
 INERT = "sd_accel_inert"
 DEPTH = 4            # levels below a callable that are walked
 BUDGET = 4000        # items one signature may visit; beyond that the rest is identity only
-MODULE_TENSORS = 64  # a module found in a call with more weights than this is left to the fingerprint
+MODULE_TENSORS = 64  # a module found in a call with more weights than this enters `soft` by its first one
 _PRIMITIVE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
               uuid.UUID, enum.Enum, range, slice)
 
@@ -150,18 +150,20 @@ class _Walk:
 
 
     def module_tensors(self, module):
-        """A small module's GPU weights go to `soft` (a patch's own layers: a hypernetwork's, moved off the GPU
-        and back in place by the host's `model_patches_to`, the same Parameter objects at new addresses). A
-        large one's are the fingerprint's: the model's, or modules of its tree."""
+        """A module's GPU weights go to `soft` (a patch's own layers: a hypernetwork's, moved off the GPU and back
+        in place by the host's `model_patches_to`, the same Parameter objects at new addresses). Of a large module
+        only the first: reading all of it would cost the host on every call, and `.to()` moves them all."""
         if id(module) in self.modules:     # once per call: IPAdapter's patch on every block holds the same module
             return
         self.modules.add(id(module))
         found = []
         for t in itertools.chain(module.parameters(), module.buffers()):
+            if t.device.type == "cpu":
+                continue
             if len(found) == MODULE_TENSORS:
-                return
-            if t.device.type != "cpu":
-                found.append(t)
+                found = found[:1]
+                break
+            found.append(t)
         self.soft.extend(found)
 
     def tensor(self, t):
