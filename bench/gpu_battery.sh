@@ -51,9 +51,9 @@
 # fp8_tma_trial (bench/fp8_gemm_tma_trial.py: the FP8 GEMM with TMA loads, plain and persistent, against ours and
 # cuBLAS's FP8 GEMM on SDXL's shapes; a trial for #20, nothing uses its kernel; ~1 min, killed at 200 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s), tests_capture (tests/gpu/test_patch_nodes_gpu.py's
 # failed-capture test alone: capture_failure_run.py in a process of its own, ~1 min, killed at 200 s), tests_more
-# (these GPU tests alone: the patch-node cases of dev/patch_nodes.py's LATER and the hypernetwork
-# move, WaveSpeed's First Block Cache, Tiled Diffusion with and without a ControlNet, the inpainting UNet; estimated
-# 3 min, killed at 300 s),
+# (these GPU tests alone: the patch-node cases of dev/patch_nodes.py's LATER and the hypernetwork move, a
+# patch's layer moved between runs (capture safety), WaveSpeed's First Block Cache, Tiled Diffusion with and
+# without a ControlNet, the inpainting UNet; estimated 3 min, killed at 300 s),
 # stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
 # same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s), diagnose_stock_after
 # (diagnose_stock_after.py: SDXL 1024² stock KSampler before and after one graph run of ours, with the GPU's
@@ -154,7 +154,8 @@ for p in "$@"; do
     tests_more)
       mkdir -p "$OUT/tests_more"
       timeout 300 python3 -m pytest tests/gpu/test_patch_nodes_gpu.py tests/gpu/test_other_packs_gpu.py \
-        tests/gpu/test_inpaint_gpu.py -q -rA -k "HypernetworkLoader or moved_off or APG or CFGZeroStar or CFGNorm \
+        tests/gpu/test_inpaint_gpu.py tests/gpu/test_capture_safety_gpu.py -q -rA \
+        -k "HypernetworkLoader or moved or APG or CFGZeroStar or CFGNorm \
         or TCFG or Mahiro or FreSca or Epsilon or x0 or first_block_cache or tiled_diffusion or inpaint" \
         > "$OUT/tests_more/log.txt" 2>&1
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/tests_more/log.txt" | tail -24 | cut -c1-300 ;;

@@ -249,6 +249,9 @@ class StepGraphs:
                 return self._eager(fn, args, kwargs, "capture failed", key=key, device=device)
         else:
             self.entries.move_to_end(full)
+            verdict = self.verdicts.get(key)
+            if verdict is not None and verdict.soft_changes:
+                verdict.soft_changes = 0   # replayed as captured: the limit counts changes in a row, not per process
         for s, t in zip(entry.static_in, tensors):
             s.copy_(t, non_blocking=True)
         entry.graph.replay()

@@ -190,3 +190,35 @@ def test_a_refused_keys_calls_skip_the_weights_check_and_a_change_made_meanwhile
             assert torch.equal(out, plain(y))
             graphs.fp.read = read
     """)
+
+
+def test_a_patchs_tensors_moved_between_runs_are_captured_again_each_time_and_never_refused():
+    """A patch's own layer (outside the model) read by address: moved off the GPU and back in place between
+    runs (ComfyUI's model_patches_to on a HypernetworkLoader patch), more often than the churn limit, with runs
+    that replay in between. Each move captures again (`recaptures`), the output is always the eager one, and the
+    key is never refused: the limit is for tensors replaced before every call."""
+    _run("""
+        layer = torch.nn.Linear(256, 256).cuda()
+        class Patch:                       # a callable object holding its layer, as the hypernetwork's patch
+            def __init__(self, layer):
+                self.layers = {256: layer}
+            def __call__(self, h):
+                return h + self.layers[256](h)
+        patch = Patch(layer)
+        def step(x, transformer_options):
+            return transformer_options["patches"]["attn1_patch"][0](torch.relu(net(x)))
+        x = torch.randn(4, 256, device="cuda")
+        opts = {"patches": {"attn1_patch": [patch]}}
+        for move in range(10):
+            for _ in range(3):
+                out = graphs.run(step, (x,), {"transformer_options": opts})
+                assert torch.equal(out, step(x, opts)), move
+            held = [p.data for p in layer.parameters()]   # the old blocks stay taken, so the move lands elsewhere
+            layer.cpu()
+            layer.cuda()
+            with torch.no_grad():
+                for t in held:
+                    t.fill_(float("nan"))
+        assert not graphs.refused, dict(graphs.refused)
+        assert graphs.stats["recaptures"] >= 9 and graphs.stats["replays"] >= 10, graphs.stats
+    """)
