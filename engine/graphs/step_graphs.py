@@ -72,6 +72,7 @@ class StepGraphs:
         self.last_eager_reason = None
         self._new_in_a_row = []           # keys first seen since the last replay
         self._warm = set()                # keys that ran eagerly since the weights last changed
+        self._soft_churn = set()          # keys whose soft tensors changed since their last replay as captured
 
     def clear(self, why=None):
         log.log(DIAG_LEVEL, "[SD Accel] clear graphs of %s: %s (%d entries)", self.name, why, len(self.entries))
@@ -199,7 +200,7 @@ class StepGraphs:
                 log.log(DIAG_LEVEL, "[SD Accel] new graph key for %s: %s", self.name, keys.key_diff(key, other))
             v = self.verdicts[key] = _Verdict()
             while len(self.verdicts) > MAX_VERDICTS:
-                self.verdicts.popitem(last=False)
+                self._soft_churn.discard(self.verdicts.popitem(last=False)[0])
         else:
             self.verdicts.move_to_end(key)
         return v
@@ -249,9 +250,11 @@ class StepGraphs:
                 return self._eager(fn, args, kwargs, "capture failed", key=key, device=device)
         else:
             self.entries.move_to_end(full)
-            verdict = self.verdicts.get(key)
-            if verdict is not None and verdict.soft_changes:
-                verdict.soft_changes = 0   # replayed as captured: the limit counts changes in a row, not per process
+            if self._soft_churn and key in self._soft_churn:   # empty on nearly every replay: no key hashed
+                self._soft_churn.discard(key)
+                verdict = self.verdicts.get(key)
+                if verdict is not None:
+                    verdict.soft_changes = 0   # replayed as captured: the limit counts changes in a row
         for s, t in zip(entry.static_in, tensors):
             s.copy_(t, non_blocking=True)
         entry.graph.replay()
@@ -270,6 +273,7 @@ class StepGraphs:
                 ", ".join("#%d %s" % (i, tuple(soft[i].shape)) for i in changed[:4]))
         v = self.verdicts[key]
         v.soft_changes += 1
+        self._soft_churn.add(key)
         if v.soft_changes <= CHURN:
             self.stats["recaptures"] += 1
             return None
