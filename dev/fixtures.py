@@ -282,7 +282,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy-dir", required=True)
     ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd", "hypernet15",
-                                                  "unet15inpaint"], required=True)
+                                                  "unet15", "unet15inpaint"], required=True)
     ap.add_argument("--preset", choices=sorted(UNET_PRESETS), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -295,8 +295,8 @@ def main():
         ensure(a.out, build_taesd, a.comfy_dir, a.out, a.seed)
     elif a.kind == "hypernet15":
         ensure(a.out, build_hypernetwork, a.out, a.seed)
-    elif a.kind == "unet15inpaint":
-        ensure(a.out, build_unet, a.comfy_dir, a.preset, a.out, 9, a.seed)
+    elif a.kind in ("unet15", "unet15inpaint"):
+        ensure(a.out, build_unet, a.comfy_dir, a.preset, a.out, 9 if a.kind == "unet15inpaint" else 4, a.seed)
     else:
         ensure(a.out, build_lora, a.comfy_dir, a.preset, a.out, seed=a.seed)
 

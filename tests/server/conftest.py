@@ -31,9 +31,12 @@ FIXTURES = {  # file -> (kind, folder[, preset]); the key in `models` is the kin
     "sdaccel_random_hypernet15.pt": ("hypernet15", "hypernetworks"),
     # an inpainting UNet alone (9 input channels), for UNETLoader (dev/comfy_server.py maps its folders here)
     "sdaccel_random_unet15inpaint_tiny.safetensors": ("unet15inpaint", "diffusion_models", "tiny"),
+    # a second UNet of the checkpoint's layout, other weights: the model merge nodes' model2
+    "sdaccel_random_unet15_small_seed1.safetensors": ("unet15", "diffusion_models", PRESET),
     # SD1.5's layout in small: the deepest level without attention (tests/server/test_other_packs.py)
     "sdaccel_random_sd15_small_plain_deep.safetensors": ("sd15", "checkpoints", "small_plain_deep"),
 }
+SEEDS = {"unet15": 1}   # dev/fixtures.py's seed where it is not 0: weights unlike the checkpoint's UNet
 
 
 def _build_fixtures():
@@ -43,7 +46,8 @@ def _build_fixtures():
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
         subprocess.run([sys.executable, os.path.join(REPO, "dev", "fixtures.py"), "--comfy-dir", COMFY,
-                        "--kind", kind, "--preset", (preset or [PRESET])[0], "--out", path],
+                        "--kind", kind, "--preset", (preset or [PRESET])[0], "--out", path,
+                        "--seed", str(SEEDS.get(kind, 0))],
                        check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
