@@ -58,6 +58,7 @@ class GraphedForward:
         self.epoch = None
         self.channels_last_done = False
         self.relayout_pending = False   # put back in stock's layout after graphs were captured: convert first
+        self.channels_last_calls = 0    # calls that ran on channels_last weights (a host may put them back after each)
 
     @property
     def module(self):
@@ -80,6 +81,12 @@ class GraphedForward:
     def __call__(self, *args, **kwargs):
         if (self.policy.layout_first_call or self.relayout_pending) and _on_gpu(args):
             self._to_channels_last()   # graphs captured over channels_last weights replay only over them
+        out = self._run(args, kwargs)
+        if self.channels_last_done:
+            self.channels_last_calls += 1
+        return out
+
+    def _run(self, args, kwargs):
         if not self.cuda_graph:
             return self._eager(*args, **kwargs)
         why = self.policy.refuse(args, kwargs) if self.policy.refuse is not None else None

@@ -16,9 +16,9 @@ ComfyUI sets the patches when it loads the clone and restores the original modul
 of the same model (the user's VAE in a stock VAE Decode) or unloads it, as for a UNet's clone. The copy's own
 methods are the VAE's: ComfyUI's memory estimates, batching and its tiled retry after an out-of-memory error
 all run unchanged on the accelerated modules. The user's VAE object, its patcher's patches and its modules are
-never modified (the conv weights' layout aside: channels_last while the copy is loaded, back in stock's when
-ComfyUI detaches it, so only on a ComfyUI with ON_DETACH callbacks); the copies are cached per VAE and options
-on its patcher.
+never modified (the conv weights' layout aside: channels_last during each decode or encode of the copy, back in
+stock's when it returns, and channels_last only on a ComfyUI with ON_DETACH callbacks); the copies are cached per
+VAE and options on its patcher.
 Not folded per block (hosts/comfyui/object_patches.py): a VAE is not sampled, so no callback keeps our blocks
 last in ComfyUI's restore order, and its ~60 swaps per load cost about a millisecond.
 
@@ -37,6 +37,7 @@ leaves the kernels out, a model that is not an image AutoencoderKL (video, audio
 """
 import contextlib
 import copy
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -146,9 +147,53 @@ def _accelerate(vae, options):
     acc = copy.copy(vae)
     acc.patcher = clone
     acc.__dict__[_ORIGINAL] = weakref.ref(vae)
+    if channels_last:
+        _stock_layout_between_calls(acc, list(info["forwards"].values()))
     info["patched"] = counts
     info["object_patches"] = len(patches)
     return acc, info
+
+
+# the VAE methods nodes call (VAE Decode / Encode, their tiled versions, the inpainting encodes go through encode)
+_ENTRY_METHODS = ("decode", "decode_tiled", "encode", "encode_tiled")
+_LAYOUT_FORWARDS, _LAYOUT_DEPTH = "_sd_accel_layout_forwards", "_sd_accel_layout_depth"
+_LAYOUT_CLASSES = {}   # the VAE's class -> its subclass whose entry methods put the layout back
+
+
+def _stock_layout_between_calls(acc, forwards):
+    """Each call of the copy's decode / encode (and their tiled versions) leaves the conv weights in stock's layout
+    when it returns: they are the user's VAE's, and a node that reads them without loading the VAE sees them
+    as they are (VAE Save: safetensors refuses a channels_last tensor as non-contiguous). The next call converts
+    them again before its first GPU call; the graphs stay valid (same storage). A call nested in another (a
+    decode that falls back to the tiled one) leaves that to the outer one. The copy's class becomes a subclass
+    of the VAE's class with those methods, so a copy of the copy behaves the same."""
+    acc.__dict__[_LAYOUT_FORWARDS] = forwards
+    acc.__class__ = _layout_class(type(acc))
+
+
+def _layout_class(base):
+    cls = _LAYOUT_CLASSES.get(base)
+    if cls is None:
+        methods = {name: _entry(base, name) for name in _ENTRY_METHODS if callable(getattr(base, name, None))}
+        cls = _LAYOUT_CLASSES[base] = type(base.__name__, (base,), dict(methods, __module__=base.__module__))
+    return cls
+
+
+def _entry(base, name):
+    fn = getattr(base, name)
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        depth = self.__dict__.get(_LAYOUT_DEPTH, 0)
+        self.__dict__[_LAYOUT_DEPTH] = depth + 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.__dict__[_LAYOUT_DEPTH] = depth
+            if not depth:
+                for gf in self.__dict__.get(_LAYOUT_FORWARDS, ()):
+                    gf.to_stock_layout()
+    return call
 
 
 def _planner(view, prefix, live):
@@ -242,7 +287,8 @@ def patched_line(info):
 
 def counters(info):
     """What the call about to run is measured against (`report`)."""
-    graphs = {m: (dict(gf.graphs.stats), dict(gf.graphs.refused), gf.graphs.eager_paths.stock_calls)
+    graphs = {m: (dict(gf.graphs.stats), dict(gf.graphs.refused), gf.graphs.eager_paths.stock_calls,
+                  gf.channels_last_calls)
               for m, gf in info["forwards"].items()}
     return kernel_report.snapshot(), graphs
 
@@ -278,12 +324,12 @@ def report(info, before):
 
 
 def _graph_report(method, gf, before, ran, fell_back):
-    stats0, refused0, stock0 = before or ({}, {}, 0)
+    stats0, refused0, stock0, layout0 = before or ({}, {}, 0, 0)
     g = gf.graphs
     calls = {k: v - stats0.get(k, 0) for k, v in g.stats.items()}
     if not (calls["replays"] or calls["eager"]):
         return    # this method was not called
-    if gf.channels_last and gf.channels_last_done:
+    if gf.channels_last and gf.channels_last_calls > layout0:
         ran.append("channels_last (%s)" % method)
     if calls["replays"]:
         ran.append("cuda_graph %s (%d replays, %d captures)" % (method, calls["replays"], calls["captures"]))

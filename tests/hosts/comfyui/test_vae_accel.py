@@ -207,10 +207,10 @@ def test_with_channels_last_weights_the_fused_copy_still_matches_stock_through_e
 
 
 def test_a_stock_vae_decode_after_ours_runs_on_stock_s_layout(forced, monkeypatch):
-    # an fp16/bf16 VAE on a GPU: the copy converts the conv weights (the user's VAE's) to channels_last; on a
-    # ComfyUI with ON_DETACH callbacks they go back when ComfyUI loads the user's VAE for a stock VAE Decode,
-    # and the next decode of ours converts them again; an older ComfyUI, which cannot say when, keeps them as
-    # they are
+    # an fp16/bf16 VAE on a GPU: the copy converts the conv weights (the user's VAE's) to channels_last for its
+    # decode and puts them back when the decode returns (ComfyUI's ON_DETACH callback, when it loads the user's VAE
+    # for a stock VAE Decode, would too), and the next decode of ours converts them again; an older ComfyUI keeps
+    # stock's layout throughout
     monkeypatch.setattr(vae_accel, "_half_precision", lambda vae: True)
     vae = comfy_inproc.tiny_vae(seed=1)
     acc, info = vae_accel.accelerate_vae(vae, OPTS)
@@ -228,10 +228,41 @@ def test_a_stock_vae_decode_after_ours_runs_on_stock_s_layout(forced, monkeypatc
             ref = vae.decode(_latent())
             gf._to_channels_last()   # what its first GPU call does (the CPU has none)
             out = acc.decode(_latent())
-            assert not conv.weight.is_contiguous(), "ours ran on channels_last weights"
+            assert conv.weight.is_contiguous(), "our decode returned with the user's weights in channels_last"
             again = vae.decode(_latent())
     finally:
         hook.remove()
     assert seen == [True, False, True], seen
     assert torch.allclose(out, ref, atol=1e-4) and torch.equal(again, ref)
     assert gf.relayout_pending, "our next GPU decode converts them again before a graph replays"
+
+
+@pytest.mark.parametrize("method", ["decode", "decode_tiled", "encode", "encode_tiled"])
+def test_vae_save_after_ours_finds_the_user_s_weights_in_stock_s_layout(forced, monkeypatch, tmp_path, method):
+    """VAE Save reads the VAE's state dict without loading it, and safetensors refuses a channels_last (non-contiguous)
+    tensor: every decode and encode of the copy, whole or tiled, returns with the weights in stock's layout. A
+    copy of the copy (copy.copy, as a node may make) does the same."""
+    monkeypatch.setattr(vae_accel, "_half_precision", lambda vae: True)
+    vae = comfy_inproc.tiny_vae(seed=1)
+    acc, info = vae_accel.accelerate_vae(vae, OPTS)
+    import comfy.model_patcher as mp
+    if not hasattr(mp.ModelPatcher, "add_callback_with_key"):
+        pytest.skip("ComfyUI 2024: the copy keeps stock's layout (no channels_last without ON_DETACH callbacks)")
+    import copy
+    import comfy.utils
+    for target in (acc, copy.copy(acc)):
+        for gf in info["forwards"].values():
+            gf._to_channels_last()   # what a GPU call does first (the CPU has none)
+        assert not all(t.is_contiguous() for t in vae.get_sd().values())
+        with torch.inference_mode():
+            if method.startswith("decode"):
+                out = getattr(target, method)(_latent(), **({"tile_x": 4, "tile_y": 4, "overlap": 1}
+                                                            if method == "decode_tiled" else {}))
+            else:
+                out = getattr(target, method)(_pixels(), **({"tile_x": 8, "tile_y": 8, "overlap": 2}
+                                                             if method == "encode_tiled" else {}))
+        assert torch.isfinite(out).all()
+        sd = vae.get_sd()
+        assert all(t.is_contiguous() for t in sd.values()), [k for k, t in sd.items() if not t.is_contiguous()]
+        comfy.utils.save_torch_file(sd, str(tmp_path / "vae.safetensors"))   # what VAE Save does
+        assert all(gf.relayout_pending for gf in info["forwards"].values() if gf.channels_last)
