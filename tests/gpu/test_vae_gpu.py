@@ -106,7 +106,7 @@ def test_between_decodes_the_weights_are_in_stock_s_layout_and_vae_save_works(va
         pytest.skip("ComfyUI 2024: the copy keeps stock's layout (no ON_DETACH callbacks)")
     with torch.inference_mode():
         ref = stock.decode(_latent(512))
-    for _ in range(2):
+    for _ in range(3):   # run alone: warm-up, capture, replay
         out, rep = _calls(acc, info, lambda v: v.decode(_latent(512)), 1)
         assert "channels_last (decode)" in rep["ran"], rep
         assert _psnr(out, ref) >= MIN_PSNR, (_psnr(out, ref), rep["line"])
