@@ -53,7 +53,8 @@
 # failed-capture test alone: capture_failure_run.py in a process of its own, ~1 min, killed at 200 s), tests_more
 # (these GPU tests alone: the patch-node cases of dev/patch_nodes.py's LATER and the hypernetwork move, a
 # patch's layer moved between runs (capture safety), WaveSpeed's First Block Cache, Tiled Diffusion with and
-# without a ControlNet, the inpainting UNet, the model merge nodes; estimated 4 min, killed at 300 s),
+# without a ControlNet, the inpainting UNet, the model merge nodes, a T2I adapter on the full SD1.5 layout, the VAE's
+# layout between decodes (VAE Save); estimated 5 min, killed at 360 s),
 # stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
 # same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s), diagnose_stock_after
 # (diagnose_stock_after.py: SDXL 1024² stock KSampler before and after one graph run of ours, with the GPU's
@@ -153,11 +154,12 @@ for p in "$@"; do
       grep -v "^\[W\|This is technically allowed\|skipped" "$OUT/fp8_gemm_sdxl/log.txt" | tail -10 | cut -c1-230 ;;
     tests_more)
       mkdir -p "$OUT/tests_more"
-      timeout 300 python3 -m pytest tests/gpu/test_patch_nodes_gpu.py tests/gpu/test_other_packs_gpu.py \
-        tests/gpu/test_inpaint_gpu.py tests/gpu/test_capture_safety_gpu.py tests/gpu/test_model_merge_gpu.py -q -rA \
+      timeout 360 python3 -m pytest tests/gpu/test_patch_nodes_gpu.py tests/gpu/test_other_packs_gpu.py \
+        tests/gpu/test_inpaint_gpu.py tests/gpu/test_capture_safety_gpu.py tests/gpu/test_model_merge_gpu.py \
+        tests/gpu/test_t2i_adapter_gpu.py tests/gpu/test_vae_gpu.py -q -rA \
         -k "HypernetworkLoader or moved or APG or CFGZeroStar or CFGNorm \
         or TCFG or Mahiro or FreSca or Epsilon or x0 or first_block_cache or tiled_diffusion or inpaint \
-        or merge or ratios" \
+        or merge or ratios or t2i or vae_save" \
         > "$OUT/tests_more/log.txt" 2>&1
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/tests_more/log.txt" | tail -24 | cut -c1-300 ;;
     tests_capture)

@@ -186,6 +186,22 @@ def build_controlnet(comfy_dir, preset, path, seed=0, kind="sd15"):
     return _save(out, path, torch.float16, {"sd_accel_fixture": "cn_" + kind, "preset": preset, "seed": seed})
 
 
+def build_t2i_adapter(comfy_dir, path, seed=0):
+    """A full T2I adapter for SD1.5 (ComfyUI's `Adapter`: 8x8 pixel-unshuffled RGB hint in, a feature map for each
+    of the UNet's four levels out, added to its input blocks), laid out as the published adapters are, which
+    ComfyUI's ControlNetLoader recognises by its keys. Needs the full SD1.5 layout: the features are placed by the
+    input blocks of SD1.5's four levels."""
+    _import_comfy(comfy_dir)
+    import torch
+    import comfy.t2i_adapter.adapter as adapter
+    with torch.device("meta"):
+        sd = adapter.Adapter(cin=3 * 64, channels=[320, 640, 1280, 1280], nums_rb=2, ksize=1, sk=True, use_conv=False,
+                             xl=False).state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    out = {k: _random(k, v, gen) for k, v in sorted(sd.items())}
+    return _save(out, path, torch.float16, {"sd_accel_fixture": "t2i_adapter_sd15", "seed": seed})
+
+
 def build_lora(comfy_dir, preset, path, rank=4, seed=0, scale=0.5):
     """Random kohya-style LoRA over LORA_TARGETS of an SD1.5 UNet preset."""
     comfy = _import_comfy(comfy_dir)
@@ -282,7 +298,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy-dir", required=True)
     ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd", "hypernet15",
-                                                  "unet15", "unet15inpaint"], required=True)
+                                                  "unet15", "unet15inpaint", "t2i15"], required=True)
     ap.add_argument("--preset", choices=sorted(UNET_PRESETS), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -295,6 +311,8 @@ def main():
         ensure(a.out, build_taesd, a.comfy_dir, a.out, a.seed)
     elif a.kind == "hypernet15":
         ensure(a.out, build_hypernetwork, a.out, a.seed)
+    elif a.kind == "t2i15":
+        ensure(a.out, build_t2i_adapter, a.comfy_dir, a.out, a.seed)
     elif a.kind in ("unet15", "unet15inpaint"):
         ensure(a.out, build_unet, a.comfy_dir, a.preset, a.out, 9 if a.kind == "unet15inpaint" else 4, a.seed)
     else:
