@@ -54,7 +54,8 @@
 # (these GPU tests alone: the patch-node cases of dev/patch_nodes.py's LATER and the hypernetwork move, a
 # patch's layer moved between runs (capture safety), WaveSpeed's First Block Cache, Tiled Diffusion with and
 # without a ControlNet, the inpainting UNet, the model merge nodes, a T2I adapter on the full SD1.5 layout, the VAE's
-# layout between decodes (VAE Save); estimated 5 min, killed at 360 s),
+# layout between decodes (VAE Save); estimated 5 min, killed at 360 s), tests_sdxl (tests/gpu/test_sdxl_gpu.py alone: a
+# random full SDXL checkpoint built first, graphs against stock, size conditioning, resolutions; ~3 min, killed at 300 s),
 # stock_after (bench_stock_after.py: stock KSampler and ours without graphs before and after one graph run on the
 # same loaded model, SD1.5 512² b1 and SDXL 1024² b1; ~3.5 min, killed at 300 s), diagnose_stock_after
 # (diagnose_stock_after.py: SDXL 1024² stock KSampler before and after one graph run of ours, with the GPU's
@@ -162,6 +163,10 @@ for p in "$@"; do
         or merge or ratios or t2i or vae_save" \
         > "$OUT/tests_more/log.txt" 2>&1
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " "$OUT/tests_more/log.txt" | tail -24 | cut -c1-300 ;;
+    tests_sdxl)
+      mkdir -p "$OUT/tests_sdxl"
+      timeout 300 python3 -m pytest tests/gpu/test_sdxl_gpu.py -q -rA > "$OUT/tests_sdxl/log.txt" 2>&1
+      grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/tests_sdxl/log.txt" | tail -12 | cut -c1-300 ;;
     tests_capture)
       mkdir -p "$OUT/tests_capture"
       timeout 200 python3 -m pytest tests/gpu/test_patch_nodes_gpu.py -k failed_capture -q -rA \
