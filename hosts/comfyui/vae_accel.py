@@ -37,7 +37,6 @@ leaves the kernels out, a model that is not an image AutoencoderKL (video, audio
 """
 import contextlib
 import copy
-import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from ...engine.patches import fused_vae
 from ...engine.reports import kernel_report
 from ...kernels import _triton
 from . import accelerate
+from . import conv_layout
 from . import object_patches
 
 log = logging.getLogger("sd_accel")
@@ -148,52 +148,10 @@ def _accelerate(vae, options):
     acc.patcher = clone
     acc.__dict__[_ORIGINAL] = weakref.ref(vae)
     if channels_last:
-        _stock_layout_between_calls(acc, list(info["forwards"].values()))
+        conv_layout.stock_layout_between_calls(acc, list(info["forwards"].values()))
     info["patched"] = counts
     info["object_patches"] = len(patches)
     return acc, info
-
-
-# the VAE methods nodes call (VAE Decode / Encode, their tiled versions, the inpainting encodes go through encode)
-_ENTRY_METHODS = ("decode", "decode_tiled", "encode", "encode_tiled")
-_LAYOUT_FORWARDS, _LAYOUT_DEPTH = "_sd_accel_layout_forwards", "_sd_accel_layout_depth"
-_LAYOUT_CLASSES = {}   # the VAE's class -> its subclass whose entry methods put the layout back
-
-
-def _stock_layout_between_calls(acc, forwards):
-    """Each call of the copy's decode / encode (and their tiled versions) leaves the conv weights in stock's layout
-    when it returns: they are the user's VAE's, and a node that reads them without loading the VAE sees them
-    as they are (VAE Save: safetensors refuses a channels_last tensor as non-contiguous). The next call converts
-    them again before its first GPU call; the graphs stay valid (same storage). A call nested in another (a
-    decode that falls back to the tiled one) leaves that to the outer one. The copy's class becomes a subclass
-    of the VAE's class with those methods, so a copy of the copy behaves the same."""
-    acc.__dict__[_LAYOUT_FORWARDS] = forwards
-    acc.__class__ = _layout_class(type(acc))
-
-
-def _layout_class(base):
-    cls = _LAYOUT_CLASSES.get(base)
-    if cls is None:
-        methods = {name: _entry(base, name) for name in _ENTRY_METHODS if callable(getattr(base, name, None))}
-        cls = _LAYOUT_CLASSES[base] = type(base.__name__, (base,), dict(methods, __module__=base.__module__))
-    return cls
-
-
-def _entry(base, name):
-    fn = getattr(base, name)
-
-    @functools.wraps(fn)
-    def call(self, *args, **kwargs):
-        depth = self.__dict__.get(_LAYOUT_DEPTH, 0)
-        self.__dict__[_LAYOUT_DEPTH] = depth + 1
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            self.__dict__[_LAYOUT_DEPTH] = depth
-            if not depth:
-                for gf in self.__dict__.get(_LAYOUT_FORWARDS, ()):
-                    gf.to_stock_layout()
-    return call
 
 
 def _planner(view, prefix, live):
