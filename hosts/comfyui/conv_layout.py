@@ -95,8 +95,8 @@ def _entry(base, name):
 
 
 def _forwards_to_stock_layout(forwards):
-    try:
-        for gf in forwards:
+    for gf in forwards:
+        try:
             gf.to_stock_layout()
-    except Exception as e:  # noqa: BLE001 - never lose the call's result (or its own error) to this
-        log.warning("[SD Accel] VAE conv weights could not be put back in stock's layout: %s", e)
+        except Exception as e:  # noqa: BLE001 - never lose the call's result (or its own error) to this
+            log.warning("[SD Accel] VAE conv weights could not be put back in stock's layout: %s", e)

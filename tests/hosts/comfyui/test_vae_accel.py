@@ -241,19 +241,20 @@ def test_a_stock_vae_decode_after_ours_runs_on_stock_s_layout(forced, monkeypatc
 def test_vae_save_after_ours_finds_the_user_s_weights_in_stock_s_layout(forced, monkeypatch, tmp_path, method):
     """VAE Save reads the VAE's state dict without loading it, and safetensors refuses a channels_last (non-contiguous)
     tensor: every decode and encode of the copy, whole or tiled, returns with the weights in stock's layout. A
-    copy of the copy (copy.copy, as a node may make) does the same."""
+    copy of the copy (copy.copy, as a node may make) does the same. ComfyUI 2024 (no ON_DETACH callbacks): the copy
+    never converts them, and the save works the same."""
     monkeypatch.setattr(vae_accel, "_half_precision", lambda vae: True)
     vae = comfy_inproc.tiny_vae(seed=1)
     acc, info = vae_accel.accelerate_vae(vae, OPTS)
     import comfy.model_patcher as mp
-    if not hasattr(mp.ModelPatcher, "add_callback_with_key"):
-        pytest.skip("ComfyUI 2024: the copy keeps stock's layout (no channels_last without ON_DETACH callbacks)")
+    relayouts = hasattr(mp.ModelPatcher, "add_callback_with_key")
+    assert [gf.channels_last for gf in info["forwards"].values()] == [relayouts, relayouts], info["reasons"]
     import copy
     import comfy.utils
     for target in (acc, copy.copy(acc)):
         for gf in info["forwards"].values():
-            gf._to_channels_last()   # what a GPU call does first (the CPU has none)
-        assert not all(t.is_contiguous() for t in vae.get_sd().values())
+            gf._to_channels_last()   # what a GPU call does first (the CPU has none); a no-op where channels_last is off
+        assert all(t.is_contiguous() for t in vae.get_sd().values()) != relayouts
         with torch.inference_mode():
             if method.startswith("decode"):
                 out = getattr(target, method)(_latent(), **({"tile_x": 4, "tile_y": 4, "overlap": 1}
