@@ -1,11 +1,11 @@
 """Drop-in replacement modules that run the fused kernels.
 
 Each replacement is an instance of the very class of the module it replaces (so other packs' `isinstance`
-and exact-class checks still hold) with SD Accel's methods set on the instance, and its own copy of the
-parameter/buffer/submodule dicts holding the SAME Parameter objects: parameter names (`weight`, `bias`,
-`proj.weight`) are unchanged, so LoRA and weight patches find them, and moving the model between devices
-moves the shared tensors. The
-original module is not kept inside the replacement; the host keeps it for undoing.
+and exact-class checks still hold) with SD Accel's methods set on the instance, sharing the original's
+parameter, buffer and submodule dicts: parameter names (`weight`, `bias`, `proj.weight`) are unchanged, so LoRA
+and weight patches find them, a patch made through either module is seen by both (as on stock), and moving the
+model between devices moves the shared tensors. The original module is not kept inside the replacement; the
+host keeps it for undoing.
 
 Weights are read through `weights_of`, which defers to the host's own casting when the host has marked
 the module for it (ComfyUI's low-VRAM and manual-cast modes set `comfy_cast_weights` or
@@ -189,16 +189,24 @@ def _clone_into(cls, orig):
     new = cls.__new__(cls)
     theirs = _mixin_members(orig.__dict__["sdaccel_mixin"]) if "sdaccel_mixin" in orig.__dict__ else {}
     new.__dict__.update((k, v) for k, v in orig.__dict__.items() if k not in theirs)
-    # nn.Module keeps params/buffers/children/hooks in dicts: copy them so the replacement can be
-    # patched (e.g. ComfyUI's set_attr_param) without touching the original module.
-    # The children dict (`_modules`) stays shared: a stand-in with children (ResBlock, SpatialTransformer,
-    # transformer block) has the original's children, and the host patches a child through the stand-in's
-    # path. With a copy, a stand-in planned while an earlier one was applied would start from the earlier
-    # patched children, and the host, restoring in its order, would leave a fused child on the original.
+    # nn.Module keeps params/buffers/children/hooks in dicts. The hooks' and other dicts are copied, so the stand-in
+    # can be given its own without touching the original module. Shared:
+    # - parameters and buffers: a weight patch (ComfyUI's set_attr_param replaces the Parameter object) reaches
+    #   both, as it reaches stock's module. With copies, a stand-in planned while another clone's patches were
+    #   applied kept those patched tensors (and one kept across prompts missed every later patch made while the
+    #   original was in place): the host's next patch then started from them, and its unpatch put them back, so
+    #   stock's next image came out wrong too.
+    # - children (`_modules`): a stand-in with children (ResBlock, SpatialTransformer, transformer block) has the
+    #   original's children, and the host patches a child through the stand-in's path. With a copy, a stand-in
+    #   planned while an earlier one was applied would start from the earlier patched children, and the host,
+    #   restoring in its order, would leave a fused child on the original.
     for k, v in orig.__dict__.items():
-        if isinstance(v, (dict, set)) and k != "_modules" and k not in theirs:
+        if isinstance(v, (dict, set)) and k not in _SHARED_DICTS and k not in theirs:
             new.__dict__[k] = v.copy()
     return new
+
+
+_SHARED_DICTS = ("_modules", "_parameters", "_buffers")
 
 
 @functools.lru_cache(maxsize=None)
