@@ -105,7 +105,7 @@ def test_between_decodes_the_weights_are_in_stock_s_layout_and_vae_save_works(va
     stock, acc, info = vaes
     with torch.inference_mode():
         ref = stock.decode(_latent(512))
-    for _ in range(3):   # run alone: warm-up, capture, replay
+    for _ in range(4):   # run alone: warm-up (a finding of the first may be checked on a second), capture, replay
         out, rep = _calls(acc, info, lambda v: v.decode(_latent(512)), 1)
         assert ("channels_last (decode)" in rep["ran"]) == _graphs_kept(), rep
         assert _psnr(out, ref) >= MIN_PSNR, (_psnr(out, ref), rep["line"])
