@@ -23,7 +23,7 @@ from ...kernels.group_norm_silu import group_norm_silu
 from ...kernels.layer_norm import layer_norm
 from ..fp8 import weights
 from ..reports import kernel_report
-from . import stock_path
+from . import shared_state, stock_path
 
 _host_cast = None   # host hook: fn(module, input) -> (weight, bias), set by the host adapter
 
@@ -203,6 +203,7 @@ def _clone_into(cls, orig):
     for k, v in orig.__dict__.items():
         if isinstance(v, (dict, set)) and k not in _SHARED_DICTS and k not in theirs:
             new.__dict__[k] = v.copy()
+    shared_state.link(orig, new)   # the host's marks on the weights' state (engine/patches/shared_state.py)
     return new
 
 

@@ -23,7 +23,7 @@ from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it th
 from ...engine.fp8 import block_upcast
 from ...engine.fp8 import upcast as fp8_upcast
 from ...engine.fp8 import weights as fp8_weights
-from ...engine.patches import attention, fused_modules, patching
+from ...engine.patches import attention, fused_modules, patching, shared_state
 from ...engine.reports import run_report
 from ...engine.graphs.step_graphs import StepGraphs
 from ..attached import state_on
@@ -45,7 +45,10 @@ WHOLE_MODEL = run_report.WHOLE_MODEL       # the reason under which SD Accel lef
 STEP_CACHE_KEYS = 4                        # graph keys per kind kept with the step cache on
 
 
-def _register_weight_caster():
+def _register_host_hooks():
+    # ComfyUI marks a module whose weights it patched and skips it at the next load; a stand-in shares its module's
+    # weights, so it shares that mark too
+    shared_state.share(("comfy_patched_weights",))
     try:
         import comfy.ops
         fused_modules.set_host_weight_caster(comfy.ops.cast_bias_weight)
@@ -408,7 +411,7 @@ def _accelerate(model, options):
         info["reasons"][run_report.WHOLE_MODEL] = why
         log.info("[SD Accel] %s", why)
         return clone, info
-    _register_weight_caster()
+    _register_host_hooks()
     base_model = clone.model
     layout = options.channels_last and _loads_on_cuda(clone)
     fp8 = precision.fp8_planned(clone, options, info)

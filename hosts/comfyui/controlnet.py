@@ -70,9 +70,9 @@ def _comfy_controlnet():
     return comfy.controlnet
 
 
-def _register_weight_caster():
+def _register_host_hooks():
     from . import accelerate as comfyui
-    comfyui._register_weight_caster()
+    comfyui._register_host_hooks()
 
 
 _PLANS_ATTR = "_sd_accel_cn_plans"
@@ -207,7 +207,7 @@ def accelerate_controlnet(cn, options=ControlNetOptions()):
     if not options.any():
         return cn, {"controlnets": 0, "patched": {}, "skipped": [], "hint_caches": []}
     if options.fused_kernels:
-        _register_weight_caster()
+        _register_host_hooks()
     conv = _Converter(options)
     return conv.convert(cn), conv.info
 
@@ -217,7 +217,7 @@ def accelerate_conds(positive, negative, options=ControlNetOptions()):
     cached node outputs) are not modified. Also returns the info dict for `summary` and `release`."""
     conv = _Converter(options)
     if options.fused_kernels:
-        _register_weight_caster()
+        _register_host_hooks()
 
     def convert(conds):
         if not options.any() or conds is None:

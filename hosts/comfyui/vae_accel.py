@@ -110,7 +110,7 @@ def _accelerate(vae, options):
     if why:
         info["reasons"]["SD Accel"] = why
         return vae, info
-    accelerate._register_weight_caster()
+    accelerate._register_host_hooks()
     clone = vae.patcher.clone()
     accelerate.parent_beyond_the_cache(clone, vae.patcher)   # the copies are cached on vae.patcher
     patches, counts = {}, {}

@@ -75,16 +75,6 @@ def comfy():
     yield from _server()
 
 
-@pytest.fixture(scope="module")
-def comfy_merge():
-    """A server of its own for tests/server/test_model_merge.py. In the shared `comfy` server, after the merge tests,
-    two later tests there failed on current ComfyUI (TorchCompileModel after Apply SD Accel: latent max abs diff
-    11.4 against stock; the VRAM Pool's text encode: 45 dB against the image without it), while each passes with
-    the merge tests run right before it alone. The cause is not found yet (bench/RESULTS.md, session 32); until it
-    is, the merges run apart so that the other tests keep checking what they were written for."""
-    yield from _server(log_suffix=".merge")
-
-
 @pytest.fixture(scope="session")
 def comfy_packs():
     """A server with every stand-in pack of tests/packs in its custom_nodes beside this pack. Without the Triton

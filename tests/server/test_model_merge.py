@@ -10,7 +10,9 @@ For each merge: the Accelerated KSampler's latent equals stock KSampler's (to th
 where on this CPU machine ComfyUI's own modules run through our step; within fp32 rounding with them on, the
 kernels interpreted), and the merge changed the output against the checkpoint alone. Changing the ratio in one
 server process runs the new weights, never the earlier ones (on a GPU, tests/gpu/test_model_merge_gpu.py checks
-that no CUDA graph replays the earlier ratio's weights). In a server of its own (`comfy_merge` in conftest.py says why).
+that no CUDA graph replays the earlier ratio's weights). In the shared server, after the other graphs: a merge
+that left its weights in SD Accel's stand-ins made later graphs there, stock's too, come out wrong
+(tests/hosts/comfyui/test_merge_beside_our_stand_ins.py).
 """
 import os
 
@@ -114,52 +116,52 @@ def _require(srv, cls):
 
 
 @pytest.fixture(scope="module")
-def unmerged(comfy_merge, models):
+def unmerged(comfy, models):
     """Stock KSampler on the checkpoint alone, once per step count."""
     done = {}
 
     def run(steps=STEPS):
         if steps not in done:
-            done[steps] = _run(comfy_merge, _graph(models, "KSampler", steps=steps, prefix="unmerged%d" % steps))
+            done[steps] = _run(comfy, _graph(models, "KSampler", steps=steps, prefix="unmerged%d" % steps))
         return done[steps]
     return run
 
 
 @pytest.mark.parametrize("case", list(MERGES))
-def test_merged_model_accelerated_equals_stock(comfy_merge, models, unmerged, case):
+def test_merged_model_accelerated_equals_stock(comfy, models, unmerged, case):
     merge = MERGES[case]
-    _require(comfy_merge, merge[0])
-    stock = _run(comfy_merge, _graph(models, "KSampler", merge, prefix=case + "_stock"))
-    ours = _run(comfy_merge, _graph(models, "SDAccelKSampler", merge, prefix=case + "_ours"))
+    _require(comfy, merge[0])
+    stock = _run(comfy, _graph(models, "KSampler", merge, prefix=case + "_stock"))
+    ours = _run(comfy, _graph(models, "SDAccelKSampler", merge, prefix=case + "_ours"))
     assert not np.array_equal(stock["latent"], unmerged()["latent"]), "%s did not change the output" % case
     _assert_same(stock, ours, False, case)
 
 
-def test_lora_on_a_merged_model_accelerated_equals_stock(comfy_merge, models, unmerged):
+def test_lora_on_a_merged_model_accelerated_equals_stock(comfy, models, unmerged):
     """The LoRA's patches go on top of the merge's on the same weights (ComfyUI applies them in order)."""
     merge = MERGES["ModelMergeSimple"]
-    stock = _run(comfy_merge, _graph(models, "KSampler", merge, lora=models["lora15"], prefix="mergelora_stock"))
-    merged = _run(comfy_merge, _graph(models, "KSampler", merge, prefix="mergelora_merged"))
-    ours = _run(comfy_merge, _graph(models, "SDAccelKSampler", merge, lora=models["lora15"], prefix="mergelora_ours"))
+    stock = _run(comfy, _graph(models, "KSampler", merge, lora=models["lora15"], prefix="mergelora_stock"))
+    merged = _run(comfy, _graph(models, "KSampler", merge, prefix="mergelora_merged"))
+    ours = _run(comfy, _graph(models, "SDAccelKSampler", merge, lora=models["lora15"], prefix="mergelora_ours"))
     assert not np.array_equal(stock["latent"], merged["latent"]), "the LoRA did not change the merged output"
     _assert_same(stock, ours, False, "merge + LoRA")
 
 
-def test_a_new_ratio_runs_the_new_weights(comfy_merge, models):
+def test_a_new_ratio_runs_the_new_weights(comfy, models):
     """0.6, 0.3, then 0.6 again through the Accelerated KSampler in one server: each equals stock at its ratio.
     A path that kept what it derived from the first ratio's weights would give 0.3 the 0.6 image."""
     ratios = (0.6, 0.3, 0.6)
-    stock = {r: _run(comfy_merge, _graph(models, "KSampler", ("ModelMergeSimple", {"ratio": r}), prefix="ratio_stock"))
+    stock = {r: _run(comfy, _graph(models, "KSampler", ("ModelMergeSimple", {"ratio": r}), prefix="ratio_stock"))
              for r in set(ratios)}
     assert not np.array_equal(stock[0.6]["latent"], stock[0.3]["latent"])
     for r in ratios:
-        ours = _run(comfy_merge, _graph(models, "SDAccelKSampler", ("ModelMergeSimple", {"ratio": r}), prefix="ratio_ours"))
+        ours = _run(comfy, _graph(models, "SDAccelKSampler", ("ModelMergeSimple", {"ratio": r}), prefix="ratio_ours"))
         _assert_same(stock[r], ours, False, "ratio %.1f" % r)
 
 
-def test_merged_model_fused_kernels_equal_stock(comfy_merge, models):
+def test_merged_model_fused_kernels_equal_stock(comfy, models):
     """The fused modules read the merged weights (one step: the kernels run interpreted here)."""
     merge = MERGES["ModelMergeBlocks"]
-    stock = _run(comfy_merge, _graph(models, "KSampler", merge, steps=1, prefix="mergefused_stock"))
-    ours = _run(comfy_merge, _graph(models, "SDAccelKSampler", merge, fused=True, steps=1, prefix="mergefused_ours"))
+    stock = _run(comfy, _graph(models, "KSampler", merge, steps=1, prefix="mergefused_stock"))
+    ours = _run(comfy, _graph(models, "SDAccelKSampler", merge, fused=True, steps=1, prefix="mergefused_ours"))
     _assert_same(stock, ours, True, "ModelMergeBlocks fused")
