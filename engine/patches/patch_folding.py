@@ -24,6 +24,7 @@ from collections import OrderedDict
 from torch import nn
 
 from . import fused_modules as fm
+from . import shared_state
 
 
 def group_of(path, prefix):
@@ -41,6 +42,7 @@ def own_copy(module):
     new = module.__class__.__new__(module.__class__)
     new.__dict__.update(module.__dict__)
     new.__dict__["_modules"] = dict(module._modules)
+    shared_state.link(module, new)   # the host's marks on the shared weights' state, as a stand-in's
     return fm.bind_methods(new)
 
 
