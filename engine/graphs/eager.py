@@ -21,6 +21,7 @@ import torch
 from ...kernels import _triton
 from ..reports import kernel_report
 from ..patches import stock_path
+from . import rerun
 
 # Off by default; SDACCEL_CUDNN_AUTOTUNE=1 turns it on. torch keeps one cuDNN plan per convolution shape
 # whichever way it was chosen, so no gain was measured, while a cold process's first run took about three
@@ -73,11 +74,13 @@ def eager_call(fn, args, kwargs, repeatable=None):
     if _under_budget[0] or not _triton.compile_ahead_available() or torch.cuda.is_current_stream_capturing():
         return fn(*args, **kwargs)
     before = kernel_report.snapshot()
+    given = rerun.Containers((args, kwargs))   # what a pass consumes (the UNet pops the control lists)
     for _ in range(AHEAD_PASSES):
         out, compiled = _triton.run_compiling_ahead(lambda: fn(*args, **kwargs))
         if not compiled or (repeatable is not None and not repeatable()):
             return out
         kernel_report.rollback(before)
+        given.restore()
     return fn(*args, **kwargs)
 
 

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from ..reports import kernel_report
-from . import eager, rng, tokens
+from . import eager, rerun, rng, tokens
 from .host_reads import HostReads
 from .waits import Waits
 
@@ -94,6 +94,7 @@ def probe(fn, args, kwargs, inputs):
     """(result of the eager call, Verdict). `inputs`: the call's graph inputs (keys.flatten's tensors)."""
     objects = objects_of((args, kwargs))
     before = [tokens.state_of(o) for o in objects]
+    given = rerun.Containers((args, kwargs))
     start = rng.Snapshot()
 
     def repeatable():   # compile-ahead may run the call again only where a second run changes nothing
@@ -112,7 +113,7 @@ def probe(fn, args, kwargs, inputs):
     moved = rng.Snapshot()
     if not (moved.host_draws_since(start) or moved.cuda_draws_since(start)):
         return out, Verdict(input_reads=watch.input_reads)
-    out, depends = _once_from(start, fn, args, kwargs, host=moved.host_draws_since(start))
+    out, depends = _once_from(start, given, fn, args, kwargs, host=moved.host_draws_since(start))
     if depends:
         return out, Verdict("draws host random numbers that change its result")
     return out, Verdict(input_reads=watch.input_reads,
@@ -120,18 +121,20 @@ def probe(fn, args, kwargs, inputs):
                         else "draws host random numbers that do not change its result")
 
 
-def _once_from(start, fn, args, kwargs, host):
+def _once_from(start, given, fn, args, kwargs, host):
     """The call once more from the generator states it started with (compile-ahead may have run it several
     times, each drawing again): its result and the generators are then exactly what one stock call gives. With
     host draws, also whether the result depends on them: a run from other host states is compared."""
     k0 = kernel_report.snapshot()
     start.restore()
+    given.restore()
     out = fn(*args, **kwargs)
     once = rng.Snapshot()
     depends = False
     if host:
         try:
             start.restore()
+            given.restore()
             rng.perturb_host()
             depends = not _equal(out, fn(*args, **kwargs))
         finally:

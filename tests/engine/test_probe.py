@@ -197,3 +197,42 @@ def test_watches_put_back_exactly_what_was_there_and_stay_on_their_thread():
     assert seen == [1.0] and watch.input_reads == {0}
     assert "item" not in vars(torch.Tensor), "an inherited method is inherited again, not pinned"
     assert torch.cuda.synchronize is sync
+
+
+def _unet_like(x, control):
+    """ComfyUI's UNet consumes its control: apply_control pops each block's residual off the lists."""
+    for name in ("output", "input"):
+        while control.get(name):
+            ctrl = control[name].pop()
+            if ctrl is not None:
+                x = x + ctrl
+    return x
+
+
+def _control():
+    return {"input": [torch.full((4,), 1.0), None, torch.full((4,), 2.0)], "output": [torch.full((4,), 4.0)]}
+
+
+def test_a_step_run_again_by_compile_ahead_sees_the_control_it_was_given(monkeypatch):
+    """Every compile-ahead pass and the plain call after them get the residuals, not the lists the first pass
+    emptied (the T2I adapter's first run with graphs was off by the adapter's whole effect)."""
+    monkeypatch.setattr(_triton, "compile_ahead_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_triton, "run_compiling_ahead", lambda f: (f(), 3))   # every pass "compiles"
+    control = _control()
+    lists = (control["input"], control["output"])
+    out, v = _probe(_unet_like, torch.zeros(4), control)
+    assert v.capturable and torch.equal(out, torch.full((4,), 7.0)), out
+    assert control["input"] is lists[0] and control["output"] is lists[1] and not any(lists), \
+        "the containers end as one stock call leaves them"
+
+
+def test_a_step_run_again_from_the_generators_start_sees_the_control_it_was_given():
+    """A step that draws random numbers runs once more from the generators' start (probe._once_from)."""
+    x = torch.zeros(4)
+
+    def draws_and_consumes(x, control):
+        torch.randint(0, 1, (1,))
+        return _unet_like(x, control)
+    out, v = _probe(draws_and_consumes, x, _control())
+    assert v.capturable and torch.equal(out, torch.full((4,), 7.0)), out
