@@ -54,11 +54,12 @@ class GraphedForward:
         self.forward = type(module).forward
         self.cuda_graph, self.channels_last = cuda_graph, channels_last
         self.policy = policy
-        self.graphs = _graphs_of(module, name, policy.max_graphs)
+        self.graphs = _graphs_of(module, name, policy.max_graphs, channels_last)
         self.epoch = None
         self.channels_last_done = False
         self.relayout_pending = False   # put back in stock's layout after graphs were captured: convert first
         self.channels_last_calls = 0    # calls that ran on channels_last weights (a host may put them back after each)
+        self.layout_owner = lambda: None   # the host's word for who puts the layout back (ComfyUI: the newest clone)
 
     @property
     def module(self):
@@ -79,7 +80,7 @@ class GraphedForward:
         self.epoch = object()
 
     def __call__(self, *args, **kwargs):
-        if (self.policy.layout_first_call or self.relayout_pending) and _on_gpu(args):
+        if (self.policy.layout_first_call or self.relayout_pending) and _on_gpu(args, kwargs):
             self._to_channels_last()   # graphs captured over channels_last weights replay only over them
         out = self._run(args, kwargs)
         if self.channels_last_done:
@@ -117,8 +118,9 @@ class GraphedForward:
         """Conv weights back in stock's layout, in place, when the host stops running this stand-in (it detaches
         the clone that holds it): the weights are the user's model's, and its stock modules run slower on
         channels_last weights. The next call here converts them again; the graphs stay valid."""
-        if self.channels_last_done:
-            patching.convert_conv_weights(self.module, torch.contiguous_format)
+        module = self.module   # None once the model is freed (a detach from the patcher's __del__)
+        if self.channels_last_done and module is not None:
+            patching.convert_conv_weights(module, torch.contiguous_format)
             self.channels_last_done = False
             self.relayout_pending = True
 
@@ -126,13 +128,22 @@ class GraphedForward:
         return self.forward(self.module, *args, **kwargs)
 
 
-def _on_gpu(args):
-    return any(getattr(a, "is_cuda", False) for a in args)
+GRAPH_DEVICE = "cuda"   # the device type whose calls graphs serve (CPU tests stand the CPU in)
 
 
-def _graphs_of(module, name, max_graphs=4):
-    # one StepGraphs per module, shared by its stand-ins: graph memory is bounded per module
-    g = module.__dict__.get("_sd_accel_graphs")
+def _on_gpu(args, kwargs=None):
+    """Whether the call has a tensor on the GPU, positional or keyword (ComfyUI calls a ControlNet with keywords
+    only: `control_model(x=, hint=, timesteps=, context=)`)."""
+    values = list(args) + list((kwargs or {}).values())
+    return any(isinstance(a, torch.Tensor) and a.device.type == GRAPH_DEVICE for a in values)
+
+
+def _graphs_of(module, name, max_graphs=4, channels_last=True):
+    """One StepGraphs per module and layout, shared by its stand-ins of that layout: graph memory is bounded per
+    module. A graph reads the conv weights by address in the layout it was captured over; a stand-in without
+    channels_last runs over stock's layout, so it must never replay a graph captured over channels_last weights."""
+    by_layout = module.__dict__.setdefault("_sd_accel_graphs", {})
+    g = by_layout.get(bool(channels_last))
     if g is None:
-        g = module.__dict__["_sd_accel_graphs"] = StepGraphs(module, name=name, max_graphs=max_graphs)
+        g = by_layout[bool(channels_last)] = StepGraphs(module, name=name, max_graphs=max_graphs)
     return g

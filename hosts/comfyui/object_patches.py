@@ -25,6 +25,7 @@ folded on both.
 import contextlib
 import functools
 import logging
+import weakref
 
 import torch
 
@@ -287,12 +288,20 @@ def free_graphs_on_unload(patcher, patches):
     if not forwards:
         return True
     import comfy.patcher_extension as pe
+    # A stand-in is one per module and options, shared by every clone made for it (a ControlNet gets a new clone
+    # per run): the layout is for the newest clone to put back. An older clone's patcher freed later, in the
+    # middle of another run, detaches too (ModelPatcher.__del__); putting the weights back then made the running
+    # clone's graphs replay over the other layout
+    owner = weakref.ref(patcher)
+    for gf in forwards:
+        gf.layout_owner = owner
 
     def on_detach(p, unpatch_all=True, _forwards=tuple(forwards)):
         held = [gf for gf in _forwards if gf.graphs.entries]
         for gf in _forwards:
             gf.graphs.clear_if_offloaded()
-            gf.to_stock_layout()
+            if gf.layout_owner() is p:
+                gf.to_stock_layout()
         if held and not any(gf.graphs.entries for gf in held):
             # under cudaMallocAsync the freed graphs' memory stays the driver's until trimmed, and ComfyUI
             # unloaded this model to have that memory

@@ -34,12 +34,17 @@ def test_without_a_refusal_a_cpu_call_runs_eagerly_for_want_of_cuda():
     assert not gf.graphs.refused and gf.graphs.last_eager_reason == "no CUDA device"
 
 
-def test_stand_ins_of_one_module_share_its_graphs_and_the_first_policy_sizes_them():
+def test_stand_ins_of_one_module_and_layout_share_its_graphs_and_the_first_policy_sizes_them():
     m = _module()
     a = GraphedForward(m, "lin", policy=Policy(max_graphs=8))
     b = GraphedForward(m, "lin", cuda_graph=False)
     assert a.graphs is b.graphs and a.graphs.max_graphs == 8
     assert GraphedForward(_module(), "other").graphs.max_graphs == 4
+    # graphs captured over channels_last weights read them in that layout: never replayed by a stand-in that
+    # runs over stock's layout (Accelerated KSampler with channels_last off)
+    stock_layout = GraphedForward(m, "lin", channels_last=False)
+    assert stock_layout.graphs is not a.graphs
+    assert GraphedForward.for_module(m, "lin", channels_last=False).graphs is stock_layout.graphs
 
 
 def _conv_net():
@@ -62,9 +67,9 @@ def test_stock_layout_is_restored_in_place_and_a_later_call_converts_again_befor
     assert [w.data_ptr() for w in _weights(m)] == [ptr for ptr, _ in before]
     assert all(torch.equal(w, v) for w, (_, v) in zip(_weights(m), before))
     # a GPU call converts first (graphs were captured over channels_last weights); the CPU has no graphs, so
-    # the test says the input is on the GPU
-    monkeypatch.setattr(graphed_forward, "_on_gpu", lambda args: True)
-    gf(torch.randn(1, 4, 8, 8))
+    # the test stands the CPU in for the GPU. ComfyUI calls a ControlNet with keyword arguments only
+    monkeypatch.setattr(graphed_forward, "GRAPH_DEVICE", "cpu")
+    gf(input=torch.randn(1, 4, 8, 8))
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in _weights(m)) and not gf.relayout_pending
 
 

@@ -419,3 +419,34 @@ def test_after_a_run_the_controlnets_conv_weights_are_in_stocks_layout_for_the_n
         assert all(not w.is_contiguous() for w in convs) and not gf.relayout_pending
     else:            # ComfyUI 2024: back in stock's layout now, converted again by the next accelerated call
         assert all(w.is_contiguous() for w in convs) and gf.relayout_pending
+
+
+def test_an_older_runs_copy_freed_during_a_later_run_leaves_the_layout_to_the_newest(comfy_cn):
+    """Each accelerated run makes its own copy of the ControlNet (its own patcher), all holding the one stand-in of
+    the cldm module. A copy's patcher freed later, during another run, detaches too (current ComfyUI's
+    ModelPatcher.__del__): had it put the weights back in stock's layout then, the running copy's graphs (captured
+    over channels_last) would replay over the other layout. Only the newest copy's detach puts them back."""
+    import gc
+    load, host_cn = comfy_cn
+    stock = load().copy().set_cond_hint(_hint(4), 0.8)
+    opts = host_cn.ControlNetOptions(fused_kernels=True, cuda_graph=True, channels_last=True)
+    older = host_cn.accelerate_controlnet(stock, opts)[0]
+    _control(older, *_inputs())
+    newer = host_cn.accelerate_controlnet(stock, opts)[0]
+    _control(newer, *_inputs())       # loading the newer copy unloads the older one (ComfyUI's clone rule)
+    gf = stock.control_model.forward
+    assert gf is older.control_model_wrapped.object_patches["forward"] is newer.control_model_wrapped.object_patches[
+        "forward"], "one stand-in per module and options"
+    gf._to_channels_last()            # what the newer run's first GPU call does
+    convs = [m.weight for m in stock.control_model.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.dim() == 4
+             and m.weight.shape[1] > 1 and m.weight.shape[-1] > 1]
+    assert convs and all(not w.is_contiguous() for w in convs)
+    del older
+    gc.collect()                      # the older copy's patcher is freed (and detached) during the newer run
+    assert all(not w.is_contiguous() for w in convs) and gf.channels_last_done, "the running copy's layout changed"
+    _control(stock, *_inputs())       # a stock node loads the user's ControlNet
+    import comfy.model_patcher
+    if hasattr(comfy.model_patcher.ModelPatcher, "add_callback_with_key"):   # current ComfyUI: ON_DETACH of the newer
+        assert all(w.is_contiguous() for w in convs) and gf.relayout_pending
+    else:   # ComfyUI 2024 has no callbacks: release() puts the layout back after each accelerated run
+        assert all(not w.is_contiguous() for w in convs)
