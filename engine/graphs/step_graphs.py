@@ -70,7 +70,8 @@ class StepGraphs:
         self.stats = {"captures": 0, "replays": 0, "eager": 0, "invalidations": 0, "recaptures": 0}
         self.refused = Counter()          # one-line reason -> calls that ran eagerly for it
         self.last_eager_reason = None
-        self._new_in_a_row = []           # keys first seen since the last replay
+        self._new_in_a_row = []           # keys first seen since the last replay, in this run
+        self._churn_epoch = None          # the run they were seen in
         self._warm = set()                # keys that ran eagerly since the weights last changed
         self._soft_churn = set()          # keys whose soft tensors changed since their last replay as captured
 
@@ -143,6 +144,11 @@ class StepGraphs:
             return self._eager(fn, args, kwargs, "no input on the GPU")
         if any(t.device.type not in ("cuda", "cpu") for t in tensors):
             return self._eager(fn, args, kwargs, "inputs on another device")
+        if epoch is not None and epoch is not self._churn_epoch:
+            # churn is within one run: keys an earlier run left unreplayed (its calls refused: a cache pack, another
+            # model's shapes) must not get this run's first new keys refused as changing on every call
+            self._churn_epoch = epoch
+            self._new_in_a_row.clear()
         verdict = self._verdict(key)
         if verdict.result is None and len(self._new_in_a_row) >= CHURN:
             verdict.probed, verdict.result = PROBES, probe.Verdict(self._churn_reason(key))

@@ -74,6 +74,24 @@ def test_a_host_read_of_a_computed_value_is_refused_by_the_probe_without_a_captu
     assert "captures': 1" in out      # still_healthy's key
 
 
+def test_keys_an_earlier_run_left_unreplayed_never_get_the_next_runs_keys_refused_as_changing_every_call():
+    """Runs whose every call was refused (a cache pack's host read) at many shapes leave their keys unreplayed; the
+    next run's new keys still capture and replay: "the key changes on every call" is about one run's calls."""
+    _run("""
+        def cache_like(x):
+            h = net(x)
+            return h * 2 if (h.abs().mean() > 0.01).item() else h
+        for rows in range(1, 9):           # eight runs at eight shapes, every call refused
+            graphs.run(cache_like, (torch.randn(rows, 256, device="cuda"),), {}, epoch=object())
+        plain = lambda y: torch.relu(net(y)) + 1
+        y, epoch = torch.randn(16, 256, device="cuda"), object()
+        outs = [graphs.run(plain, (y,), {}, epoch=epoch) for _ in range(4)]
+        assert all(torch.equal(o, plain(y)) for o in outs)
+        assert graphs.stats["replays"] >= 2 and not any("every call" in r for r in graphs.refused), (
+            graphs.stats, dict(graphs.refused))
+    """)
+
+
 def test_an_explicit_wait_the_probe_did_not_see_fails_its_capture_cleanly():
     """torch.cuda.synchronize() and a stream's query() invalidate a capture in CUDA; the capture guards raise at
     the call instead, so the capture ends cleanly and nothing else breaks."""
