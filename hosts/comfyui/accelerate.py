@@ -118,6 +118,10 @@ def _make_step(st, options, base_model, derived_copies=False):
         # fp8-stored weights cast a group at a time are cast within the step
         scope = _derived_weights_scope(host_state) if derived_copies else contextlib.nullcontext()
         with scope:
+            foreign = options.cuda_graph and _forward_replaced(base_model)
+            if foreign:
+                conv_layout.set_layout(st, base_model, False)
+                return st.graphs.run_eager(fn, args, kwargs, foreign)
             if options.cuda_graph:
                 # one sampling run = one epoch: current ComfyUI gives each run its own sample_sigmas tensor
                 epoch = (transformer_options or {}).get("sample_sigmas", st.epoch)
@@ -135,6 +139,18 @@ def _make_step(st, options, base_model, derived_copies=False):
             key = ("no graphs", tuple(x.shape), x.dtype, step_cache.call_kind(transformer_options))
             return st.graphs.eager_paths.run(key, fn, args, kwargs, x.device)
     return step
+
+
+def _forward_replaced(base_model):
+    """Why no graph may run this call, when another pack set the UNet's forward on the instance (WaveSpeed's First
+    Block Cache sets `_forward` around each call): its Python-side decisions change from call to call (a cache hit
+    read on the host from the second step on), where a key's first, probed calls need not show them. None
+    otherwise."""
+    own = base_model.diffusion_model.__dict__
+    for name in ("_forward", "forward"):
+        if name in own:
+            return "another pack replaced the UNet's %s (its decisions may change from call to call)" % name
+    return None
 
 
 @contextlib.contextmanager

@@ -312,9 +312,12 @@ def test_tiled_diffusion_replays_graphs_per_tile_shape_and_is_stock_in_every_ord
     build = lambda m: tiled.apply(m, method, 128, 128, 32, 2)[0]  # noqa: E731
     ref = check_every_order(comfy_env, build, {}, "tiled diffusion")
     plain, _ = _run(comfy_env, comfy_env.model, "stock")
-    assert _rel(ref, plain) > PACK_EFFECT, ("tiling changed the latent too little to test", _rel(ref, plain))
+    # Mixture of Diffusers' weighted blend moves a random-weight model's latent by about 0.1: twice the noise
+    # bound is enough for an untiled run to fail the comparison with stock
+    assert _rel(ref, plain) > 2 * FP16_NOISE, ("tiling changed the latent too little to test", _rel(ref, plain))
     _, report = _run(comfy_env, build(comfy_env.model), "ours")
-    assert report["graphs"]["replays"] >= 5 * 5 and not report["graphs"].get("refused"), report["graphs"]
+    assert report["graphs"]["replays"] >= 5 * 5 and not report["graphs"].get("refused"), (report["graphs"],
+                                                                                          report["fell_back"])
 
 
 # -- torch.compile (ComfyUI's TorchCompileModel): SD Accel leaves the UNet to it -------------------------------
