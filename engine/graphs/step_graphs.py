@@ -35,7 +35,7 @@ log = logging.getLogger("sd_accel")
 DIAG_LEVEL = logging.WARNING if os.environ.get("SDACCEL_DIAG") == "1" else logging.DEBUG
 PROBES = 2           # eager probe calls a key gets before its findings count
 MAX_VERDICTS = 256
-CHURN = 6            # new keys in a row, none replayed: the key changes on every call
+CHURN = 6            # new keys in a row in one run, none replayed: the key changes on every call
 
 _RUNNING = ThreadScope()   # StepGraphs calls running their function (warm-up or capture) on this thread
 _step_running = _RUNNING.entered

@@ -1,6 +1,6 @@
 """GraphedForward's policy (engine/graphs/graphed_forward.py): a call the host refuses runs the module's own forward
 eagerly, counted with its reason as a refused key's calls are; the graphs (and how many shapes they keep) are the
-module's, shared by every stand-in of it."""
+module's, shared by its stand-ins of one conv layout."""
 import torch
 
 from sd_accel.engine.graphs import graphed_forward
