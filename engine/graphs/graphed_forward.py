@@ -80,8 +80,11 @@ class GraphedForward:
         self.epoch = object()
 
     def __call__(self, *args, **kwargs):
-        if (self.policy.layout_first_call or self.relayout_pending) and _on_gpu(args, kwargs):
-            self._to_channels_last()   # graphs captured over channels_last weights replay only over them
+        if ((self.policy.layout_first_call or self.relayout_pending) and _on_gpu(args, kwargs)
+                and not torch.cuda.is_current_stream_capturing()):
+            # graphs captured over channels_last weights replay only over them. Never inside another model's capture
+            # (a ControlNet in the UNet's graph): the host settled the layout before it (settle_layout)
+            self._to_channels_last()
         out = self._run(args, kwargs)
         if self.channels_last_done:
             self.channels_last_calls += 1

@@ -69,6 +69,10 @@ def test_stock_layout_is_restored_in_place_and_a_later_call_converts_again_befor
     # a GPU call converts first (graphs were captured over channels_last weights); the CPU has no graphs, so
     # the test stands the CPU in for the GPU. ComfyUI calls a ControlNet with keyword arguments only
     monkeypatch.setattr(graphed_forward, "GRAPH_DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    gf(input=torch.randn(1, 4, 8, 8))   # inside another model's capture: the host settled the layout before it
+    assert all(w.is_contiguous() for w in _weights(m)) and gf.relayout_pending
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     gf(input=torch.randn(1, 4, 8, 8))
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in _weights(m)) and not gf.relayout_pending
 
