@@ -163,7 +163,9 @@ def build_controlnet(cfg, seed, latent):
     from backend.nn.cnets import cldm
     from backend.patcher.controlnet import ControlNet
     with operations.using_forge_operations(device=DEV, dtype=DTYPE, manual_cast_enabled=False):
-        cm = cldm.ControlNet(hint_channels=3, **{k: v for k, v in cfg.items() if k != "out_channels"})
+        # Forge's loader gives the control model the UNet's dtype (modules_forge/supported_controlnet.py): its
+        # get_control casts the latent to it
+        cm = cldm.ControlNet(hint_channels=3, dtype=DTYPE, **{k: v for k, v in cfg.items() if k != "out_channels"})
     randomize(cm, seed)
     hint = torch.rand(1, 3, latent * 8, latent * 8, generator=torch.Generator().manual_seed(seed)).to(DEV)
     return ControlNet(cm.to(DEV), device=DEV, load_device=DEV), hint
