@@ -8,7 +8,8 @@ VAE Encode call) for each variant:
   ours         Apply SD Accel (VAE)'s copy, defaults (fused kernels, channels_last, CUDA graphs)
   ours_eager   the copy without CUDA graphs (where graphs are refused, it must still not be slower than stock)
 Each variant: warm-up calls (compiling, the graph's probe and capture), then timed calls (CUDA events, median);
-the peak allocated memory over its calls after the first; the memory still reserved after its calls and the
+the peak allocated memory over its calls after the first (and apart: over the timed calls alone, what each later
+decode takes, and per warm-up call, where a graph's probe and capture run); the memory still reserved after its calls and the
 driver's graph memory they added (a graph's memory stays: torch's private pool under the native allocator, the
 driver's graph pool under ComfyUI's default cudaMallocAsync); the image's PSNR against stock's (decode) or the latent's relative error
 (encode). One JSON line per config to <out>/results.jsonl (../shared/BENCH.md), then a table.
@@ -65,25 +66,37 @@ def _measure(env, opt, vae, method, x, tiling, info=None):
     env.mm.unload_all_models()
     env.mm.soft_empty_cache()
     graph0 = cb.graph_mem_bytes(env.cuda) or 0
-    accel, times = {}, []
+    accel, times, warm_peaks, timed_peaks = {}, [], [], []
     with torch.inference_mode():
         for i in range(opt.warmup):
-            out = _call(env, vae, method, x, tiling)
-            if i == 0 and env.cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            out = _peak_of(env, lambda: _call(env, vae, method, x, tiling), warm_peaks if i else [])
         with vae_accel.measured(info, accel) if info is not None else contextlib.nullcontext():
             for _ in range(opt.reps):
-                times.append(_timed(env, lambda: _call(env, vae, method, x, tiling)))
+                times.append(_peak_of(env, lambda: _timed(env, lambda: _call(env, vae, method, x, tiling)),
+                                      timed_peaks))
             out = _call(env, vae, method, x, tiling)
     cb.sync(env)
     gib = float(2 ** 30)
-    peak = torch.cuda.max_memory_allocated() / gib if env.cuda else 0.0
+    peak = max(warm_peaks + timed_peaks, default=0.0) / gib
     reserved = torch.cuda.memory_reserved() / gib if env.cuda else 0.0
     graph = ((cb.graph_mem_bytes(env.cuda) or 0) - graph0) / gib
     times.sort()
     return {"ms": times[len(times) // 2], "peak_gib": peak, "reserved_gib": reserved, "graph_gib": graph,
-            "out": out.float().cpu(), "accel": accel}
+            "steady_peak_gib": max(timed_peaks, default=0.0) / gib,
+            "warmup_peaks_gib": [round(b / gib, 3) for b in warm_peaks], "out": out.float().cpu(), "accel": accel}
+
+
+def _peak_of(env, fn, peaks):
+    """fn(), with the peak allocated memory during it appended to `peaks` (bytes; nothing on the CPU)."""
+    torch = env.torch
+    if env.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    if env.cuda:
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+    return out
 
 
 def _timed(env, fn):
@@ -109,7 +122,11 @@ def _record(env_info, tag, method, stock, ours, eager, vae):
              stock_ms=round(stock["ms"], 2), ours_ms=round(ours["ms"], 2), ours_eager_ms=round(eager["ms"], 2),
              speedup=round(stock["ms"] / ours["ms"], 3), speedup_eager=round(stock["ms"] / eager["ms"], 3),
              stock_peak_gib=round(stock["peak_gib"], 3), ours_peak_gib=round(ours["peak_gib"], 3),
-             ours_eager_peak_gib=round(eager["peak_gib"], 3), stock_reserved_gib=round(stock["reserved_gib"], 3),
+             ours_eager_peak_gib=round(eager["peak_gib"], 3),
+             stock_steady_peak_gib=round(stock["steady_peak_gib"], 3), ours_steady_peak_gib=round(
+                 ours["steady_peak_gib"], 3), ours_eager_steady_peak_gib=round(eager["steady_peak_gib"], 3),
+             ours_warmup_peaks_gib=ours["warmup_peaks_gib"], ours_eager_warmup_peaks_gib=eager["warmup_peaks_gib"],
+             stock_reserved_gib=round(stock["reserved_gib"], 3),
              ours_reserved_gib=round(ours["reserved_gib"], 3), ours_graph_mem_gib=round(ours["graph_gib"], 3),
              graphs="cuda_graph %s" % method in " ".join(ours["accel"].get("ran", [])),
              vae_dtype=str(vae.vae_dtype).replace("torch.", ""),
@@ -124,13 +141,13 @@ def _record(env_info, tag, method, stock, ours, eager, vae):
 
 
 def _table(recs):
-    cb.say("%-31s %9s %9s %9s %7s %10s %10s %8s %6s" % ("config", "stock ms", "ours ms", "eager ms", "x",
-                                                         "stock GiB", "ours GiB", "quality", "graphs"))
+    cb.say("%-31s %9s %9s %9s %7s %10s %10s %10s %8s %6s" % ("config", "stock ms", "ours ms", "eager ms", "x",
+                                                              "stock GiB", "ours GiB", "steady", "quality", "graphs"))
     for r in recs:
         q = "%.1fdB" % r["psnr_db"] if "psnr_db" in r else "%.1e" % r["latent_rel_err"]
-        cb.say("%-31s %9.2f %9.2f %9.2f %7.2f %10.3f %10.3f %8s %6s" % (
+        cb.say("%-31s %9.2f %9.2f %9.2f %7.2f %10.3f %10.3f %10.3f %8s %6s" % (
             r["config"], r["stock_ms"], r["ours_ms"], r["ours_eager_ms"], r["speedup"], r["stock_peak_gib"],
-            r["ours_peak_gib"], q, r["graphs"]))
+            r["ours_peak_gib"], r["ours_steady_peak_gib"], q, r["graphs"]))
 
 
 def main():
