@@ -39,6 +39,9 @@ ap.add_argument("--patch", default=None,
 ap.add_argument("--paths", action="store_true",
                 help="also: ours without graphs held to each eager path (eager.FORCED_PATH: the stock modules, then "
                      "the fused ones), to compare with the path the timing chose")
+ap.add_argument("--plain-only", action="store_true",
+                help="only the plain pair (stock and ours without graphs), not the pair with a refused capture: half "
+                     "the time, for a slow patch at SDXL")
 ap.add_argument("--timeline", action="store_true",
                 help="instead of the profiles: one run of each variant with the wall time of every apply_model call "
                      "(how many reached the UNet), so that the time outside the steps and between them shows")
@@ -61,6 +64,8 @@ def variants():
     broken = patch_nodes.add_capture_breaking_patch(model)
     vs = [("stock_plain", model, "stock", None), ("ours_nographs_plain", model, "ours", {"cuda_graph": False}),
           ("stock_uncapturable", broken, "stock", None), ("ours_uncapturable", broken, "ours", None)]
+    if OPT.plain_only:
+        vs = vs[:2]
     if OPT.paths:
         vs += [("ours_nographs_stockpath", model, "ours", {"cuda_graph": False}),
                ("ours_nographs_fusedpath", model, "ours", {"cuda_graph": False})]
@@ -202,10 +207,12 @@ def main():
     lines = []
     for v in vs:
         med = statistics.median(times[v[0]])
+        say("%-22s %7.2f it/s, sampling %.3f s (median of %d)" % (v[0], OPT.steps / med, med, OPT.reps))
         if OPT.timeline:
             lines.append("%-22s %7.2f it/s  %s" % (v[0], OPT.steps / med, timeline(v, clip, vae)))
             continue
         busy, runtime = gpu_busy_ms(v, clip, vae)
+        say("%-22s GPU busy %.1f ms; host in CUDA calls: %s" % (v[0], busy, runtime))   # kept if the profile times out
         sample_s, inside, text, line = profiled(v, clip, vae)
         lines.append("%-22s %7.2f it/s  sampling %.3f s  GPU busy %.1f ms  under cProfile %.3f s, apply_model "
                      "cumulative %.3f s" % (v[0], OPT.steps / med, med, busy, sample_s, inside))

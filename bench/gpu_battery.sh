@@ -63,7 +63,9 @@
 # diagnose_eager (diagnose_eager.py: SD1.5 512² stock vs ours without graphs, plain and with a refused capture, under
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
 # diagnose_eager_easycache (the same with EasyCache on every variant's model, SD1.5 512² then SDXL 1024², the SDXL one
-# with each eager path held and every apply_model call timed; ~4 min with the SDXL build, killed at 180 s each), diagnose_stock_path (diagnose_stock_path.py: the SDXL then the SD1.5 UNet alone,
+# with each eager path held and every apply_model call timed; ~4 min with the SDXL build, killed at 180 s each),
+# diagnose_eager_pag (diagnose_eager.py at SDXL 1024² with PerturbedAttentionGuidance, the plain pair only: stock vs
+# ours without graphs, GPU busy time and cProfile each; why that pair ran at 0.92x in session 35; killed at 420 s), diagnose_stock_path (diagnose_stock_path.py: the SDXL then the SD1.5 UNet alone,
 # stock vs SD Accel's stand-ins on their stock branch vs the original blocks swapped back vs fused vs stock on
 # channels_last conv weights, host and GPU ms per call; a diagnosis; ~2 min with the SDXL build, killed at 150 s
 # each),
@@ -244,6 +246,9 @@ for p in "$@"; do
       part diagnose_eager_easycache 180 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache
       part diagnose_eager_easycache_sdxl 180 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache \
         --family sdxl --paths --timeline ;;
+    diagnose_eager_pag)
+      part diagnose_eager_pag 420 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch PerturbedAttentionGuidance \
+        --family sdxl --plain-only ;;
     diagnose_stock_path)
       part diagnose_stock_path 150 python3 bench/diagnose_stock_path.py --comfy-dir $COMFY
       part diagnose_stock_path_sd15 150 python3 bench/diagnose_stock_path.py --comfy-dir $COMFY --family sd15 ;;
