@@ -9,8 +9,8 @@ VAE Encode call) for each variant:
   ours_eager   the copy without CUDA graphs (where graphs are refused, it must still not be slower than stock)
 Each variant: warm-up calls (compiling, the graph's probe and capture), then timed calls (CUDA events, median);
 the peak allocated memory over its calls after the first (and apart: over the timed calls alone, what each later
-decode takes, and per warm-up call, where a graph's probe and capture run); the memory still reserved after its calls and the
-driver's graph memory they added (a graph's memory stays: torch's private pool under the native allocator, the
+decode takes, and per warm-up call, where a graph's probe and capture run); the memory still reserved after its
+calls and the driver's graph memory they added (a graph's memory stays: torch's private pool under the native allocator, the
 driver's graph pool under ComfyUI's default cudaMallocAsync); the image's PSNR against stock's (decode) or the latent's relative error
 (encode). One JSON line per config to <out>/results.jsonl (../shared/BENCH.md), then a table.
 
@@ -69,6 +69,7 @@ def _measure(env, opt, vae, method, x, tiling, info=None):
     accel, times, warm_peaks, timed_peaks = {}, [], [], []
     with torch.inference_mode():
         for i in range(opt.warmup):
+            # the first call (loading the weights, compiling on the kernels' references) is left out of the peaks
             out = _peak_of(env, lambda: _call(env, vae, method, x, tiling), warm_peaks if i else [])
         with vae_accel.measured(info, accel) if info is not None else contextlib.nullcontext():
             for _ in range(opt.reps):

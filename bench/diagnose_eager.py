@@ -49,6 +49,8 @@ ap.add_argument("--fingerprint", action="store_true",
                 help="also: per step of ours with graphs (plain and refused), whether the weights' fingerprint "
                      "came from its per-run cache, and on a miss which check failed")
 OPT = ap.parse_args()
+if OPT.plain_only and OPT.fingerprint:
+    ap.error("--fingerprint reads the refused pair, which --plain-only leaves out")
 ENV = cb.boot(OPT, ("checkpoints",))
 sys.path.insert(0, os.path.join(cb.REPO, "dev"))
 import patch_nodes  # noqa: E402
