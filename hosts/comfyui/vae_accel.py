@@ -285,10 +285,10 @@ def _graph_report(method, gf, before, ran, fell_back):
     stats0, refused0, stock0, layout0 = before or ({}, {}, 0, 0)
     g = gf.graphs
     calls = {k: v - stats0.get(k, 0) for k, v in g.stats.items()}
-    if not (calls["replays"] or calls["eager"]):
-        return    # this method was not called
-    if gf.channels_last and gf.channels_last_calls > layout0:
+    if gf.channels_last and gf.channels_last_calls > layout0:   # counted by every call, graphs off too
         ran.append("channels_last (%s)" % method)
+    if not (calls["replays"] or calls["eager"]):
+        return    # no graph ran or was refused for this method: graphs off, or the method was not called
     if calls["replays"]:
         ran.append("cuda_graph %s (%d replays, %d captures)" % (method, calls["replays"], calls["captures"]))
     refused = {r: n - refused0.get(r, 0) for r, n in g.refused.items() if n > refused0.get(r, 0)}

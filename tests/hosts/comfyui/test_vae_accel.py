@@ -237,6 +237,44 @@ def test_a_stock_vae_decode_after_ours_runs_on_stock_s_layout(forced, monkeypatc
     assert gf.relayout_pending, "our next GPU decode converts them again before a graph replays"
 
 
+def test_with_graphs_off_each_decode_still_runs_on_channels_last_and_the_report_says_so(forced, monkeypatch):
+    """The VAE nodes with cuda_graph off keep channels_last: each decode converts the conv weights first and puts
+    them back after, and the report names it as with graphs (it used to list channels_last only beside a graph's
+    replays or refusals, so a run without graphs hid it). ComfyUI 2024 (no ON_DETACH callbacks): no channels_last,
+    and the report says why."""
+    from sd_accel.engine.graphs import graphed_forward
+    monkeypatch.setattr(vae_accel, "_half_precision", lambda vae: True)
+    # the CPU stands in for the GPU's first-call relayout (it has no CUDA to ask whether a capture is running)
+    monkeypatch.setattr(graphed_forward, "GRAPH_DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    vae = comfy_inproc.tiny_vae(seed=1)
+    acc, info = vae_accel.accelerate_vae(vae, vae_accel.VAEOptions(cuda_graph=False))
+    import comfy.model_patcher as mp
+    relayouts = hasattr(mp.ModelPatcher, "add_callback_with_key")
+    # no graphs and no channels_last: the decoder keeps its own forward
+    assert [gf.cuda_graph for gf in info["forwards"].values()] == ([False, False] if relayouts else []), info
+    conv = vae.first_stage_model.decoder.conv_in
+    seen = []
+    hook = conv.register_forward_pre_hook(lambda m, a: seen.append(m.weight.is_contiguous()))
+    rep = {}
+    try:
+        with torch.inference_mode():
+            ref = vae.decode(_latent())
+            with vae_accel.measured(info, rep):
+                out = acc.decode(_latent())
+    finally:
+        hook.remove()
+    assert torch.allclose(out, ref, atol=1e-4)
+    assert conv.weight.is_contiguous(), "the decode returned with the user's weights in channels_last"
+    if not relayouts:
+        assert seen == [True, True] and "no ON_DETACH callbacks" in rep["fell_back"]["channels_last"], rep
+        assert not any(r.startswith("channels_last") for r in rep["ran"]), rep
+        return
+    assert seen == [True, False], "our decode did not run on channels_last weights"
+    assert "channels_last (decode)" in rep["ran"], rep["line"]
+    assert rep["fell_back"].get("cuda_graph") == "off" and not any(r.startswith("cuda_graph") for r in rep["ran"])
+
+
 @pytest.mark.parametrize("method", ["decode", "decode_tiled", "encode", "encode_tiled"])
 def test_vae_save_after_ours_finds_the_user_s_weights_in_stock_s_layout(forced, monkeypatch, tmp_path, method):
     """VAE Save reads the VAE's state dict without loading it, and safetensors refuses a channels_last (non-contiguous)
