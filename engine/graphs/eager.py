@@ -104,6 +104,9 @@ class EagerPaths:
         self.by_key = OrderedDict()
         self.max_keys = max_keys
         self.stock_calls = 0      # calls that ran the stock modules (for the run report)
+        # () -> a context manager around each stock-path call, or None: the host's cheaper stock tree for the
+        # call, where it has one (hosts/comfyui/stock_blocks.py)
+        self.stock_scope = None
 
     def run(self, key, fn, args, kwargs, device):
         with self.path_for(key, device):
@@ -164,7 +167,8 @@ class EagerPaths:
     def _path(self, path):
         if path == "stock":
             self.stock_calls += 1
-            with stock_path.stock_modules():
+            tree = self.stock_scope() if self.stock_scope is not None else contextlib.nullcontext()
+            with stock_path.stock_modules(), tree:
                 yield
         else:
             yield

@@ -16,6 +16,7 @@ Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, ne
 """
 import contextlib
 import logging
+import weakref
 
 import torch
 
@@ -34,6 +35,7 @@ from . import families
 from . import object_patches
 from . import precision
 from . import step_cache
+from . import stock_blocks
 from . import unet_bypass
 
 log = logging.getLogger("sd_accel")
@@ -67,6 +69,13 @@ class _ModelState:
         self.channels_last_now = False    # the weights are in that layout now (only during our sampling runs)
         self.epoch = None      # set per sampling run by Accelerated KSampler
         self.sampling_placed = None   # the run whose model_sampling placement was checked
+        self.stock_blocks = blocks = stock_blocks.StockBlocks()
+        model = weakref.ref(base_model)   # no cycle through this state (it holds the graphs' memory)
+
+        def stock_tree():
+            m = model()
+            return blocks.originals(m.diffusion_model) if m is not None else contextlib.nullcontext()
+        self.graphs.eager_paths.stock_scope = stock_tree
 
 
 _STATE_ATTR = "_sd_accel_state"
@@ -106,6 +115,9 @@ def _make_step(st, options, base_model, derived_copies=False):
         x = args[0]
         fn, args, kwargs = _with_deferred_control(call, args, kwargs)
         why = compiled.in_call(transformer_options, base_model)
+        # the run this call belongs to: its stock-path calls may run the blocks' originals (stock_blocks.py)
+        run = (transformer_options or {}).get("sample_sigmas", st.epoch)
+        st.stock_blocks.enter_run(None if why else run)
         if why:   # compiled after SD Accel was applied: the host's own modules, traced by torch.compile
             conv_layout.set_layout(st, base_model, False)
             return st.graphs.run_stock(fn, args, kwargs, why)
@@ -120,6 +132,7 @@ def _make_step(st, options, base_model, derived_copies=False):
         with scope:
             foreign = options.cuda_graph and _forward_replaced(base_model)
             if foreign:
+                st.stock_blocks.enter_run(None)
                 conv_layout.set_layout(st, base_model, False)
                 return st.graphs.run_eager(fn, args, kwargs, foreign)
             if options.cuda_graph:
