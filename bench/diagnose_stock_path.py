@@ -8,8 +8,9 @@ ours that costs as much. Here the UNet alone is called (ComfyUI's diffusion_mode
 the family's full size), on one loaded model, each variant in turn, `--reps` rounds of `--calls` calls:
   stock       the model as ComfyUI loads it, without SD Accel
   stand_ins   SD Accel's clone loaded (its stand-ins in the tree), inside stock_path.stock_modules()
-  originals   the same clone with each folded top-level block swapped back, for the call, to the original it
-              was copied from (what stock runs), inside stock_path.stock_modules()
+  originals   the same clone as the product's stock path runs it (hosts/comfyui/stock_blocks.py): each folded
+              top-level block whose copy computes nothing else swapped back, for the call, to the original it was
+              copied from (what stock runs), inside stock_path.stock_modules()
   fused       the clone's stand-ins on their own path
   stock_cl    stock, with the conv weights in channels_last (as a run whose capture was refused has them after
               its first step put them there for the graphs), back in stock's layout after the variant
@@ -42,17 +43,17 @@ LATENT = 8 if OPT.smoke else {"sd15": 64, "sdxl": 128}[OPT.family]
 VARIANTS = ("stock", "stand_ins", "originals", "fused", "stock_cl")
 
 
-@contextlib.contextmanager
+_BLOCKS = {}
+
+
 def originals(unet):
-    """Each folded top-level block of `unet` swapped for the original it was copied from, until the scope ends."""
-    from sd_accel.hosts.comfyui import object_patches
-    swapped = {name: m for name, m in unet._modules.items() if object_patches.is_folded(m)}
-    for name, m in swapped.items():
-        unet._modules[name] = object_patches._original(m)
-    try:
-        yield len(swapped)
-    finally:
-        unet._modules.update(swapped)
+    """The product's own swap (hosts/comfyui/stock_blocks.py): each folded top-level block its plan finds
+    swappable replaced by its original, until the scope ends; planned once, as for one sampling run."""
+    from sd_accel.hosts.comfyui import stock_blocks
+    if "run" not in _BLOCKS:
+        _BLOCKS["run"] = stock_blocks.StockBlocks()
+        _BLOCKS["run"].enter_run(object())
+    return _BLOCKS["run"].originals(unet)
 
 
 def scope(variant, unet):
@@ -112,8 +113,10 @@ def main():
     from sd_accel.hosts.comfyui import object_patches
     ENV.mm.load_models_gpu([acc])
     folded = sum(object_patches.is_folded(m) for m in unet._modules.values())
-    print("%s, latent %d², batch 2; SD Accel's patches: %s; folded blocks swapped back: %d" % (
-        OPT.family, LATENT, info.get("patched"), folded))
+    with originals(unet) as swapped:
+        pass
+    print("%s, latent %d², batch 2; SD Accel's patches: %s; folded blocks: %d, swapped back by the stock path: %d" % (
+        OPT.family, LATENT, info.get("patched"), folded, swapped))
     print("%-10s %12s %12s %14s" % ("variant", "enqueue ms", "CPU ms", "to GPU end ms"))
     for v in VARIANTS:
         timed_rows = [r for rnd in rows[v][1:] for r in rnd]
