@@ -115,9 +115,9 @@ def _make_step(st, options, base_model, derived_copies=False):
         x = args[0]
         fn, args, kwargs = _with_deferred_control(call, args, kwargs)
         why = compiled.in_call(transformer_options, base_model)
-        # the run this call belongs to: its stock-path calls may run the blocks' originals (stock_blocks.py)
-        run = (transformer_options or {}).get("sample_sigmas", st.epoch)
-        st.stock_blocks.enter_run(None if why else run)
+        # the run this call belongs to, where the host says it (each run's own sample_sigmas): its stock-path calls
+        # may run the blocks' originals, as planned at its first (stock_blocks.py)
+        st.stock_blocks.enter_run(None if why else (transformer_options or {}).get("sample_sigmas"))
         if why:   # compiled after SD Accel was applied: the host's own modules, traced by torch.compile
             conv_layout.set_layout(st, base_model, False)
             return st.graphs.run_stock(fn, args, kwargs, why)
