@@ -90,6 +90,16 @@ def comfy_packs():
 
 
 @pytest.fixture(scope="session")
+def comfy_packs_stock():
+    """`comfy_packs` with the eager path held to the stock modules (SDACCEL_EAGER_PATH=stock): the path a GPU's
+    timing picks where the host is the bound, which is stock's computation, so its outputs are stock's to the byte
+    (tests/server/test_stock_path_packs.py)."""
+    packs = sorted(os.path.join(PACKS, d) for d in os.listdir(PACKS)
+                   if os.path.isfile(os.path.join(PACKS, d, "__init__.py")))
+    yield from _server(packs, log_suffix=".packs_stock", env={"TRITON_INTERPRET": "0", "SDACCEL_EAGER_PATH": "stock"})
+
+
+@pytest.fixture(scope="session")
 def comfy_preview():
     """A server started with `--preview-method latent2rgb` (previews are a launch flag), for
     tests/server/test_previews.py. Its fused modules run their torch references as in `comfy_packs` (interpreted,
