@@ -177,8 +177,10 @@ def original_class(m):
     return type(m)
 
 
-def _mixin_members(mixin):
-    """{name: value} a mixin class defines (its bases' first), without Python's own attributes."""
+@functools.lru_cache(maxsize=None)
+def mixin_members(mixin):
+    """{name: value} a mixin class defines (its bases' first), without Python's own attributes. Read once per
+    mixin (the host's stock path compares stand-ins against it every sampling run); not to be modified."""
     out = {}
     for c in reversed(mixin.__mro__[:-1]):
         out.update((k, v) for k, v in c.__dict__.items() if not (k.startswith("__") and k.endswith("__")))
@@ -187,7 +189,7 @@ def _mixin_members(mixin):
 
 def _clone_into(cls, orig):
     new = cls.__new__(cls)
-    theirs = _mixin_members(orig.__dict__["sdaccel_mixin"]) if "sdaccel_mixin" in orig.__dict__ else {}
+    theirs = mixin_members(orig.__dict__["sdaccel_mixin"]) if "sdaccel_mixin" in orig.__dict__ else {}
     new.__dict__.update((k, v) for k, v in orig.__dict__.items() if k not in theirs)
     # nn.Module keeps params/buffers/children/hooks in dicts. The hooks' and other dicts are copied, so the stand-in
     # can be given its own without touching the original module. Shared:
@@ -235,7 +237,7 @@ def clone_as(mixin, orig):
     base = original_class(orig)
     new = _clone_into(base, orig)
     theirs = set() if "sdaccel_mixin" in orig.__dict__ else set(orig.__dict__)
-    for name, value in _mixin_members(mixin).items():
+    for name, value in mixin_members(mixin).items():
         if isinstance(value, (property, classmethod, staticmethod)):
             raise TypeError("%s.%s: a stand-in's members are set on the instance, where only plain methods "
                             "and values work" % (mixin.__name__, name))
@@ -252,7 +254,7 @@ def bind_methods(m):
     dict still holds the methods bound to the module it was copied from."""
     mixin = m.__dict__.get("sdaccel_mixin")
     if mixin is not None:
-        for name, value in _mixin_members(mixin).items():
+        for name, value in mixin_members(mixin).items():
             here = m.__dict__.get(name)
             if isinstance(value, types.FunctionType) and (here is value or getattr(here, "__func__", None) is value):
                 m.__dict__[name] = types.MethodType(value, m)

@@ -97,7 +97,7 @@ def computes_as(copy, original):
     if cd.get("_parameters") is not od.get("_parameters") or cd.get("_buffers") is not od.get("_buffers"):
         return False
     mixin = cd.get("sdaccel_mixin")
-    members = _members(mixin) if mixin is not None else {}
+    members = fm.mixin_members(mixin) if mixin is not None else {}
     cls = type(copy)
     for k, v in cd.items():
         w = od.get(k, _MISSING)
@@ -117,16 +117,6 @@ def computes_as(copy, original):
     if list(cm) != list(om):
         return False
     return all(computes_as(cm[n], om[n]) for n in cm)
-
-
-_members_of = {}
-
-
-def _members(mixin):
-    m = _members_of.get(mixin)
-    if m is None:
-        m = _members_of[mixin] = fm._mixin_members(mixin)
-    return m
 
 
 _MISSING = object()
