@@ -45,6 +45,9 @@ ap.add_argument("--plain-only", action="store_true",
 ap.add_argument("--timeline", action="store_true",
                 help="instead of the profiles: one run of each variant with the wall time of every apply_model call "
                      "(how many reached the UNet), so that the time outside the steps and between them shows")
+ap.add_argument("--kernels", action="store_true",
+                help="also: the GPU time and launches of one run by kernel name, each variant against the first "
+                     "(stock): whether ours runs other GPU work (layout copies, other kernels) or the same work later")
 ap.add_argument("--fingerprint", action="store_true",
                 help="also: per step of ours with graphs (plain and refused), whether the weights' fingerprint "
                      "came from its per-run cache, and on a miss which check failed")
@@ -90,18 +93,38 @@ def run(v, clip, vae, seed):
 
 
 def gpu_busy_ms(v, clip, vae):
-    """(GPU busy ms over one run, the host's time in the CUDA runtime's calls that can wait: the largest few)."""
+    """(GPU busy ms over one run, the host's time in the CUDA runtime's calls that can wait: the largest few,
+    {kernel name: (GPU ms, launches)})."""
     if not ENV.cuda:
-        return 0.0, ""
+        return 0.0, "", {}
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(v, clip, vae, 7)
     events = prof.key_averages()
-    busy = sum(e.device_time_total for e in events
-               if e.device_type is not None and "CUDA" in str(e.device_type) and e.device_time_total) / 1000.0
+    on_gpu = [e for e in events
+              if e.device_type is not None and "CUDA" in str(e.device_type) and e.device_time_total]
+    busy = sum(e.device_time_total for e in on_gpu) / 1000.0
+    kernels = {e.key: (e.device_time_total / 1000.0, e.count) for e in on_gpu}
     runtime = sorted(((e.self_cpu_time_total / 1000.0, e.count, e.key) for e in events
                       if e.key.startswith("cuda") or e.key.startswith("cu")), reverse=True)[:6]
-    return busy, ", ".join("%s %.1f ms/%d" % (k, ms, n) for ms, n, k in runtime)
+    return busy, ", ".join("%s %.1f ms/%d" % (k, ms, n) for ms, n, k in runtime), kernels
+
+
+def kernel_difference(name, kernels, base):
+    """The kernels whose GPU time or launches differ most between `kernels` and `base` (stock's), as lines."""
+    rows = []
+    for k in set(kernels) | set(base):
+        (ms, n), (ms0, n0) = kernels.get(k, (0.0, 0)), base.get(k, (0.0, 0))
+        if n != n0 or abs(ms - ms0) > 0.5:
+            rows.append((abs(ms - ms0), ms - ms0, n - n0, ms, n, k))
+    rows.sort(reverse=True)
+    total = sum(n for _, n in kernels.values()), sum(n for _, n in base.values())
+    out = ["%-22s kernels: %d launches against stock's %d; largest differences (ms, launches: ours / stock):" % (
+        name, total[0], total[1])]
+    for _, dms, dn, ms, n, k in rows[:15]:
+        out.append("%-22s   %+8.1f ms %+6d  (%.1f ms/%d against %.1f/%d)  %s" % (
+            "", dms, dn, ms, n, ms - dms, n - dn, k[:110]))
+    return out
 
 
 def profiled(v, clip, vae):
@@ -206,15 +229,19 @@ def main():
     for rep in range(OPT.reps):
         for v in vs:
             times[v[0]].append(run(v, clip, vae, 100 + rep)["sample_s"])
-    lines = []
+    lines, kernels_of = [], {}
     for v in vs:
         med = statistics.median(times[v[0]])
         say("%-22s %7.2f it/s, sampling %.3f s (median of %d)" % (v[0], OPT.steps / med, med, OPT.reps))
         if OPT.timeline:
             lines.append("%-22s %7.2f it/s  %s" % (v[0], OPT.steps / med, timeline(v, clip, vae)))
             continue
-        busy, runtime = gpu_busy_ms(v, clip, vae)
+        busy, runtime, kernels_of[v[0]] = gpu_busy_ms(v, clip, vae)
         say("%-22s GPU busy %.1f ms; host in CUDA calls: %s" % (v[0], busy, runtime))   # kept if the profile times out
+        if OPT.kernels and v is not vs[0]:
+            diff = kernel_difference(v[0], kernels_of[v[0]], kernels_of[vs[0][0]])
+            say("\n".join(diff))
+            lines.extend(diff)
         sample_s, inside, text, line = profiled(v, clip, vae)
         lines.append("%-22s %7.2f it/s  sampling %.3f s  GPU busy %.1f ms  under cProfile %.3f s, apply_model "
                      "cumulative %.3f s" % (v[0], OPT.steps / med, med, busy, sample_s, inside))

@@ -62,8 +62,9 @@
 # clocks, the layouts and the kernels by GPU time; a diagnosis, nothing for results.jsonl; ~2.5 min, killed at 240 s),
 # diagnose_eager (diagnose_eager.py: SD1.5 512² stock vs ours without graphs, plain and with a refused capture, under
 # cProfile and with the GPU's busy time; a diagnosis, nothing for results.jsonl; ~1.5 min, killed at 240 s),
-# diagnose_eager_easycache (the same with EasyCache on every variant's model, SD1.5 512² then SDXL 1024², the SDXL one
-# with each eager path held and every apply_model call timed; ~4 min with the SDXL build, killed at 180 s each),
+# diagnose_eager_easycache (the same with EasyCache on every variant's model at SDXL 1024²: the plain pair with GPU
+# time by kernel against stock's (--kernels), then each eager path held with every apply_model call timed; ~4 min
+# with the SDXL build, killed at 240 + 180 s),
 # diagnose_eager_pag (diagnose_eager.py at SDXL 1024² with PerturbedAttentionGuidance, the plain pair only: stock vs
 # ours without graphs, GPU busy time and cProfile each; why that pair ran at 0.92x in session 35; killed at 420 s), diagnose_stock_path (diagnose_stock_path.py: the SDXL then the SD1.5 UNet alone,
 # stock vs SD Accel's stand-ins on their stock branch vs the original blocks swapped back vs fused vs stock on
@@ -243,7 +244,8 @@ for p in "$@"; do
       --families sd15,sdxl ;;
     diagnose_eager) part diagnose_eager 240 python3 bench/diagnose_eager.py --comfy-dir $COMFY ;;
     diagnose_eager_easycache)
-      part diagnose_eager_easycache 180 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache
+      part diagnose_eager_easycache 240 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache \
+        --family sdxl --plain-only --kernels
       part diagnose_eager_easycache_sdxl 180 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch EasyCache \
         --family sdxl --paths --timeline ;;
     diagnose_eager_pag)
