@@ -9,6 +9,8 @@ pairs on one loaded model, 20 steps euler, the same seed for every variant of a 
     defaults (its capture fails once, then every call of that key is refused and runs eagerly).
   * with --patches (dev/patch_nodes.py cases, e.g. LazyCache,EasyCache): `eager_<case>_<family>`, stock vs ours
     with cuda_graph off, both on a clone with that patch node applied.
+  * with --controlnet: `eager_cn1_<family>`, stock vs ours with cuda_graph off, both with one random ControlNet of
+    the family (Apply ControlNet, strength 1): ours' ControlNet calls take the eager path too.
 Two warm-up runs of each variant, then --reps reps, the four variants in a rotated order each rep. Each record:
 medians (`stock_its`, `ours_its`, `speedup` of the medians), the per-rep paired ratios' median and range
 (`paired_ratio_*`: ours / stock of the same rep), and PSNR of ours' image against stock's.
@@ -31,8 +33,9 @@ cb.add_common_args(ap, deadline=400.0)
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--families", default="sd15", help="comma-separated: sd15, sdxl")
 ap.add_argument("--patches", default="", help="comma-separated dev/patch_nodes.py cases to pair too (eager_<case>)")
+ap.add_argument("--controlnet", action="store_true", help="also the pair with one ControlNet (eager_cn1_<family>)")
 OPT = ap.parse_args()
-ENV = cb.boot(OPT, ("checkpoints",))
+ENV = cb.boot(OPT, ("checkpoints", "controlnet"))
 sys.path.insert(0, os.path.join(cb.REPO, "dev"))
 import patch_nodes  # noqa: E402
 SIZE = {"sd15": 512, "sdxl": 1024}
@@ -47,13 +50,33 @@ def variants(family, loaded):
         patched = patch_nodes.apply_case(model, patch_nodes.cases(64 if OPT.smoke else SIZE[family])[case])
         pairs["eager_%s_%s" % (case.lower(), family)] = (("stock", patched, None),
                                                          ("ours", patched, {"cuda_graph": False}))
+    if OPT.controlnet:
+        add = with_controlnet(family)
+        pairs["eager_cn1_%s" % family] = (("stock", model, None, add), ("ours", model, {"cuda_graph": False}, add))
     return pairs, clip, vae
 
 
-def run(variant, clip, vae, family, seed):
-    sampler, model, accel = variant
+def with_controlnet(family):
+    """add_to_conds for comfy_bench.run_graph: one random ControlNet of `family` on both conds."""
+    preset = "tiny" if OPT.smoke else "sd15"
+    name = "random_cn_%s_%s_fp16.safetensors" % (family, preset)
+    path = os.path.join(OPT.work, "controlnet", name)
+    ENV.fixtures.ensure(path, ENV.fixtures.build_controlnet, OPT.comfy_dir, preset, path, seed=99, kind=family)
+    with ENV.torch.inference_mode():
+        cn = ENV.nodes.ControlNetLoader().load_controlnet(name)[0]
     size = 64 if OPT.smoke else SIZE[family]
-    return cb.run_graph(ENV, model, clip, vae, size, 1, seed, sampler, OPT.steps, accel=accel)
+    hint = ENV.torch.rand((1, size, size, 3), generator=ENV.torch.Generator().manual_seed(3))
+
+    def add(pos, neg):
+        return ENV.nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cn, hint, 1.0, 0.0, 1.0)[:2]
+    return add
+
+
+def run(variant, clip, vae, family, seed):
+    sampler, model, accel = variant[:3]
+    add = variant[3] if len(variant) > 3 else None
+    size = 64 if OPT.smoke else SIZE[family]
+    return cb.run_graph(ENV, model, clip, vae, size, 1, seed, sampler, OPT.steps, add, accel=accel)
 
 
 def bench_family(family, loaded):
@@ -63,7 +86,7 @@ def bench_family(family, loaded):
         for tag, side in order:
             run(pairs[tag][side], clip, vae, family, seed)
     times = {k: [] for k in order}
-    images, reports = {}, {}
+    images, reports, lines = {}, {}, {}
     for rep in range(OPT.reps):
         if time.time() - cb.T0 > OPT.deadline:
             cb.say("DEADLINE", family, "after %d reps" % rep)
@@ -74,6 +97,7 @@ def bench_family(family, loaded):
             times[(tag, side)].append(out["sample_s"])
             images.setdefault((tag, side), out["img"])
             reports[(tag, side)] = out["report"]
+            lines[(tag, side)] = out["line"] or ""
     env_info = cb.versions(ENV, OPT.comfy_dir)
     for tag in pairs:
         stock, ours = times[(tag, 0)], times[(tag, 1)]
@@ -90,7 +114,8 @@ def bench_family(family, loaded):
                    psnr_db=round(cb.psnr(images[(tag, 0)], images[(tag, 1)]), 2),
                    notes="eager paths chosen: %s; stock-path calls %s; refused: %s; replays %s" % (
                        graphs.get("eager_paths"), graphs.get("stock_path"), graphs.get("refused"),
-                       graphs.get("replays")))
+                       graphs.get("replays")) + "".join(
+                           "; " + p.strip() for p in lines[(tag, 1)].split(" | ") if p.strip().startswith("controlnet")))
         rec["speedup"] = round(rec["ours_its"] / rec["stock_its"], 3)
         cb.append_record(OPT, rec)
 

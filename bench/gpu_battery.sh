@@ -80,6 +80,8 @@
 # ~4 min with the SDXL build, deadline 330 s, killed at 420 s), eager_caches (bench_eager.py at SD1.5 only, with
 # LazyCache and EasyCache pairs beside the plain and refused ones; ~2.5 min, deadline 170 s, killed at 240 s), eager_sdxl_patches (bench_eager.py at
 # SDXL 1024² b1 with EasyCache and PAG pairs beside the plain and refused ones; deadline 230 s, killed at 300 s),
+# eager_cn (bench_eager.py at SD1.5 and SDXL with the ControlNet pair beside the plain and refused ones, 8 reps;
+# deadline 300 s, killed at 400 s),
 # text_encode (bench_text_encode.py: CLIP Text Encode on the checkpoint's CLIP vs on Apply SD Accel (CLIP)'s copy,
 # SD1.5 and SDXL, plain / weighted / long / clip-skip prompts; ~2 min with the SDXL build, killed at 300 s),
 # tests_clip (tests/gpu/test_clip_graphs_gpu.py alone, ~1 min, killed at 200 s),
@@ -234,6 +236,8 @@ for p in "$@"; do
     stock_after) part stock_after 300 python3 bench/bench_stock_after.py --comfy-dir $COMFY --deadline 260 ;;
     diagnose_stock_after) part diagnose_stock_after 240 python3 bench/diagnose_stock_after.py --comfy-dir $COMFY ;;
     eager) part eager 420 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15,sdxl --deadline 330 ;;
+    eager_cn) part eager_cn 400 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 8 --families sd15,sdxl \
+      --controlnet --deadline 300 ;;
     eager_caches) part eager_caches 240 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15 \
       --patches LazyCache,EasyCache --deadline 170 ;;
     eager_sdxl_patches) part eager_sdxl_patches 300 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 \

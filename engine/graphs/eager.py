@@ -108,32 +108,33 @@ class EagerPaths:
         # call, where it has one (hosts/comfyui/stock_blocks.py)
         self.stock_scope = None
 
-    def run(self, key, fn, args, kwargs, device):
-        with self.path_for(key, device):
+    def run(self, key, fn, args, kwargs, device, stock_scope=None):
+        """fn(*args, **kwargs) on `key`'s path. `stock_scope`: this call's own in place of `self.stock_scope`."""
+        with self.path_for(key, device, stock_scope):
             return fn(*args, **kwargs)
 
     @contextlib.contextmanager
-    def path_for(self, key, device):
+    def path_for(self, key, device, stock_scope=None):
         """The code inside runs on `key`'s eager path (`run`'s, for a call the caller makes itself: a host that
         can only wrap a call in hooks)."""
         if FORCED_PATH in ("stock", "fused"):
-            with self._path(FORCED_PATH):
+            with self._path(FORCED_PATH, stock_scope):
                 yield
             return
         if device is None or device.type != "cuda":
-            with self._path("fused" if _interpreting() else "stock"):
+            with self._path("fused" if _interpreting() else "stock", stock_scope):
                 yield
             return
         timing = self._timing(key)
         _collect(timing)
         path = timing.choice or _next_path(timing)
         if timing.choice is not None:
-            with self._path(path):
+            with self._path(path, stock_scope):
                 yield
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with self._path(path):
+        with self._path(path, stock_scope):
             yield
         end.record()
         timing.pending.append((path, start, end))
@@ -164,10 +165,11 @@ class EagerPaths:
             return fn(*args, **kwargs)
 
     @contextlib.contextmanager
-    def _path(self, path):
+    def _path(self, path, stock_scope=None):
         if path == "stock":
             self.stock_calls += 1
-            tree = self.stock_scope() if self.stock_scope is not None else contextlib.nullcontext()
+            scope = stock_scope or self.stock_scope
+            tree = scope() if scope is not None else contextlib.nullcontext()
             with stock_path.stock_modules(), tree:
                 yield
         else:

@@ -21,7 +21,10 @@ A `Policy` says what differs from a ControlNet's (a VAE's decoder and encoder us
 calls may replay (a decode's graph keeps its working memory reserved between calls, which the host bounds), how
 many shapes are kept (a tiled decode has several), and whether the weights go to channels_last before the first
 GPU call, graphed or not (a VAE decode is GPU-bound either way). Calls the policy refuses take the faster of the
-fused and the stock modules (eager.EagerPaths).
+fused and the stock modules (eager.EagerPaths), and so do calls without graphs (cuda_graph off), as the UNet's eager
+steps do, unless the policy keeps them on the fused modules (`fused_without_graphs`: a VAE decode, GPU-bound).
+`stock_tree`, set by the host: () -> a context manager around a stock-path call of this stand-in (the host's
+cheaper stock tree for it: hosts/comfyui/stock_blocks.py), or None.
 """
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -43,6 +46,7 @@ class Policy:
     refuse: Optional[Callable] = None   # (args, kwargs) -> why this call may not replay, or None
     max_graphs: int = 4                 # shapes kept before the module's graphs are dropped
     layout_first_call: bool = False     # channels_last before the first GPU call, not the first capture
+    fused_without_graphs: bool = False  # calls without graphs run the fused modules, unmeasured
 
 
 class GraphedForward:
@@ -60,6 +64,7 @@ class GraphedForward:
         self.relayout_pending = False   # put back in stock's layout after graphs were captured: convert first
         self.channels_last_calls = 0    # calls that ran on channels_last weights (a host may put them back after each)
         self.layout_owner = lambda: None   # the host's word for who puts the layout back (ComfyUI: the newest clone)
+        self.stock_tree = None             # see the module doc
 
     @property
     def module(self):
@@ -92,7 +97,9 @@ class GraphedForward:
 
     def _run(self, args, kwargs):
         if not self.cuda_graph:
-            return self._eager(*args, **kwargs)
+            if self.policy.fused_without_graphs:
+                return self._eager(*args, **kwargs)
+            return self._measured_eager(args, kwargs)
         why = self.policy.refuse(args, kwargs) if self.policy.refuse is not None else None
         if why is not None:
             return self.graphs.run_eager(self._eager, args, kwargs, why)
@@ -129,6 +136,15 @@ class GraphedForward:
 
     def _eager(self, *args, **kwargs):
         return self.forward(self.module, *args, **kwargs)
+
+    def _measured_eager(self, args, kwargs):
+        """A call without graphs: the faster of the fused and the stock modules for its tensors' shapes and dtypes
+        (only those: a key per call's other values would time every call and never choose)."""
+        values = list(args) + [v for _, v in sorted(kwargs.items())]
+        key = ("no graphs",) + tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+                                     for v in values)
+        device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.is_cuda), None)
+        return self.graphs.eager_paths.run(key, self._eager, args, kwargs, device, self.stock_tree)
 
 
 GRAPH_DEVICE = "cuda"   # the device type whose calls graphs serve (CPU tests stand the CPU in)

@@ -11,7 +11,10 @@ What gets patched, as data (`{attribute path: replacement}` from the engine, rel
     whole ControlNet forward replayed from CUDA graphs (one per shape, kept on the cldm module so they
     survive from one prompt to the next, dropped when its weights change or leave the GPU), and its
     conv weights in channels_last. Strength, start/end percent and the merge with the previous
-    ControlNet stay outside, in ComfyUI's own code, so they are honoured on every step;
+    ControlNet stay outside, in ComfyUI's own code, so they are honoured on every step. With graphs off
+    (and fused kernels on) the stand-in is there too: each call takes the faster of the fused and the stock
+    modules, measured per shape, the stock path on the folded blocks' originals (stock_blocks.py), as the UNet's
+    eager steps do;
   * with `one_graph` (Accelerated KSampler, when the UNet's step takes it): each link's `get_control`
     defers the chain into the UNet's own CUDA graph, so forwards, strength and merge replay with the UNet
     as one graph per step; start/end percent and hint preparation are decided outside the graph on every
@@ -47,6 +50,7 @@ from ...engine.graphs.graphed_forward import GraphedForward
 from . import control_graph
 from .controlnet_cond_only import set_cond_only
 from . import object_patches
+from . import stock_blocks
 
 log = logging.getLogger("sd_accel")
 
@@ -102,11 +106,16 @@ def plan_controlnet(patcher, options):
         patches.update(hc)
         if hc:
             counts["hint_cache"] = len(hc)
-    if options.cuda_graph or options.channels_last:
+    if options.cuda_graph or options.channels_last or options.fused_kernels:
+        # without graphs too: its calls then take the faster of the fused and the stock modules, measured, as the
+        # UNet's eager steps do (the fused ones launch more kernels, and a host-bound call pays for each)
         gf = GraphedForward.for_module(control_model, type(control_model).__name__,
                                        options.cuda_graph, options.channels_last)
+        if gf.stock_tree is None:
+            gf.stock_tree = stock_blocks.for_forward(gf)
         patches["forward"] = gf
-        counts["cuda_graph" if options.cuda_graph else "channels_last"] = 1
+        if options.cuda_graph or options.channels_last:
+            counts["cuda_graph" if options.cuda_graph else "channels_last"] = 1
     return patches, counts
 
 
@@ -238,6 +247,7 @@ def graph_stats(info):
     for gf in {id(g.graphs): g.graphs for g in (info or {}).get("forwards", ())}.values():
         for k, v in gf.stats.items():
             out[k] = out.get(k, 0) + v
+        out["stock_path"] = out.get("stock_path", 0) + gf.eager_paths.stock_calls
     return out
 
 
@@ -274,10 +284,14 @@ def summary(info):
     hs = hint_stats(info)
     if hs["hits"] or hs["misses"]:
         parts.append("hint block computed %d, reused %d" % (hs["misses"], hs["hits"]))
-    gs = info.get("graph_delta")
-    if gs and any(gs.values()):   # the ControlNets' own graphs (none when they run inside the UNet's)
+    gs = dict(info.get("graph_delta") or {})
+    stock_calls = gs.pop("stock_path", 0)
+    if any(gs.values()):   # the ControlNets' own graphs (none when they run inside the UNet's)
         parts.append("graphs: %d replays, %d captures, %d eager" % (gs.get("replays", 0), gs.get("captures", 0),
                                                                   gs.get("eager", 0)))
+    if stock_calls:
+        parts.append("%d call%s on the stock modules (faster than the fused ones without a graph)"
+                     % (stock_calls, "" if stock_calls == 1 else "s"))
     og = info.get("one_graph")
     if og is not None:
         part = "in the UNet's graph: %d calls" % og["deferred"]

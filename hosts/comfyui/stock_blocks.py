@@ -72,6 +72,23 @@ class StockBlocks:
                 mods[name] = copy
 
 
+def for_forward(gf):
+    """A ControlNet's forward stand-in (engine/graphs/graphed_forward.py): the scope of its stock-path calls, the
+    cldm module's folded blocks swapped back as a UNet's are, planned once per sampling run (the stand-in's
+    `epoch`, new for each Accelerated KSampler run; None before the first: never swap)."""
+    blocks = StockBlocks()
+    ref = weakref.ref(gf)   # held by gf itself: no cycle
+
+    def tree():
+        g = ref()
+        module = g.module if g is not None else None
+        if module is None:
+            return contextlib.nullcontext()
+        blocks.enter_run(g.epoch)
+        return blocks.originals(module)
+    return tree
+
+
 def plan(unet):
     """[(name, weakref to the folded copy, its original)] of `unet`'s top-level blocks whose copy may give
     way (module doc)."""
