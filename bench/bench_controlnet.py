@@ -82,11 +82,7 @@ def load(kind, n_cn):
             LOADED.update(kind=kind, ckpt=nodes.CheckpointLoaderSimple().load_checkpoint(name)[:3], cns=[])
     cns = LOADED["cns"]
     while len(cns) < n_cn:
-        name = "random_cn_%s_%s_fp16.safetensors" % (kind, PRESET)
-        path = os.path.join(OPT.work, "controlnet", name)
-        fixtures.ensure(path, fixtures.build_controlnet, OPT.comfy_dir, PRESET, path, seed=99, kind=kind)
-        with torch.inference_mode():
-            cns.append(nodes.ControlNetLoader().load_controlnet(name)[0])
+        cns.append(cb.random_controlnet(ENV, OPT, kind, PRESET))
     return LOADED["ckpt"] + (cns[:n_cn],)
 
 

@@ -58,12 +58,7 @@ def variants(family, loaded):
 
 def with_controlnet(family):
     """add_to_conds for comfy_bench.run_graph: one random ControlNet of `family` on both conds."""
-    preset = "tiny" if OPT.smoke else "sd15"
-    name = "random_cn_%s_%s_fp16.safetensors" % (family, preset)
-    path = os.path.join(OPT.work, "controlnet", name)
-    ENV.fixtures.ensure(path, ENV.fixtures.build_controlnet, OPT.comfy_dir, preset, path, seed=99, kind=family)
-    with ENV.torch.inference_mode():
-        cn = ENV.nodes.ControlNetLoader().load_controlnet(name)[0]
+    cn = cb.random_controlnet(ENV, OPT, family, "tiny" if OPT.smoke else "sd15")
     size = 64 if OPT.smoke else SIZE[family]
     hint = ENV.torch.rand((1, size, size, 3), generator=ENV.torch.Generator().manual_seed(3))
 

@@ -181,6 +181,16 @@ def load_family(env, opt, kind, loaded):
     return loaded[kind]
 
 
+def random_controlnet(env, opt, kind, preset):
+    """The random `kind` ControlNet of `preset` (built once under opt.work/controlnet, seed 99), loaded as the
+    ControlNetLoader node loads it."""
+    name = "random_cn_%s_%s_fp16.safetensors" % (kind, preset)
+    path = os.path.join(opt.work, "controlnet", name)
+    env.fixtures.ensure(path, env.fixtures.build_controlnet, opt.comfy_dir, preset, path, seed=99, kind=kind)
+    with env.torch.inference_mode():
+        return env.nodes.ControlNetLoader().load_controlnet(name)[0]
+
+
 def pair_record(env_info, opt, tag, stock, ours):
     """The BENCH.md fields of one config from two `measure` results (stock and ours)."""
     return dict(env_info, date=datetime.date.today().isoformat(), config=tag, steps=opt.steps, sampler="euler",
