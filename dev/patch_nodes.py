@@ -14,7 +14,8 @@ NODE_MODULES = {
     "PerturbedAttentionGuidance": "nodes_pag", "SelfAttentionGuidance": "nodes_sag",
     "TomePatchModel": "nodes_tomesd", "HyperTile": "nodes_hypertile",
     "RescaleCFG": "nodes_model_advanced", "ModelSamplingDiscrete": "nodes_model_advanced",
-    "ModelSamplingContinuousEDM": "nodes_model_advanced",
+    "ModelSamplingContinuousEDM": "nodes_model_advanced", "ModelSamplingContinuousV": "nodes_model_advanced",
+    "ModelComputeDtype": "nodes_model_advanced",
     "UNetSelfAttentionMultiply": "nodes_attention_multiply", "UNetCrossAttentionMultiply": "nodes_attention_multiply",
     "EasyCache": "nodes_easycache", "LazyCache": "nodes_easycache",
     "PatchModelAddDownscale": "nodes_model_downscale",
@@ -36,6 +37,11 @@ FREEU = ("FreeU", {"b1": 1.1, "b2": 1.2, "s1": 0.9, "s2": 0.2})
 V_PREDICTION = ("ModelSamplingDiscrete", {"sampling": "v_prediction", "zsnr": False})
 EPS_ZSNR = ("ModelSamplingDiscrete", {"sampling": "eps", "zsnr": True})
 X0 = ("ModelSamplingDiscrete", {"sampling": "x0", "zsnr": False})
+LCM = ("ModelSamplingDiscrete", {"sampling": "lcm", "zsnr": False})
+CONTINUOUS_V = ("ModelSamplingContinuousV", {"sampling": "v_prediction", "sigma_max": 500.0, "sigma_min": 0.03})
+# the model's layers cast to bf16 on every call and its input cast to bf16 (an object patch whose value is a
+# torch.dtype, not a module; force_cast_weights on the patcher)
+COMPUTE_BF16 = ("ModelComputeDtype", {"dtype": "bf16"})
 EDM = ("ModelSamplingContinuousEDM", {"sampling": "v_prediction", "sigma_max": 120.0, "sigma_min": 0.002})
 # Deep Shrink: end_percent 0.5 puts the first half of the steps at half size and the rest at full size, so
 # both phases run in any schedule of two steps or more
@@ -79,6 +85,9 @@ def cases(size):
         "ModelSamplingDiscrete_eps_zsnr": [EPS_ZSNR],
         "ModelSamplingDiscrete_x0": [X0],
         "ModelSamplingContinuousEDM": [EDM],
+        "ModelSamplingDiscrete_lcm": [LCM],
+        "ModelSamplingContinuousV": [CONTINUOUS_V],
+        "ModelComputeDtype_bf16": [COMPUTE_BF16],
         "EasyCache": [("EasyCache", CACHE)],
         "LazyCache": [("LazyCache", CACHE)],
         "PatchModelAddDownscale": [DEEP_SHRINK],
@@ -92,7 +101,8 @@ def cases(size):
 
 # cases added after bench/bench_patches.py's default pass was sized to its time limit: that pass leaves them out,
 # and gpu_battery.sh's part patches_more measures them
-LATER = ("ModelSamplingDiscrete_x0", "FreSca", "HypernetworkLoader") + tuple(GUIDANCE)
+LATER = ("ModelSamplingDiscrete_x0", "FreSca", "HypernetworkLoader", "ModelSamplingDiscrete_lcm",
+         "ModelSamplingContinuousV", "ModelComputeDtype_bf16") + tuple(GUIDANCE)
 
 
 def node_class(node_id):

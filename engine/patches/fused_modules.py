@@ -164,8 +164,9 @@ def stock_forward(m):
 
 
 def kind_of(m):
-    """What SD Accel put there ("group_norm", "resblock", "layout", ...), or None for a module of the host."""
-    return m.__dict__.get("sdaccel_kind") or getattr(type(m), "sdaccel_kind", None)
+    """What SD Accel put there ("group_norm", "resblock", "layout", ...), or None for a module of the host or any
+    other value a host's object patch holds (ModelComputeDtype's is a torch.dtype, which has no __dict__)."""
+    return getattr(m, "__dict__", {}).get("sdaccel_kind") or getattr(type(m), "sdaccel_kind", None)
 
 
 def is_fused(m):

