@@ -16,6 +16,7 @@ Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, ne
 """
 import contextlib
 import logging
+import os
 import weakref
 
 import torch
@@ -27,6 +28,7 @@ from ...engine.fp8 import weights as fp8_weights
 from ...engine.patches import attention, fused_modules, patching, shared_state
 from ...engine.reports import run_report
 from ...engine.graphs.step_graphs import StepGraphs
+from ...kernels.errors import first_line
 from ..attached import state_on
 from . import compiled
 from . import control_graph
@@ -401,9 +403,26 @@ def accelerate(model, options):
     keep_while_loaded(model, cached[0] if cached is not None and not fresh else None)
     if fresh:
         return cached[0], cached[1]
-    clone, info = _accelerate(model, options)
+    try:
+        clone, info = _accelerate(model, options)
+    except Exception as e:  # noqa: BLE001 - a fault in SD Accel's set-up must not fail the user's prompt
+        if os.environ.get("SDACCEL_STRICT") == "1":
+            raise
+        clone, info = _stock_clone_after(e, model, options)
     clones[options] = (clone, info, getattr(model, "patches_uuid", None))
     return clone, info
+
+
+def _stock_clone_after(error, model, options):
+    """A plain clone of `model` (it runs as stock) and an info whose whole-model reason names `error`, for a set-up
+    that raised: the half-patched clone is dropped, the traceback logged for a bug report. Kept in the cache like a
+    patched clone: the same input and options would fail the same way on every prompt."""
+    log.exception("[SD Accel] setting up the model failed; it runs as stock")
+    clone = model.clone()
+    parent_beyond_the_cache(clone, model)
+    why = "SD Accel's set-up failed (%s: %s): this model runs as stock" % (type(error).__name__, first_line(error))
+    return clone, {"options": options.__dict__.copy(), "patched": {}, "wrapper": None,
+                   "reasons": {run_report.WHOLE_MODEL: why}}
 
 
 _RETIRED_ATTR = "_sd_accel_retired_clones"

@@ -44,6 +44,7 @@ class AcceleratedRun:
     timer: object = None
     _before: tuple = None
     _step_cache_runs: int = 0
+    cn_set_up_error: str = None       # why the ControlNets run as stock, where their set-up raised
 
     def sample(self, sampler):
         """`sampler(model, positive, negative)` -> ComfyUI's (latent,) on the accelerated objects."""
@@ -127,6 +128,8 @@ class AcceleratedRun:
                                   step_cache=host_step_cache.run_summary(self.info, self._step_cache_runs))
         if pool is not None and pool.last_report is not None:
             report["memory"] = pool.last_report
+        if self.cn_set_up_error:
+            report["fell_back"]["ControlNets"] = self.cn_set_up_error
         line = run_report.one_line(report) + (" | " + self.cn_line if self.cn_line else "")
         return report, line
 
@@ -147,11 +150,25 @@ def prepare(model, positive, negative, options, controlnet=True, cond_only=False
         patched, info = model, {"options": options.__dict__.copy()}
     run = AcceleratedRun(model, positive, negative, options, patched, info, positive, negative)
     if controlnet or cond_only:
-        one_graph = bool(controlnet) and not cond_only and host.runs_controlnets_in_graph(patched, info)
-        run.cn_positive, run.cn_negative, run.cn_info = host_cn.accelerate_conds(
-            positive, negative, host_cn.ControlNetOptions(
-                fused_kernels=bool(controlnet) and options.fused_kernels, hint_cache=bool(controlnet),
-                cuda_graph=bool(controlnet) and options.cuda_graph,
-                channels_last=bool(controlnet) and options.channels_last, cond_only=bool(cond_only),
-                one_graph=one_graph))
+        try:
+            _accelerate_controlnets(run, patched, info, controlnet, cond_only)
+        except Exception as e:  # noqa: BLE001 - a fault in SD Accel's set-up must not fail the user's prompt
+            if os.environ.get("SDACCEL_STRICT") == "1":
+                raise
+            log.exception("[SD Accel] setting up the ControlNets failed; they run as stock")
+            run.cn_positive, run.cn_negative, run.cn_info = positive, negative, None
+            run.cn_set_up_error = "SD Accel's set-up failed (%s: %s): they run as stock" % (type(e).__name__,
+                                                                                          first_line(e))
     return run
+
+
+def _accelerate_controlnets(run, patched, info, controlnet, cond_only):
+    """Copies of the conds whose ControlNets are accelerated, on `run` (the user's conds untouched)."""
+    options = run.options
+    one_graph = bool(controlnet) and not cond_only and host.runs_controlnets_in_graph(patched, info)
+    run.cn_positive, run.cn_negative, run.cn_info = host_cn.accelerate_conds(
+        run.positive, run.negative, host_cn.ControlNetOptions(
+            fused_kernels=bool(controlnet) and options.fused_kernels, hint_cache=bool(controlnet),
+            cuda_graph=bool(controlnet) and options.cuda_graph,
+            channels_last=bool(controlnet) and options.channels_last, cond_only=bool(cond_only),
+            one_graph=one_graph))
