@@ -19,7 +19,7 @@
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
 # patches_more (the same fresh pass on dev/patch_nodes.py's LATER cases: HypernetworkLoader, the guidance nodes,
-# FreSca, ModelSamplingDiscrete x0 and lcm, ModelSamplingContinuousV, ModelComputeDtype bf16; estimated 5 min, the same limits), patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
+# FreSca, ModelSamplingDiscrete x0, ModelSamplingContinuousV, ModelComputeDtype bf16; estimated 5 min, the same limits), patches_after_refused (its after_refused pass in a process of its own: a capture that fails first, then the SD1.5
 # configs, stock vs ours; deadline 200 s, killed at 240 s), server (bench_server.py, the headline: a real ComfyUI
 # server, stock vs SD Accel graphs, SD1.5 512² b1 and b4, previews none then latent2rgb in a second server process;
 # estimated 3-4 min with the SD1.5 build; no config starts after 200 s, killed at 300 s), server_more (SD1.5 512² b1 +
@@ -164,7 +164,7 @@ for p in "$@"; do
         tests/gpu/test_inpaint_gpu.py tests/gpu/test_capture_safety_gpu.py tests/gpu/test_model_merge_gpu.py \
         tests/gpu/test_t2i_adapter_gpu.py tests/gpu/test_vae_gpu.py -q -rA \
         -k "HypernetworkLoader or moved or APG or CFGZeroStar or CFGNorm \
-        or TCFG or Mahiro or FreSca or Epsilon or x0 or lcm or ContinuousV or ComputeDtype or first_block_cache \
+        or TCFG or Mahiro or FreSca or Epsilon or x0 or ContinuousV or ComputeDtype or first_block_cache \
         or tiled_diffusion or inpaint \
         or merge or ratios or t2i or vae_save" \
         > "$OUT/tests_more/log.txt" 2>&1
@@ -192,7 +192,7 @@ for p in "$@"; do
       --reps 3 --profile --deadline 200 ;;
     patches) part patches 360 python3 bench/bench_patches.py --comfy-dir $COMFY --passes fresh --deadline 320 ;;
     patches_more) part patches_more 360 python3 bench/bench_patches.py --comfy-dir $COMFY --passes fresh --deadline 320 \
-      --configs patch_hypernetworkloader,patch_apg,patch_cfgzerostar,patch_cfgnorm,patch_tcfg,patch_mahiro,patch_fresca,patch_epsilon_scaling,patch_modelsamplingdiscrete_x0,patch_modelsamplingdiscrete_lcm,patch_modelsamplingcontinuousv,patch_modelcomputedtype_bf16 ;;
+      --configs patch_hypernetworkloader,patch_apg,patch_cfgzerostar,patch_cfgnorm,patch_tcfg,patch_mahiro,patch_fresca,patch_epsilon_scaling,patch_modelsamplingdiscrete_x0,patch_modelsamplingcontinuousv,patch_modelcomputedtype_bf16 ;;
     patches_after_refused)
       part patches_after_refused 240 python3 bench/bench_patches.py --comfy-dir $COMFY --passes after_refused \
         --deadline 200 ;;

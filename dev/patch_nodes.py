@@ -37,7 +37,6 @@ FREEU = ("FreeU", {"b1": 1.1, "b2": 1.2, "s1": 0.9, "s2": 0.2})
 V_PREDICTION = ("ModelSamplingDiscrete", {"sampling": "v_prediction", "zsnr": False})
 EPS_ZSNR = ("ModelSamplingDiscrete", {"sampling": "eps", "zsnr": True})
 X0 = ("ModelSamplingDiscrete", {"sampling": "x0", "zsnr": False})
-LCM = ("ModelSamplingDiscrete", {"sampling": "lcm", "zsnr": False})
 CONTINUOUS_V = ("ModelSamplingContinuousV", {"sampling": "v_prediction", "sigma_max": 500.0, "sigma_min": 0.03})
 # the model's layers cast to bf16 on every call and its input cast to bf16 (an object patch whose value is a
 # torch.dtype, not a module; force_cast_weights on the patcher)
@@ -85,7 +84,6 @@ def cases(size):
         "ModelSamplingDiscrete_eps_zsnr": [EPS_ZSNR],
         "ModelSamplingDiscrete_x0": [X0],
         "ModelSamplingContinuousEDM": [EDM],
-        "ModelSamplingDiscrete_lcm": [LCM],
         "ModelSamplingContinuousV": [CONTINUOUS_V],
         "ModelComputeDtype_bf16": [COMPUTE_BF16],
         "EasyCache": [("EasyCache", CACHE)],
@@ -101,8 +99,8 @@ def cases(size):
 
 # cases added after bench/bench_patches.py's default pass was sized to its time limit: that pass leaves them out,
 # and gpu_battery.sh's part patches_more measures them
-LATER = ("ModelSamplingDiscrete_x0", "FreSca", "HypernetworkLoader", "ModelSamplingDiscrete_lcm",
-         "ModelSamplingContinuousV", "ModelComputeDtype_bf16") + tuple(GUIDANCE)
+LATER = ("ModelSamplingDiscrete_x0", "FreSca", "HypernetworkLoader", "ModelSamplingContinuousV",
+         "ModelComputeDtype_bf16") + tuple(GUIDANCE)
 
 
 def node_class(node_id):
