@@ -10,7 +10,7 @@
   fused kernel costs host time, and a host-bound step pays it. So a key that runs eagerly times both paths
   (the fused modules and the stock ones, `stock_path.stock_modules`) with CUDA events, twice each, and keeps
   the faster. On the CPU the stock path runs, except under TRITON_INTERPRET=1 (the kernels' interpreter,
-  which asks for the fused path).
+  which asks for the fused path). Under autograd (`under_autograd`) the stock path runs, unmeasured.
 """
 import contextlib
 import os
@@ -31,6 +31,14 @@ AHEAD_PASSES = 3
 SAMPLES = 2          # timed eager calls per path before EagerPaths chooses
 FORCED_PATH = os.environ.get("SDACCEL_EAGER_PATH")   # "stock" or "fused": a diagnosis switch (docs/internals.md)
 _under_budget = [0]  # depth of under_vram_budget scopes (a VRAM Pool's budgeted run)
+AUTOGRAD = "autograd is on (a training node): the stock modules run, as without SD Accel"
+
+
+def under_autograd():
+    """True where autograd records the step: outside ComfyUI's inference mode and torch.no_grad (ComfyUI's Train
+    LoRA node turns inference mode off around its steps). The stock modules run there: the fused kernels compute forward only (with autograd each falls back to its reference, which rounds
+    otherwise than stock's op) and a graph's replay records no gradient at all."""
+    return torch.is_grad_enabled()
 
 
 @contextlib.contextmanager
@@ -117,8 +125,8 @@ class EagerPaths:
     def path_for(self, key, device, stock_scope=None):
         """The code inside runs on `key`'s eager path (`run`'s, for a call the caller makes itself: a host that
         can only wrap a call in hooks)."""
-        if FORCED_PATH in ("stock", "fused"):
-            with self._path(FORCED_PATH, stock_scope):
+        if under_autograd() or FORCED_PATH in ("stock", "fused"):
+            with self._path("stock" if under_autograd() else FORCED_PATH, stock_scope):
                 yield
             return
         if device is None or device.type != "cuda":

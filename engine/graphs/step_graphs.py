@@ -110,6 +110,8 @@ class StepGraphs:
         under it)."""
         if _RUNNING.active():
             return self._eager(fn, args, kwargs, "inside another model's step")
+        if eager.under_autograd():
+            return self.run_stock(fn, args, kwargs, eager.AUTOGRAD)
         if not torch.cuda.is_available():
             return self._eager(fn, args, kwargs, "no CUDA device", key=(), device=None)
         if torch.cuda.is_current_stream_capturing():

@@ -1,5 +1,8 @@
 """Where a step runs without graphs it takes the faster of the fused and the stock modules
-(engine/graphs/eager.EagerPaths), measured with CUDA events per key; the CPU runs the stock modules."""
+(engine/graphs/eager.EagerPaths), measured with CUDA events per key; the CPU runs the stock modules; under autograd
+the stock modules run. Calls are made under torch.no_grad, as every host makes its steps' (inference mode in
+ComfyUI)."""
+import pytest
 import torch
 
 from sd_accel.engine.patches import stock_path
@@ -21,6 +24,12 @@ class _Event:
 
     def elapsed_time(self, end):
         return end.t - self.t
+
+
+@pytest.fixture(autouse=True)
+def without_autograd():
+    with torch.no_grad():
+        yield
 
 
 def test_on_the_cpu_the_stock_modules_run_unless_the_kernels_are_interpreted(monkeypatch):
@@ -55,3 +64,30 @@ def test_both_paths_are_timed_then_the_faster_is_kept(monkeypatch):
         paths.run(("big shape",), step, (), {}, torch.device("cuda"))
     assert paths.choice(("big shape",)) == "fused" and seen[-2:] == ["fused", "fused"]
     assert paths.choice(("shape",)) == "stock"
+
+
+def test_under_autograd_the_stock_modules_run_unmeasured_whatever_was_chosen_or_forced(monkeypatch):
+    """A training step (autograd on): the stock modules on every call, none timed, on the GPU and on the CPU, over a
+    key that chose the fused path and over the diagnosis switch."""
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+
+    def step():
+        seen.append(stock_path.active())
+    paths = eager.EagerPaths()
+    paths.by_key[("shape",)] = eager._Timing()
+    paths.by_key[("shape",)].choice = "fused"
+    with torch.enable_grad():
+        assert eager.under_autograd()
+        paths.run(("shape",), step, (), {}, torch.device("cuda"))
+        paths.run(("new shape",), step, (), {}, torch.device("cuda"))
+        paths.run(("k",), step, (), {}, torch.device("cpu"))
+        monkeypatch.setattr(eager, "FORCED_PATH", "fused")
+        paths.run(("shape",), step, (), {}, torch.device("cuda"))
+    assert seen == [True] * 4 and paths.stock_calls == 4
+    assert ("new shape",) not in paths.by_key   # nothing timed
+    with torch.inference_mode():
+        assert not eager.under_autograd()
+        paths.run(("shape",), step, (), {}, torch.device("cuda"))
+    assert seen[-1] is False

@@ -30,8 +30,22 @@ def test_a_call_the_policy_refuses_runs_eagerly_and_is_counted_with_its_reason()
 def test_without_a_refusal_a_cpu_call_runs_eagerly_for_want_of_cuda():
     m, x = _module(), torch.randn(2, 4)
     gf = GraphedForward(m, "lin", policy=Policy(refuse=lambda a, k: None))
-    assert torch.equal(gf(x), m(x))
+    with torch.no_grad():   # as hosts call their models
+        assert torch.equal(gf(x), m(x))
     assert not gf.graphs.refused and gf.graphs.last_eager_reason == "no CUDA device"
+
+
+def test_under_autograd_a_call_runs_the_stock_modules_and_says_why():
+    """A training step (autograd on): never timed, never captured, the stock modules; its gradient flows as stock's."""
+    from sd_accel.engine.graphs import eager
+    m, x = _module(), torch.randn(2, 4, requires_grad=True)
+    gf = GraphedForward(m, "lin", policy=Policy(refuse=lambda a, k: None))
+    out = gf(x)
+    assert torch.equal(out, m(x)) and out.requires_grad
+    out.sum().backward()
+    assert x.grad is not None
+    assert gf.graphs.refused == {eager.AUTOGRAD: 1} and gf.graphs.last_eager_reason == eager.AUTOGRAD
+    assert gf.graphs.eager_paths.stock_calls == 1
 
 
 def test_stand_ins_of_one_module_and_layout_share_its_graphs_and_the_first_policy_sizes_them():

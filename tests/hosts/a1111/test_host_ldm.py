@@ -92,10 +92,17 @@ def test_channels_last_and_graphs_are_cuda_only(stock_kernels):
     assert s["channels_last"] is False   # CPU UNet: weights left as they are
     assert all(m.weight.is_contiguous() for m in unet.modules() if isinstance(m, torch.nn.Conv2d))
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
-    out = a1111.graph_forward(unet, UNetModel.forward, *inputs)
+    with torch.no_grad():   # as A1111 samples
+        out = a1111.graph_forward(unet, UNetModel.forward, *inputs)
     torch.testing.assert_close(out, run(unet, inputs), atol=0, rtol=0)
     st = a1111.status(unet)["graphs"]
     assert st["replays"] == 0 and st["eager"] == 1 and st["last_eager_reason"] == "no CUDA device"
+    # under autograd (A1111's training tab) the stock modules run, whatever the device
+    with torch.enable_grad():
+        out = a1111.graph_forward(unet, UNetModel.forward, *inputs)
+    torch.testing.assert_close(out, run(unet, inputs), atol=0, rtol=0)
+    st = a1111.status(unet)["graphs"]
+    assert st["eager"] == 2 and st["last_eager_reason"].startswith("autograd is on"), st
 
 
 def test_keys_changed_behind_our_back_restores(stock_kernels):
