@@ -1,4 +1,5 @@
 """The acceleration options every host offers, as one type; a host derives its own from it where it has more."""
+import os
 from dataclasses import dataclass
 
 
@@ -16,3 +17,9 @@ class AccelOptions:
     def any(self):
         return (self.fused_kernels or self.cuda_graph or self.channels_last or self.attention != "auto"
                 or self.step_cache != "off" or self.precision != "fp16")
+
+
+def strict():
+    """SDACCEL_STRICT=1 (tests and benchmarks): an error on SD Accel's own path is raised instead of the run falling
+    back to stock, so a fault cannot hide behind a stock image."""
+    return os.environ.get("SDACCEL_STRICT") == "1"

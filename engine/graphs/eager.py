@@ -36,8 +36,9 @@ AUTOGRAD = "autograd is on (a training node): the stock modules run, as without 
 
 def under_autograd():
     """True where autograd records the step: outside ComfyUI's inference mode and torch.no_grad (ComfyUI's Train
-    LoRA node turns inference mode off around its steps). The stock modules run there: the fused kernels compute forward only (with autograd each falls back to its reference, which rounds
-    otherwise than stock's op) and a graph's replay records no gradient at all."""
+    LoRA node turns inference mode off around its steps). The stock modules run there: the fused kernels compute
+    forward only (with autograd each falls back to its reference, which rounds otherwise than stock's op) and a
+    graph's replay records no gradient at all."""
     return torch.is_grad_enabled()
 
 
@@ -125,8 +126,9 @@ class EagerPaths:
     def path_for(self, key, device, stock_scope=None):
         """The code inside runs on `key`'s eager path (`run`'s, for a call the caller makes itself: a host that
         can only wrap a call in hooks)."""
-        if under_autograd() or FORCED_PATH in ("stock", "fused"):
-            with self._path("stock" if under_autograd() else FORCED_PATH, stock_scope):
+        held = "stock" if under_autograd() else FORCED_PATH
+        if held in ("stock", "fused"):
+            with self._path(held, stock_scope):
                 yield
             return
         if device is None or device.type != "cuda":

@@ -16,12 +16,11 @@ Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, ne
 """
 import contextlib
 import logging
-import os
 import weakref
 
 import torch
 
-from ...engine.options import AccelOptions  # noqa: F401  (the nodes build it through this module)
+from ...engine.options import AccelOptions, strict  # noqa: F401  (the nodes build AccelOptions through this module)
 from ...engine.fp8 import block_upcast
 from ...engine.fp8 import upcast as fp8_upcast
 from ...engine.fp8 import weights as fp8_weights
@@ -406,7 +405,7 @@ def accelerate(model, options):
     try:
         clone, info = _accelerate(model, options)
     except Exception as e:  # noqa: BLE001 - a fault in SD Accel's set-up must not fail the user's prompt
-        if os.environ.get("SDACCEL_STRICT") == "1":
+        if strict():
             raise
         clone, info = _stock_clone_after(e, model, options)
     clones[options] = (clone, info, getattr(model, "patches_uuid", None))

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from ...engine.fp8 import weights as fp8_weights
+from ...engine.options import strict
 from ...engine.reports import kernel_report, run_report, vram_report
 from ...kernels.errors import first_line
 from . import accelerate as host
@@ -58,7 +59,7 @@ class AcceleratedRun:
                 return sampler(self.patched, self.cn_positive, self.cn_negative)
         except Exception as e:  # noqa: BLE001 - never lose the user's run to an acceleration fault
             conv_layout.back_to_stock_layout(self.info.get("graph_state"))
-            if not self.accelerated() or _is_interrupt(e) or os.environ.get("SDACCEL_STRICT") == "1":
+            if not self.accelerated() or _is_interrupt(e) or strict():
                 raise
             return self._stock_after(e, sampler)
         finally:
@@ -153,7 +154,7 @@ def prepare(model, positive, negative, options, controlnet=True, cond_only=False
         try:
             _accelerate_controlnets(run, patched, info, controlnet, cond_only)
         except Exception as e:  # noqa: BLE001 - a fault in SD Accel's set-up must not fail the user's prompt
-            if os.environ.get("SDACCEL_STRICT") == "1":
+            if strict():
                 raise
             log.exception("[SD Accel] setting up the ControlNets failed; they run as stock")
             run.cn_positive, run.cn_negative, run.cn_info = positive, negative, None
