@@ -105,6 +105,16 @@ def tiny_model_patcher(folder, seed=5, preset="tiny"):
         return comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)[0]
 
 
+def tiny_controlnet(folder, seed=3, preset="tiny"):
+    """A random ControlNet of `tiny_model_patcher`'s layout (dev/fixtures.py), written into `folder` and loaded by
+    ComfyUI's own load_controlnet."""
+    fixtures = fixtures_module()
+    import comfy.controlnet
+    path = os.path.join(str(folder), "cn_%s_%d.safetensors" % (preset, seed))
+    fixtures.build_controlnet(COMFY, preset, path, seed=seed)
+    return comfy.controlnet.load_controlnet(path)
+
+
 def sample_tiny(model, steps=1, cfg=1.0, batch=1):
     """ComfyUI's own common_ksampler (seed 3, euler, normal) on `model` over a zero latent [batch, 4, 8, 8], with
     random 768-wide cond and uncond (seeded): the latent, for tests that compare a sampling run with stock's."""

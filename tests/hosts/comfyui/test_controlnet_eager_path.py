@@ -10,13 +10,8 @@ import comfy_inproc
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    fixtures = comfy_inproc.fixtures_module()
-    import comfy.controlnet
     folder = tmp_path_factory.mktemp("cn_eager")
-    model = comfy_inproc.tiny_model_patcher(folder)
-    path = str(folder / "cn.safetensors")
-    fixtures.build_controlnet(comfy_inproc.COMFY, "tiny", path, seed=3)
-    return model, comfy.controlnet.load_controlnet(path)
+    return comfy_inproc.tiny_model_patcher(folder), comfy_inproc.tiny_controlnet(folder)
 
 
 @pytest.fixture(autouse=True)
