@@ -11,6 +11,11 @@ patcher, its `model_function_wrapper` call), same seeds and inputs on both sides
 * ours: per sampling run a clone from `hosts.forge.accelerate(base, WebUIOptions())`, as the extension's
   `process_before_every_sampling` makes one (fused kernels, channels_last, CUDA graphs).
 * ours without graphs (`ours_eager_its`): the same with `cuda_graph=False`.
+* `--eager-pairs` (configs `forge_eager_*`): stock against ours without graphs alone, `--reps` rounds, each
+  round running stock, ours on the path SD Accel measured faster (`ours_its`), ours held to the stock modules
+  and ours held to the fused ones, in an order rotated per round; ratios paired within a round. Each timed run
+  follows an untimed one of the same variant: a user's runs repeat one patcher, where a switch makes Forge
+  put one clone's object patches out and the next one's in.
 * `sd15_512_b1_cn`: the same with Forge's ControlNet (its cldm control model, random weights, a random hint
   image) applied per run by `apply_controlnet_advanced`, to the base patcher (stock) and to SD Accel's clone
   (ours: Forge's ControlNet script runs after SD Accel's), so its control model runs through SD Accel's hook.
@@ -47,6 +52,11 @@ ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--reps", type=int, default=5)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny UNet, 2 steps, no record")
+ap.add_argument("--eager-pairs", action="store_true",
+                help="stock vs ours without graphs only, in rotated pairs (configs forge_eager_*; see measure_eager)")
+ap.add_argument("--profile", action="store_true",
+                help="with --eager-pairs: then one run of each variant under torch.profiler (GPU busy ms, launches) "
+                     "and cProfile (functions by own time, saved as profile_<config>_<variant>.pstats): a diagnosis")
 OPT = ap.parse_args()
 
 
@@ -377,6 +387,104 @@ def measure_controlnet(name, cfg, latent):
     return res
 
 
+def measure_eager(name, cfg, latent):
+    """See `--eager-pairs` in the module doc. Returns the record's fields."""
+    from sd_accel.engine.graphs import eager
+    base = build(cfg, OPT.seed)
+    x, cond, uncond = inputs(cfg, latent, OPT.seed)
+    n = OPT.steps
+    if name.endswith("_cn"):
+        from backend.patcher.controlnet import apply_controlnet_advanced
+        cn, hint = build_controlnet(cfg, OPT.seed + 7, latent)
+
+        def run(patcher):
+            return sample(apply_controlnet_advanced(patcher, cn, hint, 1.0, 0.0, 1.0), x, cond, uncond, n)
+    else:
+        def run(patcher):
+            return sample(patcher, x, cond, uncond, n)
+    off = webui.WebUIOptions(cuda_graph=False)
+
+    def ours(held):
+        eager.FORCED_PATH = held
+        try:
+            return run(forge.accelerate(base, off)[0])
+        finally:
+            eager.FORCED_PATH = None
+    variants = {"stock": lambda: run(base), "ours": lambda: ours(None),
+                "held_stock": lambda: ours("stock"), "held_fused": lambda: ours("fused")}
+    ref = run(base)
+    for _ in range(2):   # warm-up: kernels compiled, each key's path measured and chosen
+        for fn in variants.values():
+            fn()
+    times = {k: [] for k in variants}
+    order = list(variants)
+    for i in range(OPT.reps):
+        for k in order[i % len(order):] + order[:i % len(order)]:
+            variants[k]()   # untimed: Forge loads this variant's patcher (the previous variant's goes out)
+            sync()
+            t0 = time.perf_counter()
+            variants[k]()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    st = forge_plan.state_of(base.model)
+    res = {"stock_its": n / statistics.median(times["stock"]), "ours_its": n / statistics.median(times["ours"]),
+           "psnr_db": psnr(ref, ours(None)), "paths": st.eager_paths.choices() if st.eager_paths else {}}
+    for k in ("ours", "held_stock", "held_fused"):
+        ratios = sorted(s / o for s, o in zip(times["stock"], times[k]))
+        res[k + "_ratio"] = (statistics.median(ratios), ratios[0], ratios[-1])
+    say(name, "run s:", json.dumps({k: ["%.4f" % t for t in v] for k, v in times.items()}))
+    if OPT.profile:
+        for k, fn in variants.items():
+            profile_run(name, k, fn)
+    memory_management.unload_all_models()
+    return res
+
+
+def profile_run(name, variant, fn):
+    """One run of `fn` under torch.profiler (the GPU's busy time and kernel launches: bound by the host or the
+    GPU?), then one under cProfile (where the host's time goes), printed."""
+    import cProfile
+    import io
+    import pstats
+    fn()   # this variant's patcher loaded
+    if CUDA:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync()
+        on_gpu = [e for e in prof.key_averages() if e.device_time_total and "CUDA" in str(e.device_type)]
+        say(name, variant, "GPU busy %.1f ms, %d kernel launches" % (
+            sum(e.device_time_total for e in on_gpu) / 1000.0, sum(e.count for e in on_gpu)))
+    pr = cProfile.Profile()
+    sync()
+    t0 = time.perf_counter()
+    pr.enable()
+    fn()
+    sync()
+    pr.disable()
+    wall = time.perf_counter() - t0
+    pr.dump_stats(os.path.join(OPT.out, "profile_%s_%s.pstats" % (name, variant)))
+    text = io.StringIO()
+    st = pstats.Stats(pr, stream=text)
+    st.sort_stats("tottime").print_stats(14)
+    calls = sum(v[1] for v in st.stats.values())
+    say(name, variant, "under cProfile %.3f s, %d Python calls; by own time:\n%s" % (
+        wall, calls, "\n".join(text.getvalue().splitlines()[-16:])))
+
+
+def record_eager(name, r, env):
+    med, lo, hi = r["ours_ratio"]
+    return dict(env, date=datetime.date.today().isoformat(), config="forge_eager_" + name, steps=OPT.steps,
+                sampler="euler", scheduler="predictor sigmas, uniform", cfg=7.0, reps=OPT.reps,
+                stock_its=round(r["stock_its"], 2), ours_its=round(r["ours_its"], 2),
+                paired_ratio_median=round(med, 3), paired_ratio_min=round(lo, 3), paired_ratio_max=round(hi, 3),
+                held_stock_ratio_median=round(r["held_stock_ratio"][0], 3),
+                held_fused_ratio_median=round(r["held_fused_ratio"][0], 3), psnr_db=round(r["psnr_db"], 2),
+                notes="Forge's UNet and sampling code, random weights; SD Accel with CUDA graphs off, a clone per run as "
+                      "the extension makes; ratios = ours' it/s over stock's in the same round, rounds rotated; "
+                      "held_*: every call held to that path; paths chosen per key: %s" % json.dumps(r["paths"]))
+
+
 def record(name, r, env):
     k = r["kernels"]
     ran = ", ".join("%s x%d" % (op, e["fused"]) for op, e in sorted(k.items()) if e["fused"])
@@ -424,8 +532,11 @@ def main():
     for name in filter(None, OPT.configs.split(",")):
         cfg, latent = (TINY, 8) if OPT.smoke else CONFIGS[name]
         with torch.no_grad():
-            r = (measure_controlnet if name.endswith("_cn") else measure)(name, cfg, latent)
-        rec = record(name, r, env)
+            if OPT.eager_pairs:
+                r = measure_eager(name, cfg, latent)
+            else:
+                r = (measure_controlnet if name.endswith("_cn") else measure)(name, cfg, latent)
+        rec = (record_eager if OPT.eager_pairs else record)(name, r, env)
         rows.append(rec)
         say("RESULT", json.dumps(rec))
         if CUDA:
@@ -436,6 +547,14 @@ def main():
             break
     if not CUDA:
         say("smoke/CPU run: nothing recorded")
+    if OPT.eager_pairs:
+        print("%-28s %9s %9s %8s %11s %11s %11s %7s" % ("config", "stock it/s", "ours it/s", "paired", "min-max",
+                                                       "held stock", "held fused", "PSNR"))
+        for r in rows:
+            print("%-28s %9.2f %9.2f %8.3f %5.2f-%5.2f %11.3f %11.3f %7.2f" % (
+                r["config"], r["stock_its"], r["ours_its"], r["paired_ratio_median"], r["paired_ratio_min"],
+                r["paired_ratio_max"], r["held_stock_ratio_median"], r["held_fused_ratio_median"], r["psnr_db"]))
+        return
     print("%-22s %9s %9s %7s %9s %8s %10s" % ("config", "stock it/s", "ours it/s", "speedup", "eager it/s",
                                              "PSNR", "rel err"))
     for r in rows:

@@ -14,7 +14,9 @@
 # by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
 # constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl), forge
 # (bench_forge.py: Forge's own UNet and sampling code, stock vs SD Accel, SD1.5 512², SDXL 1024², and SD1.5 512²
-# with Forge's ControlNet, ~4 min; forge_cn: the ControlNet config alone, killed at 240 s; both need
+# with Forge's ControlNet, ~4 min; forge_cn: the ControlNet config alone, killed at 240 s; forge_eager: the three
+# configs' stock against SD Accel without graphs alone, rotated pairs, each variant then profiled (`--eager-pairs
+# --profile`, configs forge_eager_*), estimated 4-5 min, killed at 420 s; all three need
 # vendor/forge from `bench_forge.py --vendor-from <Forge tree>`, carried, with Forge's diffusers/huggingface_hub
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
@@ -136,6 +138,11 @@ for p in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
         vendor/forge/wheels/*.whl
       PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge 540 python3 bench/bench_forge.py ;;
+    forge_eager)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
+        vendor/forge/wheels/*.whl
+      PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge_eager 420 python3 bench/bench_forge.py \
+        --eager-pairs --profile --reps 8 ;;
     forge_cn)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
         vendor/forge/wheels/*.whl
