@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..patches import emb_projections
+from ..patches import fused_modules as fm
 from ..patches.forward_patches import ForwardPatch, path_of
 from . import block_upcast, weights
 
@@ -64,10 +65,11 @@ MODES = ("fp16 copies", "as stored")
 
 
 def is_fp8_stored(m):
-    """A host Linear/Conv2d whose weight is stored in fp8 and cast per call by the host (manual cast)."""
+    """A host Linear/Conv2d whose weight is stored in fp8 and cast per call by the host (manual cast), into the
+    plain op (not a layer of a class computing in FP8 or with a checkpoint scale: fused_modules.computes_plainly)."""
     w = getattr(m, "weight", None)
     return isinstance(m, (nn.Linear, nn.Conv2d)) and w is not None and w.dtype in weights.FP8_DTYPES and \
-        bool(getattr(m, "comfy_cast_weights", False))
+        bool(getattr(m, "comfy_cast_weights", False)) and fm.computes_plainly(m)
 
 
 def plan_upcast(root, prefix="", grouped=False):

@@ -40,14 +40,16 @@ def register_linear(cls):
 
 
 def batchable(block):
-    """A ResBlock whose `emb_layers` is exactly [SiLU, Linear] and whose first conv is the last of `in_layers`."""
+    """A ResBlock whose `emb_layers` is exactly [SiLU, Linear] and whose first conv is the last of `in_layers`, both
+    computed by the host as the plain op over their weights (not a scaled-fp8 or FP8-compute Linear)."""
     emb_layers = getattr(block, "emb_layers", None)
     if not (isinstance(emb_layers, nn.Sequential) and len(emb_layers) == 2):
         return False
     act, lin = emb_layers[0], emb_layers[1]
     conv = block.in_layers[len(block.in_layers) - 1]
     return (isinstance(act, nn.SiLU) and not isinstance(act, fm.SiLUFolded)
-            and isinstance(lin, tuple(LINEAR_CLASSES)) and isinstance(conv, nn.Conv2d))
+            and isinstance(lin, tuple(LINEAR_CLASSES)) and isinstance(conv, nn.Conv2d)
+            and fm.computes_plainly(lin) and fm.computes_plainly(conv))
 
 
 class EmbProjections:

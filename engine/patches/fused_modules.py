@@ -34,6 +34,29 @@ def set_host_weight_caster(fn):
     _host_cast = fn
 
 
+_plain_casts = set()   # host hook: the host's `forward_comfy_cast_weights` functions that compute the plain op
+
+
+def set_plain_cast_forwards(fns):
+    """Register the host's own `forward_comfy_cast_weights` functions that compute the plain op (F.linear, the
+    convolution, the norm) over the weights cast to the input's dtype (ComfyUI: its disable_weight_init classes',
+    which manual_cast's inherit)."""
+    _plain_casts.update(fns)
+
+
+def computes_plainly(m):
+    """Whether host layer `m` computes the plain op over its weights as `weights_of` reads them: no checkpoint scale,
+    and where its class has a `forward_comfy_cast_weights`, one the host registered as plain (a host that registers
+    none has no other). ComfyUI's scaled-fp8 Linear multiplies its weight by `scale_weight`, and its fp8_ops Linear
+    (UNETLoader's fp8_e4m3fn_fast, on a GPU with FP8 compute) multiplies in FP8 over the input cast to fp8: SD
+    Accel computing such a layer from `weights_of` would compute another image than stock's, so it runs its own
+    forward."""
+    if getattr(m, "scale_weight", None) is not None or getattr(m, "scale_input", None) is not None:
+        return False
+    fn = getattr(type(m), "forward_comfy_cast_weights", None)
+    return fn is None or not _plain_casts or fn in _plain_casts
+
+
 def _needs_host_cast(m):
     # ComfyUI 2024 uses None/callable for weight_function, current ComfyUI a list: truthiness covers both
     return bool(getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None)
@@ -282,11 +305,13 @@ class SiLUFolded(nn.Identity):
 
 
 def is_group_norm(m):
-    return isinstance(m, nn.GroupNorm)
+    """A GroupNorm the fused kernel computes as the host does (`computes_plainly`)."""
+    return isinstance(m, nn.GroupNorm) and computes_plainly(m)
 
 
 def is_layer_norm(m):
-    return isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1
+    """A LayerNorm over the last dim the fused kernel computes as the host does (`computes_plainly`)."""
+    return isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1 and computes_plainly(m)
 
 
 def is_geglu(m):

@@ -94,8 +94,9 @@ def identity_in_this_mode(m):
 
 def plain_conv(m):
     """A Conv2d whose forward is torch's or ComfyUI's casting one (so `_conv_forward` with the weights of
-    `weights_of` is what it computes); Forge's manual-cast modules are left to their own forward."""
-    return isinstance(m, nn.Conv2d) and not getattr(m, "parameters_manual_cast", False)
+    `weights_of` is what it computes); Forge's manual-cast modules, and another ops class's (ComfyUI-GGUF's
+    dequantizing one), are left to their own forward."""
+    return isinstance(m, nn.Conv2d) and not getattr(m, "parameters_manual_cast", False) and fm.computes_plainly(m)
 
 
 def eligible(m):
@@ -113,8 +114,8 @@ def eligible(m):
     ins, out = getattr(m, "in_layers", None), getattr(m, "out_layers", None)
     if not (isinstance(ins, nn.Sequential) and isinstance(out, nn.Sequential) and len(out) == 4 and len(ins) >= 1):
         return False
-    return (isinstance(ins[len(ins) - 1], nn.Conv2d) and fm.is_group_norm(out[0]) and fm.is_silu(out[1])
-            and isinstance(out[2], (nn.Dropout, nn.Identity)) and isinstance(out[3], nn.Conv2d))
+    return (plain_conv(ins[len(ins) - 1]) and fm.is_group_norm(out[0]) and fm.is_silu(out[1])
+            and isinstance(out[2], (nn.Dropout, nn.Identity)) and plain_conv(out[3]))
 
 
 def plan_resblocks(root, prefix="", owner=None):

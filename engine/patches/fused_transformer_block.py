@@ -14,7 +14,6 @@ Any other call goes to the host's own forward, and the run report says so. The h
 calls it). Children (norms, attentions, feed-forward) are the block's own modules, called as the host calls
 them, so their own patches (fused norms, GEGLU, attention backends) apply.
 """
-from torch import nn
 
 from ...kernels._dispatch import REFERENCE, Outcome
 from ...kernels.add_layer_norm import add_layer_norm
@@ -109,8 +108,7 @@ def eligible(m):
     # Forge's block has no temporal switch (nor reads one): absent, it is off
     if getattr(m, "disable_self_attn", True) or getattr(m, "switch_temporal_ca_to_sa", False):
         return False
-    return all(isinstance(getattr(m, n, None), nn.LayerNorm) and len(getattr(m, n).normalized_shape) == 1
-               for n in ("norm2", "norm3"))
+    return all(fm.is_layer_norm(getattr(m, n, None)) for n in ("norm2", "norm3"))
 
 
 def plan_transformer_blocks(root, prefix=""):

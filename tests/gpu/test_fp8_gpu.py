@@ -21,6 +21,15 @@ def fp8_stored_unet():
     return patch_nodes.load_fp8_unet("gpu_small.safetensors")
 
 
+def fp8_fast_unet():
+    """The same UNet as UNETLoader weight_dtype fp8_e4m3fn_fast loads it: on sm_89/sm_90 ComfyUI's fp8_ops
+    Linears multiply in FP8 (`torch._scaled_mm` over the input cast to fp8)."""
+    import nodes
+    fp8_stored_unet()     # the diffusion_models folder registered
+    with torch.inference_mode():
+        return nodes.UNETLoader().load_unet("gpu_small.safetensors", "fp8_e4m3fn_fast")[0]
+
+
 def _with_lora(env, unet, strength):
     with torch.inference_mode():
         return env.nodes.LoraLoaderModelOnly().load_lora_model_only(unet, "gpu_small_lora.safetensors", strength)[0]
@@ -145,6 +154,28 @@ def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_g
     result = json.loads(lines[-1][len("RESULT "):])
     assert result == {"refusal": None, "ahead": True, "geglu_in_epilogue": True, "refused": {}, "captures": 1,
                       "replayed": True, "replay_equal": True, "chosen": "triton"}, result
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="ComfyUI multiplies in FP8 only on sm_89/sm_90 (elsewhere fast is plain fp8)")
+def test_an_fp8_fast_unet_keeps_comfyuis_fp8_multiplies_and_equals_stock(comfy_env):
+    """UNETLoader's fp8_e4m3fn_fast: ComfyUI's own FP8 matrix multiplies (a lossy choice the user made in ComfyUI)
+    stay in ours, with graphs: no fp16 copy of an fp8_ops Linear stands in for them, no shared timestep-embedding
+    GEMM reads them. Ours is stock's fast image within fp16 noise, and away from the plain fp8-stored image by
+    what FP8 compute moves it."""
+    from sd_accel.engine.fp8 import upcast
+    from sd_accel.hosts.comfyui import accelerate as host
+    host._register_host_hooks()    # ComfyUI's plain cast forwards known (what is_fp8_stored reads)
+    unet = fp8_fast_unet()
+    fast_linears = [m for m in unet.model.diffusion_model.modules()
+                    if isinstance(m, torch.nn.Linear) and not upcast.is_fp8_stored(m)]
+    assert fast_linears and type(fast_linears[0]).__qualname__.startswith("fp8_ops"), type(fast_linears[0])
+    ref, _ = _sample(comfy_env, unet, ours=False)
+    plain, _ = _sample(comfy_env, fp8_stored_unet(), ours=False)
+    out, rep = _sample(comfy_env, unet)
+    again, rep2 = _sample(comfy_env, unet)
+    assert _rel(ref, plain) > 2e-2, ("ComfyUI's FP8 compute moved the image too little to test", _rel(ref, plain))
+    assert _rel(out, ref) < 1e-2 and _rel(again, ref) < 1e-2, (_rel(out, ref), _rel(again, ref), rep["graphs"])
+    assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
 
 
 def test_an_fp8_stored_unet_kept_as_stored_replays_graphs_and_equals_stock(comfy_env):
