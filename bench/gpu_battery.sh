@@ -14,9 +14,10 @@
 # by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
 # constants swept over an SD1.5 forward's calls, ~2 min; a diagnosis, nothing for results.jsonl), forge
 # (bench_forge.py: Forge's own UNet and sampling code, stock vs SD Accel, SD1.5 512², SDXL 1024², and SD1.5 512²
-# with Forge's ControlNet, ~4 min; forge_cn: the ControlNet config alone, killed at 240 s; forge_eager: the three
-# configs' stock against SD Accel without graphs alone, rotated pairs, each variant then profiled (`--eager-pairs
-# --profile`, configs forge_eager_*), estimated 4-5 min, killed at 420 s; all three need
+# with Forge's ControlNet, ~4 min; forge_cn: the ControlNet config alone, killed at 240 s; forge_eager: SD1.5 and
+# SDXL's stock against SD Accel without graphs alone, rotated pairs, each variant then profiled (`--eager-pairs
+# --profile`, configs forge_eager_*; ~5.5 min, killed at 420 s); forge_eager_cn: the same for the ControlNet config,
+# not profiled (its rounds take ~1 s a run: ~3 min, killed at 300 s); all four need
 # vendor/forge from `bench_forge.py --vendor-from <Forge tree>`, carried, with Forge's diffusers/huggingface_hub
 # wheels in vendor/forge/wheels), patches (bench_patches.py's fresh pass: each ComfyUI patch node, stock vs ours vs
 # ours without graphs; its --deadline stops starting configs at 320 s, the part is killed at 360 s),
@@ -142,7 +143,12 @@ for p in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
         vendor/forge/wheels/*.whl
       PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge_eager 420 python3 bench/bench_forge.py \
-        --eager-pairs --profile --reps 8 ;;
+        --eager-pairs --profile --reps 8 --configs sd15_512_b1,sdxl_1024_b1 ;;
+    forge_eager_cn)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
+        vendor/forge/wheels/*.whl
+      PYTHONPATH=/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH} part forge_eager_cn 300 python3 bench/bench_forge.py \
+        --eager-pairs --reps 8 --configs sd15_512_b1_cn ;;
     forge_cn)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/forge_site \
         vendor/forge/wheels/*.whl
