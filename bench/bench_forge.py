@@ -464,7 +464,8 @@ def profile_run(name, variant, fn):
     sync()
     pr.disable()
     wall = time.perf_counter() - t0
-    if variant in ("stock", "held_stock"):   # the pair that differs by host time alone (a device call returns few files)
+    # the pair that differs by host time alone (a device call brings few files back)
+    if variant in ("stock", "held_stock"):
         os.makedirs(OPT.out, exist_ok=True)
         pr.dump_stats(os.path.join(OPT.out, "profile_%s_%s.pstats" % (name, variant)))
     text = io.StringIO()
