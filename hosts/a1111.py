@@ -48,13 +48,15 @@ A1111Options = webui.WebUIOptions
 # -- per UNet state -------------------------------------------------------------------------------
 
 class _UnetState:
-    def __init__(self):
+    def __init__(self, stock_channels_last=False):
         self.backup = {}          # path -> original module (what `restore` puts back)
         self.replacements = {}    # path -> our module
         self.counts = {}
         self.keys = None          # state_dict keys before the first patch
         self.keys_ok = None
-        self.channels_last = False
+        # A1111's --opt-channelslast loads the conv weights channels_last: then they always are
+        self.stock_channels_last = stock_channels_last
+        self.channels_last = stock_channels_last
         self.graphs = None
         self.epoch = None
         self.structure = None     # (epoch, signature) cache for the graph key
@@ -69,7 +71,7 @@ _STATE_ATTR = "_sd_accel_state"
 
 
 def _state(unet):
-    return state_on(unet, _STATE_ATTR, _UnetState)
+    return state_on(unet, _STATE_ATTR, lambda: _UnetState(patching.loaded_channels_last(unet)))
 
 
 def _on_cuda(unet):
@@ -199,6 +201,7 @@ def remove_fused(unet):
 
 
 def _set_channels_last(unet, st, on):
+    on = on or st.stock_channels_last    # "off" is stock's layout
     if on == st.channels_last:
         return 0
     fmt = torch.channels_last if on else torch.contiguous_format
@@ -242,7 +245,8 @@ def apply(unet, options, ops=patching.ALL_OPS, lowvram=False):
 
 
 def remove(unet):
-    """Everything back as loaded: original modules and forwards, contiguous conv weights, no graphs."""
+    """Everything back as loaded: original modules and forwards, conv weights in the layout they were loaded in,
+    no graphs."""
     n = remove_fused(unet)
     st = unet.__dict__.get(_STATE_ATTR)
     if st is not None:

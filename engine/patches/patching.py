@@ -146,6 +146,17 @@ def convert_conv_weights(root, memory_format=torch.channels_last):
     return n
 
 
+def loaded_channels_last(root):
+    """Whether `root`'s conv weights are channels_last as the host loaded them (ComfyUI's --force-channels-last,
+    A1111's --opt-channelslast): then that is stock's layout, which SD Accel's runs leave them in. Read when SD
+    Accel first meets the model, before it converts anything; a 1x1 kernel is contiguous in both layouts, so the
+    others tell."""
+    spatial = [m.weight for m in root.modules() if isinstance(m, nn.Conv2d) and m.weight is not None
+               and m.weight.dim() == 4 and m.weight.shape[-1] * m.weight.shape[-2] > 1]
+    return bool(spatial) and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+                                 for w in spatial)
+
+
 def _relayout_data(t, memory_format):
     """`t`'s data in `memory_format` in its own storage (`relayout_in_place`), the tensor object kept; 1 if it changed.
     New data of the same kind as the old (weights loaded under inference_mode have no version counter): a graph's

@@ -80,7 +80,9 @@ class _ModelState:
         self.graphs = StepGraphs(base_model, name=type(base_model).__name__,
                                  token_module=base_model.diffusion_model)
         self.channels_last_done = False   # the graphs were captured over channels_last conv weights
-        self.channels_last_now = False    # the weights are in that layout now (only during our sampling runs)
+        # stock's layout is channels_last (ComfyUI's --force-channels-last): the weights then always are
+        self.stock_channels_last = patching.loaded_channels_last(base_model.diffusion_model)
+        self.channels_last_now = self.stock_channels_last    # the weights are in that layout now
         self.epoch = None      # set per sampling run by Accelerated KSampler
         self.sampling_placed = None   # the run whose model_sampling placement was checked
         self.stock_blocks = blocks = stock_blocks.StockBlocks()

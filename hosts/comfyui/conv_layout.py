@@ -4,9 +4,11 @@ The UNet's graphs are captured over channels_last conv weights (converted in pla
 hosts/comfyui/accelerate.py). The loaded model is the user's: stock KSampler and every other node run it too,
 and on channels_last weights ComfyUI's own step runs slower (bench/RESULTS.md). So the weights are in that layout
 only during our runs: converted at a run's first step, back after it (`back_to_stock_layout`, at the run's
-end). Each conversion is a copy of the conv weights into their own storage (a few ms for SDXL's on a fast
-GPU); the graphs stay valid, their pointers unchanged. A VAE's weights are in that layout only during each decode or
-encode of its accelerated copy (`stock_layout_between_calls`).
+end). Stock's layout is the one the model was loaded in (`patching.loaded_channels_last`: channels_last under
+ComfyUI's --force-channels-last, where nothing is converted either way). Each conversion is a copy of the conv
+weights into their own storage (a few ms for SDXL's on a fast GPU); the graphs stay valid, their pointers unchanged.
+A VAE's weights are in that layout only during each decode or encode of its accelerated copy
+(`stock_layout_between_calls`).
 """
 import functools
 import logging
@@ -27,7 +29,10 @@ def set_layout(st, base_model, channels_last):
     (on channels_last weights ComfyUI's own step runs slower: bench/RESULTS.md). Weights a VRAM Pool streams keep
     the layout: their host copies would be rewritten every run."""
     unet = base_model.diffusion_model
-    if st.channels_last_now == channels_last or residency.streamer_of(unet) is not None:
+    if residency.streamer_of(unet) is not None:
+        return
+    channels_last = channels_last or st.stock_channels_last
+    if st.channels_last_now == channels_last:
         return
     weights = list(_conv_weights(unet))
     if not weights or (channels_last and not all(w.is_cuda for w in weights)):

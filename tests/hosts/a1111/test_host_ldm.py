@@ -209,3 +209,16 @@ def test_channels_last_only_with_the_graphs(stock_kernels, monkeypatch):
     for graphs, cl in ((False, False), (True, True), (False, False)):
         s = a1111.apply(unet, a1111.A1111Options(cuda_graph=graphs))
         assert s["channels_last"] is cl and all(w.is_contiguous() is not cl for w in spatial), graphs
+
+
+def test_a_unet_loaded_channels_last_stays_so(stock_kernels, monkeypatch):
+    """A1111's --opt-channelslast loads the UNet channels_last (`sd_model.to(memory_format=torch.channels_last)`):
+    that is stock's layout, and SD Accel leaves it so with graphs off, on and off again, and when removed."""
+    monkeypatch.setattr(a1111, "_on_cuda", lambda unet: True)
+    unet = make_unet().to(memory_format=torch.channels_last)
+    spatial = [m.weight for m in unet.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
+    for graphs in (False, True, False):
+        s = a1111.apply(unet, a1111.A1111Options(cuda_graph=graphs))
+        assert s["channels_last"] is True and not any(w.is_contiguous() for w in spatial), graphs
+    a1111.remove(unet)
+    assert not any(w.is_contiguous() for w in spatial)

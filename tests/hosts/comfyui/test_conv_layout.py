@@ -2,6 +2,7 @@
 over channels_last conv weights (on a GPU, before the first capture), and stock KSampler or any other node that
 runs the same loaded model must find it as without SD Accel. In process through the node, on both ComfyUIs: the
 state a GPU run leaves (weights converted, graphs captured over them) is set directly, as no capture runs here."""
+import pytest
 import torch
 from torch import nn
 
@@ -122,3 +123,40 @@ def test_steps_run_in_the_graphs_layout_only_while_the_model_may_replay_a_graph(
         assert seen and all(s is expect_channels_last for s in seen), (refused, seen)
         assert all(w.is_contiguous() for w in _convs(model))   # after the run, stock's layout either way
         torch.testing.assert_close(out["result"][0]["samples"], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_under_force_channels_last_stocks_layout_stays_channels_last(tmp_path, monkeypatch):
+    """ComfyUI's --force-channels-last loads the UNet's conv weights channels_last, and stock KSampler runs on that
+    layout: SD Accel's runs leave it so (put "back" to contiguous, stock's next runs met another layout than
+    without SD Accel), and our graphs, captured over channels_last, need no conversion."""
+    comfy_inproc.fixtures_module()    # ComfyUI importable
+    import comfy.cli_args
+    import comfy.model_management as mm
+    if not hasattr(mm, "force_channels_last"):
+        pytest.skip("this ComfyUI (2024) has no --force-channels-last")
+    monkeypatch.setattr(comfy.cli_args.args, "force_channels_last", True)
+    model, cond, latent, ref = _model_cond_latent_and_stock(tmp_path)
+    spatial = [w for w in _convs(model) if w.shape[-1] > 1]
+    assert spatial and not any(w.is_contiguous() for w in spatial), "ComfyUI did not load the UNet channels_last"
+    from sd_accel.engine.graphs import probe
+    from sd_accel.hosts.comfyui import accelerate
+    from sd_accel.nodes.sampler_nodes import SDAccelKSampler
+    st = accelerate._state(model.model)
+    st.channels_last_done = st.channels_last_now = True    # as a GPU run's capture leaves it
+    v = st.graphs._verdict(("a key seen on the GPU",))
+    v.probed, v.result = 2, probe.Verdict(None)
+    with torch.inference_mode():
+        storages = [w.data_ptr() for w in spatial]
+        out = SDAccelKSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)
+        again = nodes_ksampler(model, cond, latent)
+    assert all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in spatial), \
+        "the weights were left out of stock's layout"
+    assert st.channels_last_now
+    assert [w.data_ptr() for w in spatial] == storages
+    torch.testing.assert_close(out["result"][0]["samples"], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(again, ref, atol=0, rtol=0)
+
+
+def nodes_ksampler(model, cond, latent):
+    import nodes
+    return nodes.KSampler().sample(model, 1, 2, 7.0, "euler", "normal", cond, cond, latent)[0]["samples"]
