@@ -173,8 +173,11 @@ def test_an_fp8_fast_unet_keeps_comfyuis_fp8_multiplies_and_equals_stock(comfy_e
     plain, _ = _sample(comfy_env, fp8_stored_unet(), ours=False)
     out, rep = _sample(comfy_env, unet)
     again, rep2 = _sample(comfy_env, unet)
-    assert _rel(ref, plain) > 2e-2, ("ComfyUI's FP8 compute moved the image too little to test", _rel(ref, plain))
-    assert _rel(out, ref) < 1e-2 and _rel(again, ref) < 1e-2, (_rel(out, ref), _rel(again, ref), rep["graphs"])
+    # FP8 compute moves this small model's 6-step latent by ~0.1 from fp16's (FP8_TOL); ours, computing the fp8_ops
+    # Linears in fp16 (the bug this guards), would sit there. Both sides round activations to fp8, where fp16 noise
+    # before a rounding can flip it: the tolerance is wider than fp16's, and well inside the effect.
+    assert _rel(ref, plain) > 5e-2, ("ComfyUI's FP8 compute moved the image too little to test", _rel(ref, plain))
+    assert _rel(out, ref) < 3e-2 and _rel(again, ref) < 3e-2, (_rel(out, ref), _rel(again, ref), rep["graphs"])
     assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
 
 
