@@ -11,13 +11,17 @@ FP8_GPU = torch.cuda.get_device_capability() in ((8, 9), (9, 0))
 FP8_TOL = 0.15     # the small random checkpoint's final latent after 6 steps, fp8 vs fp16
 
 
-def fp8_stored_unet():
-    """The small GPU checkpoint's UNet loaded as UNETLoader weight_dtype fp8_e4m3fn loads it."""
+def _checkpoints_as_diffusion_models():
     import os
     import folder_paths
-    import patch_nodes
     from test_graphs_gpu import WORK
     folder_paths.add_model_folder_path("diffusion_models", os.path.join(WORK, "checkpoints"), is_default=True)
+
+
+def fp8_stored_unet():
+    """The small GPU checkpoint's UNet loaded as UNETLoader weight_dtype fp8_e4m3fn loads it."""
+    import patch_nodes
+    _checkpoints_as_diffusion_models()
     return patch_nodes.load_fp8_unet("gpu_small.safetensors")
 
 
@@ -25,7 +29,7 @@ def fp8_fast_unet():
     """The same UNet as UNETLoader weight_dtype fp8_e4m3fn_fast loads it: on sm_89/sm_90 ComfyUI's fp8_ops
     Linears multiply in FP8 (`torch._scaled_mm` over the input cast to fp8)."""
     import nodes
-    fp8_stored_unet()     # the diffusion_models folder registered
+    _checkpoints_as_diffusion_models()
     with torch.inference_mode():
         return nodes.UNETLoader().load_unet("gpu_small.safetensors", "fp8_e4m3fn_fast")[0]
 
