@@ -55,20 +55,15 @@ def _register_host_hooks():
     try:
         import comfy.ops
         fused_modules.set_host_weight_caster(comfy.ops.cast_bias_weight)
+        fused_modules.set_plain_cast_forwards(_plain_cast_forwards(comfy.ops))
     except Exception as e:  # noqa: BLE001 - an old host without cast_bias_weight: plain weights only
         log.info("[SD Accel] comfy.ops.cast_bias_weight unavailable (%s); low-VRAM casting off", e)
-    fused_modules.set_plain_cast_forwards(_plain_cast_forwards())
 
 
-def _plain_cast_forwards():
+def _plain_cast_forwards(ops):
     """ComfyUI's own cast-then-compute forwards: its disable_weight_init classes' (manual_cast's inherit them).
     Another ops class's (fp8_ops, scaled fp8, a pack's) computes otherwise and keeps its layers' forwards."""
-    try:
-        import comfy.ops
-    except Exception:  # noqa: BLE001 - not inside ComfyUI
-        return ()
-    classes = [getattr(comfy.ops.disable_weight_init, n) for n in dir(comfy.ops.disable_weight_init)
-               if isinstance(getattr(comfy.ops.disable_weight_init, n), type)]
+    classes = [c for c in vars(ops.disable_weight_init).values() if isinstance(c, type)]
     return [c.__dict__["forward_comfy_cast_weights"] for c in classes if "forward_comfy_cast_weights" in c.__dict__]
 
 

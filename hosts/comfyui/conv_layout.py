@@ -29,10 +29,8 @@ def set_layout(st, base_model, channels_last):
     (on channels_last weights ComfyUI's own step runs slower: bench/RESULTS.md). Weights a VRAM Pool streams keep
     the layout: their host copies would be rewritten every run."""
     unet = base_model.diffusion_model
-    if residency.streamer_of(unet) is not None:
-        return
     channels_last = channels_last or st.stock_channels_last
-    if st.channels_last_now == channels_last:
+    if st.channels_last_now == channels_last or residency.streamer_of(unet) is not None:
         return
     weights = list(_conv_weights(unet))
     if not weights or (channels_last and not all(w.is_cuda for w in weights)):
