@@ -160,28 +160,24 @@ def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_g
                       "replayed": True, "replay_equal": True, "chosen": "triton"}, result
 
 
-@pytest.mark.skipif(not FP8_GPU, reason="ComfyUI multiplies in FP8 only on sm_89/sm_90 (elsewhere fast is plain fp8)")
-def test_an_fp8_fast_unet_keeps_comfyuis_fp8_multiplies_and_equals_stock(comfy_env):
-    """UNETLoader's fp8_e4m3fn_fast: ComfyUI's own FP8 matrix multiplies (a lossy choice the user made in ComfyUI)
-    stay in ours, with graphs: no fp16 copy of an fp8_ops Linear stands in for them, no shared timestep-embedding
-    GEMM reads them. Ours is stock's fast image within fp16 noise, and away from the plain fp8-stored image by
-    what FP8 compute moves it."""
+@pytest.mark.skipif(not FP8_GPU, reason="ComfyUI's fp8_ops run only on sm_89/sm_90 (elsewhere fast is plain fp8)")
+def test_an_fp8_fast_unet_keeps_comfyuis_own_linears_and_equals_stock(comfy_env):
+    """UNETLoader's fp8_e4m3fn_fast: the Linears are ComfyUI's fp8_ops, which multiply in FP8 where ComfyUI's own
+    test lets them (`not self.training`, and `fp8_linear` succeeding); SD Accel leaves them their own forward (no
+    fp16 copy, no shared timestep-embedding GEMM), so ours is stock's image, whichever way they compute, with
+    graphs. (ComfyUI 0.3.64 leaves the UNet in training mode: there stock's fast image equals the plain fp8 one,
+    so this cannot tell a lost FP8 multiply; test_scaled_fp8_checkpoint.py checks the plan on the CPU.)"""
     from sd_accel.engine.fp8 import upcast
     from sd_accel.hosts.comfyui import accelerate as host
     host._register_host_hooks()    # ComfyUI's plain cast forwards known (what is_fp8_stored reads)
     unet = fp8_fast_unet()
-    fast_linears = [m for m in unet.model.diffusion_model.modules()
-                    if isinstance(m, torch.nn.Linear) and not upcast.is_fp8_stored(m)]
-    assert fast_linears and type(fast_linears[0]).__qualname__.startswith("fp8_ops"), type(fast_linears[0])
+    linears = [m for m in unet.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m).__qualname__.startswith("fp8_ops") for m in linears), type(linears[0])
+    assert not any(upcast.is_fp8_stored(m) for m in linears)
     ref, _ = _sample(comfy_env, unet, ours=False)
-    plain, _ = _sample(comfy_env, fp8_stored_unet(), ours=False)
     out, rep = _sample(comfy_env, unet)
     again, rep2 = _sample(comfy_env, unet)
-    # FP8 compute moves this small model's 6-step latent by ~0.1 from fp16's (FP8_TOL); ours, computing the fp8_ops
-    # Linears in fp16 (the bug this guards), would sit there. Both sides round activations to fp8, where fp16 noise
-    # before a rounding can flip it: the tolerance is wider than fp16's, and well inside the effect.
-    assert _rel(ref, plain) > 5e-2, ("ComfyUI's FP8 compute moved the image too little to test", _rel(ref, plain))
-    assert _rel(out, ref) < 3e-2 and _rel(again, ref) < 3e-2, (_rel(out, ref), _rel(again, ref), rep["graphs"])
+    assert _rel(out, ref) < 2e-2 and _rel(again, ref) < 2e-2, (_rel(out, ref), _rel(again, ref), rep["graphs"])
     assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
 
 
