@@ -19,6 +19,9 @@ then), a warm-up and --reps runs each in that order, the peak VRAM allocated ove
 (warm-up and capture included). Config `fp8_stored_peaks_<family>`; its speeds are not rotated, so the speed
 records are the default mode's.
 
+`--weight-dtype fp8_e4m3fn_fast` loads the fp8 UNets as UNETLoader's fast choice does (ComfyUI's fp8_ops Linears;
+configs *_fast).
+
 `--profile` then runs one accelerated image of each UNet under torch's profiler and prints the CUDA kernels by GPU
 time side by side (a diagnosis: which kernels make a difference between the two), with the layouts of the conv
 weights and of their kept fp16 copies (engine/fp8/weights.py).
@@ -42,6 +45,8 @@ cb.add_common_args(ap, deadline=300.0)
 ap.add_argument("--families", default="sd15")
 ap.add_argument("--steps", type=int, default=None, help="default 20 (3 with --smoke)")
 ap.add_argument("--profile", action="store_true", help="also the kernels by GPU time of one image each")
+ap.add_argument("--weight-dtype", default="fp8_e4m3fn", choices=("fp8_e4m3fn", "fp8_e4m3fn_fast"),
+                help="UNETLoader's weight_dtype for the fp8 loads (fast: ComfyUI's fp8_ops Linears; configs *_fast)")
 ap.add_argument("--peaks", action="store_true", help="the peak VRAM of stock, 'as stored' and 'fp16 copies' instead")
 OPT = ap.parse_args()
 if OPT.steps is None:
@@ -54,6 +59,7 @@ folder_paths.add_model_folder_path("diffusion_models", os.path.join(OPT.work, "c
 torch = ENV.torch
 say = cb.say
 LINES = []
+SUFFIX = "_fast" if OPT.weight_dtype == "fp8_e4m3fn_fast" else ""
 # variant: (model, sampler, Accelerated KSampler inputs)
 VARIANTS = {"stock": ("fp8_stored", "stock", None), "ours": ("fp8_stored", "ours", None),
             "ours_as_stored": ("fp8_stored_2", "ours", {"fp8_weights": "as stored"}),
@@ -108,8 +114,8 @@ def measure(family, vers):
     # "as stored" samples a UNet loaded a second time: on the same one the two variants' graphs (one per set of
     # modules) would take each other's place at every rotation, a capture per run that no user with one setting has
     name = "random_%s_fp16.safetensors" % family
-    models = {"fp16": fp16_model, "fp8_stored": patch_nodes.load_fp8_unet(name),
-              "fp8_stored_2": patch_nodes.load_fp8_unet(name)}
+    models = {"fp16": fp16_model, "fp8_stored": patch_nodes.load_fp8_unet(name, OPT.weight_dtype),
+              "fp8_stored_2": patch_nodes.load_fp8_unet(name, OPT.weight_dtype)}
     size = size_of(family)
 
     def run(variant, seed):
@@ -126,8 +132,8 @@ def measure(family, vers):
     for v in VARIANTS:
         out("%-10s %-10s %8.2f it/s (runs: %s)" % (family, v, its[v], ", ".join(
             "%.1f" % (OPT.steps / r["sample_s"]) for r in runs[v])))
-    rec = dict(vers, date=datetime.date.today().isoformat(), config="fp8_stored_%s_%d_b1" % (family, size),
-               steps=OPT.steps, sampler="euler", scheduler="normal", cfg=7.0,
+    rec = dict(vers, date=datetime.date.today().isoformat(), config="fp8_stored_%s_%d_b1%s" % (family, size, SUFFIX),
+               weight_dtype=OPT.weight_dtype, steps=OPT.steps, sampler="euler", scheduler="normal", cfg=7.0,
                stock_its=round(its["stock"], 2), ours_its=round(its["ours"], 2),
                speedup=round(its["ours"] / its["stock"], 3), fp16_ours_its=round(its["fp16_ours"], 2),
                ratio_vs_fp16=round(its["ours"] / its["fp16_ours"], 3),
@@ -144,9 +150,9 @@ def measure(family, vers):
                ours_peak_gib=round(max(r["peak_gib"] for r in runs["ours"]), 3),
                psnr_db=round(cb.psnr(first["stock"]["img"], first["ours"]["img"]), 2),
                graphs=all("cuda_graph (" in (r["line"] or "") for r in runs["ours"]),
-               notes="UNETLoader fp8_e4m3fn and the checkpoint's fp16 UNet both resident; stock KSampler and the "
+               notes="UNETLoader %s and the checkpoint's fp16 UNet both resident; stock KSampler and the "
                      "Accelerated KSampler (defaults) on the fp8 UNet, the Accelerated KSampler on the fp16 one, %d "
-                     "rotated reps; ours fp8-stored: %s%s" % (OPT.reps, (runs["ours"][-1]["line"] or "")[:400],
+                     "rotated reps; ours fp8-stored: %s%s" % (OPT.weight_dtype, OPT.reps, (runs["ours"][-1]["line"] or "")[:400],
                                                               "; smoke (CPU, tiny UNet)" if OPT.smoke else ""))
     if OPT.profile:
         profile(family, models, clip, vae)
@@ -156,7 +162,7 @@ def measure(family, vers):
 def peaks(family, vers):
     """--peaks: stock, "as stored", "fp16 copies" in that order on one load of the fp8 UNet (see the docstring)."""
     _, clip, vae = cb.load_family(ENV, OPT, family, {})     # its fp16 UNet is never sampled: never on the GPU
-    model = patch_nodes.load_fp8_unet("random_%s_fp16.safetensors" % family)
+    model = patch_nodes.load_fp8_unet("random_%s_fp16.safetensors" % family, OPT.weight_dtype)
     size = size_of(family)
     variants = (("stock", "stock", None), ("as_stored", "ours", {"fp8_weights": "as stored"}), ("copies", "ours", None))
     runs = {}
@@ -170,7 +176,8 @@ def peaks(family, vers):
     weights_gib = sum(p.numel() * p.element_size() for p in model.model.diffusion_model.parameters()) / 2 ** 30
     its = {n: OPT.steps / statistics.median(x["sample_s"] for x in r[1:]) for n, r in runs.items()}
     peak = {n: max(x["peak_gib"] for x in r) for n, r in runs.items()}
-    return dict(vers, date=datetime.date.today().isoformat(), config="fp8_stored_peaks_%s_%d_b1" % (family, size),
+    config = "fp8_stored_peaks_%s_%d_b1%s" % (family, size, SUFFIX)
+    return dict(vers, date=datetime.date.today().isoformat(), config=config, weight_dtype=OPT.weight_dtype,
                 steps=OPT.steps, sampler="euler", scheduler="normal", cfg=7.0,
                 unet_weights_gib=round(weights_gib, 3), stock_peak_gib=round(peak["stock"], 3),
                 as_stored_peak_gib=round(peak["as_stored"], 3), copies_peak_gib=round(peak["copies"], 3),

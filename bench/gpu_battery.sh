@@ -76,7 +76,8 @@
 # fp8_stored (bench_fp8_stored.py: SD1.5 512², the fp8-stored UNet through stock and ours and the fp16 one through
 # ours, rotated, then the kernels by GPU time of one image each; ~2 min, killed at 240 s), fp8_stored_peaks
 # (bench_fp8_stored.py --peaks: the fp8 UNet alone, stock then ours "as stored" then ours with fp16 copies, the peak
-# VRAM of each; ~1.5 min, killed at 200 s), as_stored_replay (bench_as_stored_replay.py: a UNet call's GPU time in
+# VRAM of each; ~1.5 min, killed at 200 s), fp8_stored_fast (fp8_stored's rotated speeds with UNETLoader's
+# fp8_e4m3fn_fast loads, not profiled; configs *_fast; ~1.5 min, killed at 240 s), as_stored_replay (bench_as_stored_replay.py: a UNet call's GPU time in
 # graph replay, stock vs fp16 copies vs "as stored", SD1.5 512² and SDXL 1024²; ~1.5 min with the SDXL build, killed
 # at 200 s),
 # eager (bench_eager.py: stock vs ours where graphs do not run, SD1.5 512² b1 and SDXL 1024² b1, 12 rotated reps;
@@ -257,6 +258,8 @@ for p in "$@"; do
     eager_sdxl_patches) part eager_sdxl_patches 300 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 \
       --families sdxl --patches EasyCache,PerturbedAttentionGuidance --deadline 230 ;;
     fp8_stored) part fp8_stored 240 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 6 --profile ;;
+    fp8_stored_fast) part fp8_stored_fast 240 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 6 \
+      --weight-dtype fp8_e4m3fn_fast ;;
     fp8_stored_peaks) part fp8_stored_peaks 200 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 3 --peaks ;;
     as_stored_replay) part as_stored_replay 200 python3 bench/bench_as_stored_replay.py --comfy-dir $COMFY --reps 5 \
       --families sd15,sdxl ;;

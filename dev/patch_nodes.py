@@ -144,12 +144,13 @@ def provide_hypernetwork(folder):
     folder_paths.add_model_folder_path("hypernetworks", folder, is_default=True)
 
 
-def load_fp8_unet(unet_name):
-    """UNETLoader with weight_dtype fp8_e4m3fn (current ComfyUI loads a checkpoint's UNet this way too)."""
+def load_fp8_unet(unet_name, weight_dtype="fp8_e4m3fn"):
+    """UNETLoader with weight_dtype fp8_e4m3fn (current ComfyUI loads a checkpoint's UNet this way too), or another
+    of its fp8 choices (fp8_e4m3fn_fast: ComfyUI's fp8_ops Linears on sm_89/sm_90)."""
     import torch
     import nodes
     with torch.inference_mode():
-        return nodes.UNETLoader().load_unet(unet_name, "fp8_e4m3fn")[0]
+        return nodes.UNETLoader().load_unet(unet_name, weight_dtype)[0]
 
 
 def add_capture_breaking_patch(model):
