@@ -152,8 +152,9 @@ def measure(family, vers):
                graphs=all("cuda_graph (" in (r["line"] or "") for r in runs["ours"]),
                notes="UNETLoader %s and the checkpoint's fp16 UNet both resident; stock KSampler and the "
                      "Accelerated KSampler (defaults) on the fp8 UNet, the Accelerated KSampler on the fp16 one, %d "
-                     "rotated reps; ours fp8-stored: %s%s" % (OPT.weight_dtype, OPT.reps, (runs["ours"][-1]["line"] or "")[:400],
-                                                              "; smoke (CPU, tiny UNet)" if OPT.smoke else ""))
+                     "rotated reps; ours fp8-stored: %s%s" % (
+                         OPT.weight_dtype, OPT.reps, (runs["ours"][-1]["line"] or "")[:400],
+                         "; smoke (CPU, tiny UNet)" if OPT.smoke else ""))
     if OPT.profile:
         profile(family, models, clip, vae)
     return rec
