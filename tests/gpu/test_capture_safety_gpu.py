@@ -17,6 +17,7 @@ PRELUDE = textwrap.dedent("""
     import sys, types, torch
     pkg = types.ModuleType("sd_accel"); pkg.__path__ = [sys.argv[1]]; sys.modules["sd_accel"] = pkg
     from sd_accel.engine.graphs.step_graphs import StepGraphs
+    torch.set_grad_enabled(False)   # as hosts sample; under autograd StepGraphs runs the stock step by design
     assert torch.cuda.get_allocator_backend() == "cudaMallocAsync", torch.cuda.get_allocator_backend()
     torch.manual_seed(0)
     net = torch.nn.Linear(256, 256).cuda()
