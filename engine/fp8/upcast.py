@@ -25,6 +25,15 @@ class UpcastForward(ForwardPatch):
     # than stock's own
     on_stock_path = True
 
+    def __init__(self, module):
+        super().__init__(module)
+        # a layer that computes the plain op only in training mode (fused_modules.computes_plainly_in_training):
+        # in eval mode its own forward runs
+        self.sdaccel_needs_training = fm.computes_plainly_in_training(module)
+
+    def plain_now(self):
+        return not self.sdaccel_needs_training or self.module.training
+
     def compute(self, x):
         wb = self.sdaccel_weights(x)
         if wb is None:
@@ -35,7 +44,7 @@ class UpcastForward(ForwardPatch):
 
     def sdaccel_weights(self, x):
         """(fp16 weight, bias) in x's dtype from the kept copy, or None where the host's cast must run."""
-        return weights.kept_upcast(self.module, x)
+        return weights.kept_upcast(self.module, x) if self.plain_now() else None
 
 
 class GroupedUpcastForward(UpcastForward):
@@ -47,12 +56,12 @@ class GroupedUpcastForward(UpcastForward):
         self.group = group
 
     def sdaccel_weights(self, x):
-        return self.group.weights(self.module, x)
+        return self.group.weights(self.module, x) if self.plain_now() else None
 
     def sdaccel_bias(self, x):
         """(bias in x's dtype,) without casting the group (a reader of the bias alone: engine/patches/
         emb_projections.py, for every ResBlock at the first), or None where the host must cast it."""
-        if not block_upcast.castable(self.module, x):
+        if not block_upcast.castable(self.module, x) or not self.plain_now():
             return None
         b = self.module.bias
         return (b if b is None or b.dtype == x.dtype else weights.upcast_of(b, x.dtype)[0],)
@@ -66,10 +75,12 @@ MODES = ("fp16 copies", "as stored")
 
 def is_fp8_stored(m):
     """A host Linear/Conv2d whose weight is stored in fp8 and cast per call by the host (manual cast), into the
-    plain op (not a layer of a class computing in FP8 or with a checkpoint scale: fused_modules.computes_plainly)."""
+    plain op (not a layer of a class computing in FP8 or with a checkpoint scale: fused_modules.computes_plainly;
+    one that computes in FP8 in eval mode only counts while in training mode, and its patch checks at each call)."""
     w = getattr(m, "weight", None)
     return isinstance(m, (nn.Linear, nn.Conv2d)) and w is not None and w.dtype in weights.FP8_DTYPES and \
-        bool(getattr(m, "comfy_cast_weights", False)) and fm.computes_plainly(m)
+        bool(getattr(m, "comfy_cast_weights", False)) and \
+        (fm.computes_plainly(m) or (m.training and fm.computes_plainly_in_training(m)))
 
 
 def plan_upcast(root, prefix="", grouped=False):

@@ -17,6 +17,10 @@ That per-step check compares the slots' objects by `id()` in one C-level pass: s
 last full read is weakly referenced with a callback that marks the read stale when one dies, so while none has
 died no other object can hold one of their ids.
 
+The module's and the token module's train/eval modes are part of it too: a layer may compute otherwise in one
+than the other (ComfyUI's fp8_ops Linear multiplies in FP8 only in eval mode), so a `.eval()` or `.train()` on the
+model after a capture is a change a replay must not miss.
+
 Weights a block streamer keeps in fixed GPU places (engine/memory/offload.py) change where the fingerprint cannot see
 them: the module's residency token (engine/memory/residency.py) is part of the fingerprint.
 """
@@ -82,8 +86,9 @@ class WeightsFingerprint:
         tensors = self.tensors()
         last = self._last
         token = residency.token_of(self.token_module)
-        if (last is not None and not last.dead and last.result[0][2] is token and list(map(id, tensors)) == last.ids
-                and all(version_of(tensors[i]) == v for i, v in last.versioned)):
+        modes = (self.module.training, self.token_module.training)
+        if (last is not None and not last.dead and last.result[0][2] is token and last.result[0][3] == modes
+                and list(map(id, tensors)) == last.ids and all(version_of(tensors[i]) == v for i, v in last.versioned)):
             return last.result
         dead = []
         mark = _marker(dead)
@@ -103,7 +108,7 @@ class WeightsFingerprint:
                 versioned.append((i, version))
             refs.append(weakref.ref(t, mark))
             out.append((t.data_ptr(), version, t.dtype))
-        result = (_Identity(self.tree + tuple(refs)), tuple(out), token), all_cuda
+        result = (_Identity(self.tree + tuple(refs)), tuple(out), token, modes), all_cuda
         if epoch is not None:
             self._last = _Read(list(map(id, tensors)), versioned, result, dead)
         return result

@@ -35,13 +35,16 @@ def set_host_weight_caster(fn):
 
 
 _plain_casts = set()   # host hook: the host's `forward_comfy_cast_weights` functions that compute the plain op
+_plain_in_training = set()   # host hook: those that compute it only while their module is in training mode
 
 
-def set_plain_cast_forwards(fns):
+def set_plain_cast_forwards(fns, in_training=()):
     """Register the host's own `forward_comfy_cast_weights` functions that compute the plain op (F.linear, the
     convolution, the norm) over the weights cast to the input's dtype (ComfyUI: its disable_weight_init classes',
-    which manual_cast's inherit)."""
+    which manual_cast's inherit), and `in_training`: those that do so only in training mode (ComfyUI's fp8_ops
+    Linear multiplies in FP8 in eval mode only)."""
     _plain_casts.update(fns)
+    _plain_in_training.update(in_training)
 
 
 def computes_plainly(m):
@@ -55,6 +58,15 @@ def computes_plainly(m):
         return False
     fn = getattr(type(m), "forward_comfy_cast_weights", None)
     return fn is None or not _plain_casts or fn in _plain_casts
+
+
+def computes_plainly_in_training(m):
+    """Whether host layer `m` is of a class that computes the plain op only while `m.training` is set. No fused
+    module reads such a layer's weights (`computes_plainly` is False for it); only a forward patch that checks the
+    mode at each call may (engine/fp8/upcast.py), and graphs see a change of mode (engine/graphs/fingerprint.py)."""
+    if getattr(m, "scale_weight", None) is not None or getattr(m, "scale_input", None) is not None:
+        return False
+    return getattr(type(m), "forward_comfy_cast_weights", None) in _plain_in_training
 
 
 def _needs_host_cast(m):

@@ -128,3 +128,22 @@ def test_weights_made_under_inference_mode_and_moved_outside_it_are_read_without
     assert version_of(w8) is None
     copy = weights.upcast_of(w8, torch.float16)[0]
     assert torch.equal(copy, w8.to(torch.float16)) and weights.upcast_of(w8, torch.float16)[0] is copy
+
+
+def test_a_switch_between_train_and_eval_mode_is_seen_within_the_run_and_switching_back_matches_again():
+    """A layer may compute otherwise in eval mode (ComfyUI's fp8_ops Linear multiplies in FP8 only there): a graph
+    captured in one mode must not replay in the other, whether the model or its token module (the UNet) switches."""
+    unet = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    base = torch.nn.Module()
+    base.diffusion_model = unet
+    fp = WeightsFingerprint(base, token_module=unet)
+    e = object()
+    f_train, _ = fp.read(e)
+    assert fp.read(e)[0] == f_train
+    unet.eval()                                     # the UNet alone, as a pack's `.eval()` on diffusion_model
+    f_eval, _ = fp.read(e)
+    assert f_eval != f_train
+    base.eval()
+    assert fp.read(e)[0] != f_eval
+    base.train()
+    assert fp.read(e)[0] == f_train

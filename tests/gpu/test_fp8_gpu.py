@@ -161,24 +161,39 @@ def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_g
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="ComfyUI's fp8_ops run only on sm_89/sm_90 (elsewhere fast is plain fp8)")
-def test_an_fp8_fast_unet_keeps_comfyuis_own_linears_and_equals_stock(comfy_env):
-    """UNETLoader's fp8_e4m3fn_fast: the Linears are ComfyUI's fp8_ops, which multiply in FP8 where ComfyUI's own
-    test lets them (`not self.training`, and `fp8_linear` succeeding); SD Accel leaves them their own forward (no
-    fp16 copy, no shared timestep-embedding GEMM), so ours is stock's image, whichever way they compute, with
-    graphs. (ComfyUI 0.3.64 leaves the UNet in training mode: there stock's fast image equals the plain fp8 one,
-    so this cannot tell a lost FP8 multiply; test_scaled_fp8_checkpoint.py checks the plan on the CPU.)"""
-    from sd_accel.engine.fp8 import upcast
+def test_an_fp8_fast_unet_equals_stock_in_training_and_in_eval_mode(comfy_env):
+    """UNETLoader's fp8_e4m3fn_fast: the Linears are ComfyUI's fp8_ops, which multiply in FP8 only in eval mode
+    (`not self.training`) and otherwise cast and call F.linear. ComfyUI 0.3.64 leaves the UNet in training mode:
+    there SD Accel computes them from kept fp16 copies, as for a plain fp8 load, and ours is stock's image with
+    graphs. Put in eval mode after that, stock multiplies in FP8 (another image): ours captures again (the mode is
+    part of the graphs' fingerprint) and the layers' own forwards run, so ours is stock's FP8 image, never the
+    replay of the plain one."""
+    from sd_accel.engine.fp8 import upcast, weights
     from sd_accel.hosts.comfyui import accelerate as host
     host._register_host_hooks()    # ComfyUI's plain cast forwards known (what is_fp8_stored reads)
     unet = fp8_fast_unet()
     linears = [m for m in unet.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m).__qualname__.startswith("fp8_ops") for m in linears), type(linears[0])
-    assert not any(upcast.is_fp8_stored(m) for m in linears)
+    assert unet.model.diffusion_model.training and all(upcast.is_fp8_stored(m) for m in linears)
     ref, _ = _sample(comfy_env, unet, ours=False)
     out, rep = _sample(comfy_env, unet)
     again, rep2 = _sample(comfy_env, unet)
     assert _rel(out, ref) < 2e-2 and _rel(again, ref) < 2e-2, (_rel(out, ref), _rel(again, ref), rep["graphs"])
     assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
+    assert all(weights.upcast_copies_of(m.weight) for m in linears)
+
+    unet.model.eval()
+    try:
+        ref_eval, _ = _sample(comfy_env, unet, ours=False)
+        out_eval, rep_eval = _sample(comfy_env, unet)
+        again_eval, rep_eval2 = _sample(comfy_env, unet)
+    finally:
+        unet.model.train()
+    assert _rel(ref_eval, ref) > 5e-2, _rel(ref_eval, ref)       # stock's FP8 multiplies make another image
+    assert _rel(out_eval, ref_eval) < 3e-2 and _rel(again_eval, ref_eval) < 3e-2, (
+        _rel(out_eval, ref_eval), _rel(again_eval, ref_eval), _rel(out_eval, ref), rep_eval["graphs"])
+    assert rep_eval["graphs"]["captures"] >= 1 and rep_eval2["graphs"]["replays"] >= 5, (rep_eval["graphs"],
+                                                                                         rep_eval2["graphs"])
 
 
 def test_an_fp8_stored_unet_kept_as_stored_replays_graphs_and_equals_stock(comfy_env):

@@ -6,7 +6,8 @@ own CheckpointSave writes one for such a model, and fp8_scaled releases ship the
 scaled_fp8 Linear as weight x scale. SD Accel computes the ResBlocks' timestep-embedding projections itself, all of
 them in one GEMM from the weights as read: over a scaled layer that GEMM must not run, or every ResBlock adds an
 embedding off by its layer's scale. ComfyUI's fp8_ops Linear (UNETLoader's fp8_e4m3fn_fast on a GPU with FP8
-compute) multiplies in FP8: a layer of that class runs its own forward, never an fp16 copy of SD Accel's.
+compute) multiplies in FP8 in eval mode: a layer of that class runs its own forward there, never an fp16 copy of SD
+Accel's.
 ComfyUI 2024 has neither (no scaled fp8, no fp8_ops): skipped there.
 """
 import pytest
@@ -66,9 +67,11 @@ def test_a_scaled_fp8_checkpoint_samples_stock_image_with_the_fused_modules(tmp_
         "a ResBlock over a scaled Linear is planned into the shared timestep-embedding GEMM"
 
 
-def test_a_layer_of_a_host_class_computing_in_fp8_keeps_its_forward(tmp_path):
-    """An fp8-stored layer of ComfyUI's fp8_ops class (FP8 matrix multiply on the GPU) gets no fp16-copy forward
-    and no place in the shared embedding GEMM; its manual-cast twin does."""
+def test_a_layer_of_a_host_class_computing_in_fp8_keeps_its_forward_where_it_would(tmp_path, monkeypatch):
+    """An fp8-stored layer of ComfyUI's fp8_ops class multiplies in FP8 in eval mode only; in training mode, which
+    ComfyUI leaves a loaded UNet in, it casts and calls F.linear like its manual-cast twin. In eval mode it gets no
+    fp16-copy forward; in training mode it gets one, which computes the host's values and, once the layer is put
+    in eval mode, hands the call to the host's FP8 multiply."""
     comfy_inproc.fixtures_module()    # ComfyUI importable
     import comfy.ops
     if not hasattr(comfy.ops, "fp8_ops"):
@@ -77,15 +80,39 @@ def test_a_layer_of_a_host_class_computing_in_fp8_keeps_its_forward(tmp_path):
     from sd_accel.engine.patches import fused_modules as fm
     from sd_accel.hosts.comfyui import accelerate as host
     host._register_host_hooks()
+    torch.manual_seed(0)
     fast = comfy.ops.fp8_ops.Linear(8, 8, dtype=torch.float8_e4m3fn)
     plain = comfy.ops.manual_cast.Linear(8, 8, dtype=torch.float8_e4m3fn)
     for m in (fast, plain):
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(8, 8).to(torch.float8_e4m3fn))
+            m.bias = torch.nn.Parameter(torch.randn(8), requires_grad=False)
         m.comfy_cast_weights = True
-    assert not fm.computes_plainly(fast) and fm.computes_plainly(plain)
-    assert not upcast.is_fp8_stored(fast) and upcast.is_fp8_stored(plain)
+    assert fm.computes_plainly(plain) and not fm.computes_plainly(fast)   # no fused module reads it
+    assert fm.computes_plainly_in_training(fast) and not fm.computes_plainly_in_training(plain)
     root = torch.nn.ModuleDict({"fast": fast, "plain": plain})
+
+    fast.eval()
+    assert not upcast.is_fp8_stored(fast) and upcast.is_fp8_stored(plain)
+    assert list(upcast.plan_upcast(root)[0]) == ["plain.forward"]
+
+    fast.train()
+    assert upcast.is_fp8_stored(fast)
     planned, _ = upcast.plan_upcast(root)
-    assert list(planned) == ["plain.forward"], list(planned)
+    assert sorted(planned) == ["fast.forward", "plain.forward"], list(planned)
+    fp8_calls = []
+
+    def spy(module, x):     # the host's FP8 multiply, counted; declining (None), it makes the host cast instead
+        fp8_calls.append(module)
+        return None
+    monkeypatch.setattr(comfy.ops, "fp8_linear", spy)
+    x = torch.randn(2, 3, 8)
+    stock = fast(x)                                      # the host's own forward, in training mode
+    fast.forward = planned["fast.forward"]
+    assert torch.equal(fast(x), stock) and not fp8_calls
+    fast.eval()
+    fast(x)
+    assert fp8_calls == [fast]                           # eval mode: the host's FP8 path, not the fp16 copy
 
 
 def _dequantizing_ops():
