@@ -161,13 +161,17 @@ def test_first_fp8_step_on_a_cold_triton_cache_keeps_the_triton_recipe_and_its_g
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="ComfyUI's fp8_ops run only on sm_89/sm_90 (elsewhere fast is plain fp8)")
-def test_an_fp8_fast_unet_equals_stock_in_training_and_in_eval_mode(comfy_env):
+def test_an_fp8_fast_unet_equals_stock_in_training_and_in_eval_mode(comfy_env, monkeypatch):
     """UNETLoader's fp8_e4m3fn_fast: the Linears are ComfyUI's fp8_ops, which multiply in FP8 only in eval mode
     (`not self.training`) and otherwise cast and call F.linear. ComfyUI 0.3.64 leaves the UNet in training mode:
     there SD Accel computes them from kept fp16 copies, as for a plain fp8 load, and ours is stock's image with
     graphs. Put in eval mode after that, stock multiplies in FP8 (another image): ours captures again (the mode is
-    part of the graphs' fingerprint) and the layers' own forwards run, so ours is stock's FP8 image, never the
-    replay of the plain one."""
+    part of the graphs' fingerprint) and every Linear runs ComfyUI's FP8 multiply inside the capture, never the
+    replay of the plain one.
+    In eval mode ours is held to FP8's own error of stock's FP8 image, not to fp16's: the inputs are cast to fp8
+    without a scale, so the last-bit differences of the fused norms flip fp8 roundings, and over 6 steps at CFG 7
+    they grow to the size of FP8's error itself (0.07 against stock's 0.09 from the plain image on the H100)."""
+    import comfy.ops
     from sd_accel.engine.fp8 import upcast, weights
     from sd_accel.hosts.comfyui import accelerate as host
     host._register_host_hooks()    # ComfyUI's plain cast forwards known (what is_fp8_stored reads)
@@ -175,25 +179,44 @@ def test_an_fp8_fast_unet_equals_stock_in_training_and_in_eval_mode(comfy_env):
     linears = [m for m in unet.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m).__qualname__.startswith("fp8_ops") for m in linears), type(linears[0])
     assert unet.model.diffusion_model.training and all(upcast.is_fp8_stored(m) for m in linears)
+    fp8_multiplies = set()
+    host_fp8_linear = comfy.ops.fp8_linear
+
+    def counted(module, x):     # ComfyUI's FP8 multiply, each layer that ran it noted
+        out = host_fp8_linear(module, x)
+        if out is not None:
+            fp8_multiplies.add(id(module))
+        return out
+    monkeypatch.setattr(comfy.ops, "fp8_linear", counted)
+
     ref, _ = _sample(comfy_env, unet, ours=False)
     out, rep = _sample(comfy_env, unet)
     again, rep2 = _sample(comfy_env, unet)
     assert _rel(out, ref) < 2e-2 and _rel(again, ref) < 2e-2, (_rel(out, ref), _rel(again, ref), rep["graphs"])
     assert rep2["graphs"]["replays"] >= 5 and rep2["graphs"]["captures"] == 0, rep2["graphs"]
     assert all(weights.upcast_copies_of(m.weight) for m in linears)
+    assert not fp8_multiplies, len(fp8_multiplies)     # training mode: no FP8 multiply, stock's or ours
 
     unet.model.eval()
     try:
         ref_eval, _ = _sample(comfy_env, unet, ours=False)
+        assert len(fp8_multiplies) == len(linears), (len(fp8_multiplies), len(linears))
+        fp8_multiplies.clear()
         out_eval, rep_eval = _sample(comfy_env, unet)
+        ours_fp8 = len(fp8_multiplies)
         again_eval, rep_eval2 = _sample(comfy_env, unet)
     finally:
         unet.model.train()
-    assert _rel(ref_eval, ref) > 5e-2, _rel(ref_eval, ref)       # stock's FP8 multiplies make another image
-    assert _rel(out_eval, ref_eval) < 3e-2 and _rel(again_eval, ref_eval) < 3e-2, (
-        _rel(out_eval, ref_eval), _rel(again_eval, ref_eval), _rel(out_eval, ref), rep_eval["graphs"])
-    assert rep_eval["graphs"]["captures"] >= 1 and rep_eval2["graphs"]["replays"] >= 5, (rep_eval["graphs"],
-                                                                                         rep_eval2["graphs"])
+    stock_moved = _rel(ref_eval, ref)
+    detail = ("stock eval vs train %.4f, ours eval vs stock eval %.4f / again %.4f, ours eval vs ours train %.4f"
+              % (stock_moved, _rel(out_eval, ref_eval), _rel(again_eval, ref_eval), _rel(out_eval, out)),
+              rep_eval["graphs"], rep_eval2["graphs"])
+    assert stock_moved > 5e-2, detail                   # stock's FP8 multiplies make another image
+    assert ours_fp8 == len(linears), (ours_fp8, len(linears))   # every Linear: ComfyUI's FP8 multiply, in ours too
+    assert _rel(out_eval, out) > 0.5 * stock_moved, detail      # not the training-mode graph replayed
+    assert _rel(out_eval, ref_eval) < FP8_TOL and _rel(again_eval, ref_eval) < FP8_TOL, detail
+    assert rep_eval["graphs"]["captures"] >= 1 and rep_eval2["graphs"]["replays"] >= 5, detail
+    assert rep_eval2["graphs"]["captures"] == 0, detail
 
 
 def test_an_fp8_stored_unet_kept_as_stored_replays_graphs_and_equals_stock(comfy_env):
