@@ -41,7 +41,8 @@ def register_linear(cls):
 
 def batchable(block):
     """A ResBlock whose `emb_layers` is exactly [SiLU, Linear] and whose first conv is the last of `in_layers`, both
-    computed by the host as the plain op over their weights (not a scaled-fp8 or FP8-compute Linear)."""
+    computed by the host as the plain op over their weights (not a scaled-fp8 or FP8-compute Linear; one that
+    computes in FP8 in eval mode only is batched while it is in training mode: `EmbProjections.projection`)."""
     emb_layers = getattr(block, "emb_layers", None)
     if not (isinstance(emb_layers, nn.Sequential) and len(emb_layers) == 2):
         return False
@@ -49,7 +50,7 @@ def batchable(block):
     conv = block.in_layers[len(block.in_layers) - 1]
     return (isinstance(act, nn.SiLU) and not isinstance(act, fm.SiLUFolded)
             and isinstance(lin, tuple(LINEAR_CLASSES)) and isinstance(conv, nn.Conv2d)
-            and fm.computes_plainly(lin) and fm.computes_plainly(conv))
+            and (fm.computes_plainly(lin) or fm.computes_plainly_in_training(lin)) and fm.computes_plainly(conv))
 
 
 class EmbProjections:
@@ -62,6 +63,9 @@ class EmbProjections:
         self.attr = "_sd_accel_emb_projections_%x" % id(self)
         widths = [b.emb_layers[1].out_features for b in self.blocks]
         self.offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
+        # Linears that compute the plain op only in training mode (ComfyUI's fp8_ops: FP8 multiplies in eval mode):
+        # in eval mode every block computes its own, through the layer's forward
+        self.in_training_only = [b.emb_layers[1] for b in self.blocks if not fm.computes_plainly(b.emb_layers[1])]
 
     def projection(self, block, emb):
         """fp32 [N, C] (a column slice): `block`'s emb_layers(emb) + its first conv's bias, or None when the
@@ -72,7 +76,8 @@ class EmbProjections:
         done = emb.__dict__.get(self.attr)
         if done is None:
             root = self.root()
-            if root is None or residency.token_of(root) is not None:
+            if root is None or residency.token_of(root) is not None or \
+                    not all(lin.training for lin in self.in_training_only):
                 return None
             done = self._all(emb)
             setattr(emb, self.attr, done)

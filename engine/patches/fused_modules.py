@@ -62,8 +62,9 @@ def computes_plainly(m):
 
 def computes_plainly_in_training(m):
     """Whether host layer `m` is of a class that computes the plain op only while `m.training` is set. No fused
-    module reads such a layer's weights (`computes_plainly` is False for it); only a forward patch that checks the
-    mode at each call may (engine/fp8/upcast.py), and graphs see a change of mode (engine/graphs/fingerprint.py)."""
+    module reads such a layer's weights (`computes_plainly` is False for it) but those that check the mode at each
+    call: a forward patch (engine/fp8/upcast.py) and the shared timestep-embedding GEMM (emb_projections.py); graphs
+    see a change of mode (engine/graphs/fingerprint.py)."""
     if getattr(m, "scale_weight", None) is not None or getattr(m, "scale_input", None) is not None:
         return False
     return getattr(type(m), "forward_comfy_cast_weights", None) in _plain_in_training

@@ -115,6 +115,68 @@ def test_a_layer_of_a_host_class_computing_in_fp8_keeps_its_forward_where_it_wou
     assert fp8_calls == [fast]                           # eval mode: the host's FP8 path, not the fp16 copy
 
 
+def test_a_fast_fp8_unet_shares_the_timestep_gemm_in_training_mode_only(tmp_path, monkeypatch):
+    """A UNet of ComfyUI's fp8_ops Linears (UNETLoader's fp8_e4m3fn_fast on a GPU with FP8 compute; made here as that
+    load makes them: the class, fp8 weights cast per call). In training mode, where ComfyUI leaves a loaded UNet,
+    they compute the plain op: the ResBlocks' timestep-embedding projections run as one shared GEMM over their
+    weights, and ours is stock's latent. In eval mode each ResBlock calls its own Linear, whose forward multiplies
+    in FP8, as stock's do."""
+    comfy_inproc.fixtures_module()    # ComfyUI importable
+    import comfy.ops
+    if not hasattr(comfy.ops, "fp8_ops"):
+        pytest.skip("this ComfyUI (2024) has no fp8_ops")
+    import comfy.model_management as mm
+    from sd_accel.engine.patches import emb_projections
+    from sd_accel.hosts.comfyui import accelerate as host
+    model = comfy_inproc.tiny_model_patcher(tmp_path)
+    dm = model.model.diffusion_model
+    with torch.no_grad():
+        for m in [m for m in dm.modules() if isinstance(m, torch.nn.Linear)]:
+            m.__class__ = comfy.ops.fp8_ops.Linear
+            m.weight = torch.nn.Parameter(m.weight.to(torch.float8_e4m3fn), requires_grad=False)
+            m.comfy_cast_weights = True
+    assert model.model.training and dm.training
+    emb_linears = {id(m.emb_layers[1]) for m in dm.modules() if hasattr(m, "emb_layers")}
+    shared_gemms, fp8_calls = [], []
+    real_all = emb_projections.EmbProjections._all
+
+    def counted_all(self, emb):
+        shared_gemms.append(emb.shape)
+        return real_all(self, emb)
+
+    def declined(module, x):    # the host's FP8 multiply (no FP8 GEMM on this CPU): noted, then the host casts
+        fp8_calls.append(id(module))
+        return None
+    monkeypatch.setattr(emb_projections.EmbProjections, "_all", counted_all)
+    monkeypatch.setattr(comfy.ops, "fp8_linear", declined)
+
+    ref = comfy_inproc.sample_tiny(model, steps=2, cfg=5.0)
+    mm.unload_all_models()
+    ours, info = host.accelerate(model, host.AccelOptions(cuda_graph=False, channels_last=False))
+    assert info["patched"].get("resblock_add_norm"), info["patched"]
+    resblocks = [m for m in dm.modules() if hasattr(m, "emb_layers")]
+    assert resblocks and all(emb_projections.batchable(b) for b in resblocks)
+    got = comfy_inproc.sample_tiny(ours, steps=2, cfg=5.0)
+    mm.unload_all_models()
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 1e-3, "ours moved %.3g from stock's latent" % err
+    assert shared_gemms and not fp8_calls, (len(shared_gemms), len(fp8_calls))
+
+    model.model.eval()
+    try:
+        comfy_inproc.sample_tiny(model, steps=2, cfg=5.0)
+        mm.unload_all_models()
+        stock_calls, fp8_calls[:] = set(fp8_calls), []
+        shared_gemms.clear()
+        comfy_inproc.sample_tiny(ours, steps=2, cfg=5.0)
+        mm.unload_all_models()
+    finally:
+        model.model.train()
+    assert emb_linears <= stock_calls, "stock's eval mode did not reach its FP8 multiply"
+    assert not shared_gemms and set(fp8_calls) == stock_calls, (len(shared_gemms), len(set(fp8_calls)),
+                                                                 len(stock_calls))
+
+
 def _dequantizing_ops():
     """An ops class with ComfyUI-GGUF's mechanism (its UnetLoaderGGUF loads SD1.5/SDXL UNets this way): subclasses of
     ComfyUI's manual_cast classes whose loaded weights are stored quantized (here int8 over a per-layer scale, for
