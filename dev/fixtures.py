@@ -186,6 +186,35 @@ def build_controlnet(comfy_dir, preset, path, seed=0, kind="sd15"):
     return _save(out, path, torch.float16, {"sd_accel_fixture": "cn_" + kind, "preset": preset, "seed": seed})
 
 
+def union_controlnet(comfy_dir, preset, seed=0, control_types=8):
+    """A random ControlNet Union (ControlNet++, as xinsir's SDXL ones: a task embedding per control type and a
+    transformer layer that merges the hint's features with it) of `preset`'s SD1.5 layout, as ComfyUI's own loader
+    builds one: its cldm ControlNet with `union_controlnet_num_control_type`, in its ControlNet object. Built in
+    process, not written: ComfyUI recognises a union checkpoint only in the diffusers layout, whose key mapping it
+    takes from a full-size SD1.5/SDXL config. None where this ComfyUI has no union ControlNet (2024)."""
+    _import_comfy(comfy_dir)
+    import inspect
+    import torch
+    import comfy.cldm.cldm
+    import comfy.controlnet
+    import comfy.model_management
+    if "union_controlnet_num_control_type" not in inspect.signature(comfy.cldm.cldm.ControlNet).parameters:
+        return None
+    cfg = dict(sd15_unet_config(preset))
+    cfg.pop("out_channels")
+    for k in ("use_temporal_attention", "use_temporal_resblock"):
+        cfg.pop(k, None)
+    with torch.device("meta"):
+        net = comfy.cldm.cldm.ControlNet(hint_channels=3, union_controlnet_num_control_type=control_types,
+                                         dtype=torch.float32, operations=comfy.ops.disable_weight_init, **cfg)
+    gen = torch.Generator().manual_seed(seed)
+    sd = {k: _random(k, v, gen) for k, v in sorted(net.state_dict().items())}
+    net = net.to_empty(device="cpu")
+    net.load_state_dict(sd)
+    return comfy.controlnet.ControlNet(net, load_device=comfy.model_management.get_torch_device(),
+                                       manual_cast_dtype=None)
+
+
 def build_t2i_adapter(comfy_dir, path, seed=0):
     """A full T2I adapter for SD1.5 (ComfyUI's `Adapter`: 8x8 pixel-unshuffled RGB hint in, a feature map for each
     of the UNet's four levels out, added to its input blocks), laid out as the published adapters are, which

@@ -208,3 +208,38 @@ def test_full_range_is_decided_without_reading_the_timestep(env):
     lo, hi = part.timestep_range[1], part.timestep_range[0]
     assert cg._in_range(part, torch.tensor([(lo + hi) / 2]))
     assert not cg._in_range(part, torch.tensor([hi * 1.01])) and not cg._in_range(part, torch.tensor([lo * 0.99]))
+
+
+@pytest.fixture(scope="module")
+def union_cn(env):
+    cn = comfy_inproc.fixtures_module().union_controlnet(comfy_inproc.COMFY, "tiny", seed=5)
+    if cn is None:
+        pytest.skip("this ComfyUI (2024) has no ControlNet Union")
+    return cn
+
+
+def _typed(cn, type_name):
+    """ComfyUI's SetUnionControlNetType on `cn`: a copy with `control_type` in its extra arguments."""
+    from comfy_extras.nodes_controlnet import SetUnionControlNetType
+    return SetUnionControlNetType().set_controlnet_type(cn, type_name)[0]
+
+
+def test_a_union_controlnets_type_is_in_the_key_and_each_type_gives_stocks_latent(env, union_cn, monkeypatch):
+    """ControlNet Union (ControlNet++): SetUnionControlNetType picks the control type, which the union model turns
+    into a one-hot embedding and a task-embedding row inside its forward: a replay bakes it in, so each type must
+    be its own graph, and a prompt that switches the type (depth, then canny, same hint) never replays the other's."""
+    model, _ = env
+    spec = [(0, _hint(1), 0.8, (0.0, 1.0))]
+    types = {t: _typed(union_cn, t) for t in ("depth", "canny/lineart/anime_lineart/mlsd", "auto")}
+    refs = {t: _sample(model, *_conds([cn], spec)) for t, cn in types.items()}
+    moved = float((refs["depth"] - refs["auto"]).norm() / refs["auto"].norm())
+    assert moved > 1e-3 and not torch.equal(refs["depth"], refs["canny/lineart/anime_lineart/mlsd"]), moved
+    for t, cn in types.items():
+        acc, pos, neg, info = _accelerated(model, *_conds([cn], spec))
+        out = _sample(acc, pos, neg)
+        assert torch.equal(out, refs[t]), (t, float((out - refs[t]).abs().max()))
+        assert info["one_graph"] == {"deferred": STEPS, "stock": {}}, (t, info["one_graph"])
+    keys = {t: _step_key([cn], spec, monkeypatch, model)[0] for t, cn in types.items()}
+    assert len(set(keys.values())) == 3, "two control types would replay one graph"
+    assert _step_key([_typed(union_cn, "depth")], spec, monkeypatch, model)[0] == keys["depth"], \
+        "a later prompt's SetUnionControlNetType copy of the same type replays the same graph"
