@@ -186,7 +186,7 @@ def build_controlnet(comfy_dir, preset, path, seed=0, kind="sd15"):
     return _save(out, path, torch.float16, {"sd_accel_fixture": "cn_" + kind, "preset": preset, "seed": seed})
 
 
-def union_controlnet(comfy_dir, preset, seed=0, control_types=8):
+def union_controlnet(comfy_dir, preset, seed=0, control_types=8, dtype="float32"):
     """A random ControlNet Union (ControlNet++, as xinsir's SDXL ones: a task embedding per control type and a
     transformer layer that merges the hint's features with it) of `preset`'s SD1.5 layout, as ComfyUI's own loader
     builds one: its cldm ControlNet with `union_controlnet_num_control_type`, in its ControlNet object. Built in
@@ -206,9 +206,9 @@ def union_controlnet(comfy_dir, preset, seed=0, control_types=8):
         cfg.pop(k, None)
     with torch.device("meta"):
         net = comfy.cldm.cldm.ControlNet(hint_channels=3, union_controlnet_num_control_type=control_types,
-                                         dtype=torch.float32, operations=comfy.ops.disable_weight_init, **cfg)
+                                         dtype=getattr(torch, dtype), operations=comfy.ops.disable_weight_init, **cfg)
     gen = torch.Generator().manual_seed(seed)
-    sd = {k: _random(k, v, gen) for k, v in sorted(net.state_dict().items())}
+    sd = {k: _random(k, v, gen).to(getattr(torch, dtype)) for k, v in sorted(net.state_dict().items())}
     net = net.to_empty(device="cpu")
     net.load_state_dict(sd)
     return comfy.controlnet.ControlNet(net, load_device=comfy.model_management.get_torch_device(),

@@ -101,3 +101,31 @@ def test_a_controlnet_layout_change_between_runs_never_replays_stale(comfy_env, 
     assert "in the UNet's graph: 6 calls" in line, line
     assert _rel(out, again_ref) < 2e-2, (_rel(out, again_ref), line)
     assert _rel(out, ref) < 2e-2
+
+
+def test_a_union_controlnets_type_switch_between_prompts_never_replays_stale(comfy_env):  # noqa: F811
+    """ControlNet Union (ControlNet++): the control type SetUnionControlNetType sets becomes a one-hot embedding and
+    a task-embedding row inside the ControlNet's forward, which a graph bakes in. Prompts depth, canny, depth with the
+    same hint: each is stock's image; the switch to canny moves ours as it moves stock's (a stale replay of depth's
+    graph would not move it at all); the third prompt replays depth's graph from the first."""
+    import fixtures
+    from comfy_extras.nodes_controlnet import SetUnionControlNetType
+    from test_graphs_gpu import COMFY
+    union = fixtures.union_controlnet(COMFY, "small", seed=8, dtype="float16")
+    if union is None:
+        pytest.skip("this ComfyUI has no ControlNet Union")
+    hint = _hint(3)
+    outs, refs = [], []
+    for i, type_name in enumerate(("depth", "canny/lineart/anime_lineart/mlsd", "depth")):
+        typed = SetUnionControlNetType().set_controlnet_type(union, type_name)[0]
+        ref, _ = _sample(comfy_env, typed, hint, ours=False)
+        out, line = _sample(comfy_env, typed, hint)
+        assert _rel(out, ref) < 2e-2, (type_name, _rel(out, ref), line)
+        assert "in the UNet's graph: 6 calls" in line, line
+        if i == 2:
+            assert re.search(r"cuda_graph \(6 replays, 0 captures\)", line), line
+        outs.append(out)
+        refs.append(ref)
+    d_ref, d_out = _rel(refs[1], refs[0]), _rel(outs[1], outs[0])
+    assert d_ref > 1e-4, ("the type changes stock's image too little to test", d_ref)
+    assert 0.5 * d_ref < d_out < 2.0 * d_ref, ("the type switch changed ours by", d_out, "stock by", d_ref)
