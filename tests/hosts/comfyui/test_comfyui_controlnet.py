@@ -458,10 +458,10 @@ def test_a_union_controlnet_with_the_fused_modules_and_the_hint_cache_matches_st
     of LayerNorms and attention). The fused modules give stock's residuals for each type, over steps. The hint cache
     is planned but computes the block at every step here: the union's forward hands it a new view of the hint at
     each call (`hint.unsqueeze(0)[idx]`), and the cache reuses an output only for the very tensor it saw."""
-    from comfy_extras.nodes_controlnet import SetUnionControlNetType
     union = comfy_inproc.fixtures_module().union_controlnet(COMFY, "tiny", seed=5)
     if union is None:
         pytest.skip("this ComfyUI (2024) has no ControlNet Union")
+    from comfy_extras.nodes_controlnet import SetUnionControlNetType
     load, host_cn = comfy_cn
     x, t, ctx = _inputs()
     first = {}
