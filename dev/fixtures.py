@@ -208,9 +208,9 @@ def union_controlnet(comfy_dir, preset, seed=0, control_types=8, dtype="float32"
         net = comfy.cldm.cldm.ControlNet(hint_channels=3, union_controlnet_num_control_type=control_types,
                                          dtype=getattr(torch, dtype), operations=comfy.ops.disable_weight_init, **cfg)
     gen = torch.Generator().manual_seed(seed)
-    sd = {k: _random(k, v, gen).to(getattr(torch, dtype)) for k, v in sorted(net.state_dict().items())}
+    sd = {k: _random(k, v, gen) for k, v in sorted(net.state_dict().items())}
     net = net.to_empty(device="cpu")
-    net.load_state_dict(sd)
+    net.load_state_dict(sd)     # copied into the parameters' dtype
     return comfy.controlnet.ControlNet(net, load_device=comfy.model_management.get_torch_device(),
                                        manual_cast_dtype=None)
 
