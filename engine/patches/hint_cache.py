@@ -12,8 +12,12 @@ unchanged; the host applies and removes it (ComfyUI: `add_object_patch`). Only b
 timestep-free layers (convolutions, SiLU, identity, fused replacements of those) are planned.
 
 A cached output is reused only when all of these are unchanged since it was computed:
-  * the hint tensor: the same object (held, so its id cannot be reused), storage pointer, shape,
-    stride, dtype, device and version counter (when it has one: inference tensors do not);
+  * the hint tensor: the same memory (its storage is held, so the memory cannot be freed and given to
+    another tensor), pointer, shape, stride, dtype, device and version counter (when it has one: inference
+    tensors do not). Keying by storage rather than by tensor object matters for ControlNet Union, whose
+    forward hands the block a new view of the same hint at every step (`hint.unsqueeze(0)[0]`; under
+    inference mode such a view does not even record its base). A write through any view of a normal
+    tensor bumps the version counter they share;
   * every weight of the block: identity, storage pointer, version counter where available, and the
     host's per-module weight functions (ComfyUI's low-VRAM LoRA patches);
   * the call itself: no `transformer_options` patches, autograd off or nothing requiring grad.
@@ -34,6 +38,18 @@ HINT_BLOCK_NAMES = ("input_hint_block",)
 
 def _tensor_key(t):
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version_of(t))
+
+
+def _memory_of(x):
+    """(what to hold, slot): the storage behind `x` and where `x` lies in it; the tensor itself where it has
+    no plain storage (a subclass, an empty tensor)."""
+    try:
+        storage = x.untyped_storage()
+        if storage.nbytes() > 0:
+            return storage, (storage.data_ptr(), x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device)
+    except (RuntimeError, NotImplementedError, TypeError):
+        pass
+    return x, (id(x),)
 
 
 class HintBlockCache:
@@ -78,15 +94,16 @@ class HintBlockCache:
             stats["bypassed"] += 1
             return fm.original_class(self).forward(self, x, *args, **kwargs)
         entries = self.__dict__["_sdaccel_entries"]
+        held, slot = _memory_of(x)
         key = (_tensor_key(x), self._sdaccel_weights_key())
-        hit = entries.get(id(x))
-        if hit is not None and hit[0] is x and hit[1] == key:
-            entries.move_to_end(id(x))
+        hit = entries.get(slot)
+        if hit is not None and hit[1] == key:   # the held memory (or tensor) makes the slot unique to it
+            entries.move_to_end(slot)
             stats["hits"] += 1
             return hit[2]
         out = fm.original_class(self).forward(self, x, *args, **kwargs)
-        entries[id(x)] = (x, key, out)
-        entries.move_to_end(id(x))
+        entries[slot] = (held, key, out)
+        entries.move_to_end(slot)
         while len(entries) > MAX_ENTRIES:
             entries.popitem(last=False)
         stats["misses"] += 1

@@ -96,6 +96,41 @@ def test_a_new_hint_tensor_is_a_miss_even_with_equal_values(patched):
     assert cache.sdaccel_stats()["misses"] == 2 and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_new_view_of_the_same_hint_hits_and_other_data_misses(patched, mode):
+    """ControlNet Union calls the block on `hint.unsqueeze(0)[0]`: a new view object at every step (under
+    inference mode, which ComfyUI samples in, one that does not even record its base)."""
+    model, cache = patched
+    with mode():
+        base = _hint(1, hw=16).unsqueeze(0).expand(2, -1, -1, -1, -1).clone()   # two hints, as a union's list
+        a = model.input_hint_block(base.unsqueeze(0)[0][0], None, None)
+        b = model.input_hint_block(base.unsqueeze(0)[0][0], None, None)       # a new view of the same data: a hit
+        other = model.input_hint_block(base[1], None, None)                   # the same base, other data: a miss
+        half = model.input_hint_block(base[0, :1], None, None)                # the same data, another shape: a miss
+    assert cache.sdaccel_stats() == {"hits": 1, "misses": 3, "bypassed": 0}
+    assert b is a and torch.equal(other, a) and torch.allclose(half, a[:1], atol=1e-6)
+
+
+def test_a_write_through_another_view_of_the_hint_is_seen(patched):
+    model, cache = patched
+    base = _hint(1, hw=16).unsqueeze(0).expand(2, -1, -1, -1, -1).clone()
+    with torch.no_grad():
+        a = model.input_hint_block(base.unsqueeze(0)[0][1], None, None)
+        base[1].copy_(_hint(2))                   # a view shares its base's version counter
+        c = model.input_hint_block(base.unsqueeze(0)[0][1], None, None)
+        ref = TimestepSeq.forward(model.input_hint_block, _hint(2))
+    assert cache.sdaccel_stats() == {"hits": 0, "misses": 2, "bypassed": 0}
+    assert torch.equal(c, ref) and not torch.equal(c, a)
+
+
+def test_a_view_of_a_new_base_with_equal_values_is_a_miss(patched):
+    model, cache = patched
+    with torch.no_grad():
+        model.input_hint_block(_hint(1).unsqueeze(0)[0], None, None)
+        model.input_hint_block(_hint(1).unsqueeze(0)[0], None, None)
+    assert cache.sdaccel_stats()["misses"] == 2
+
+
 def test_changed_hint_invalidates(patched):
     model, cache = patched
     x = _hint(1)
