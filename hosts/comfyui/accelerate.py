@@ -33,6 +33,7 @@ from . import compiled
 from . import control_graph
 from . import conv_layout
 from . import families
+from . import hooked_layers
 from . import object_patches
 from . import precision
 from . import step_cache
@@ -155,7 +156,7 @@ def _make_step(st, options, base_model, derived_copies=False):
         # fp8-stored weights cast a group at a time are cast within the step
         scope = _derived_weights_scope(host_state) if derived_copies else contextlib.nullcontext()
         with scope:
-            foreign = options.cuda_graph and _forward_replaced(base_model)
+            foreign = options.cuda_graph and (_forward_replaced(base_model) or hooked_layers.run_reason(base_model))
             if foreign:
                 st.stock_blocks.enter_run(None)
                 conv_layout.set_layout(st, base_model, False)
@@ -398,6 +399,7 @@ def _install_keyed(clone, st, options, step):
                 conv_layout.back_to_stock_layout(st)
         _inert(outer_sample, options, "outer_sample")
         clone.wrappers.setdefault(pe.WrappersMP.OUTER_SAMPLE, {})[WRAPPER_KEY] = [outer_sample]
+    hooked_layers.install(clone)
     if hasattr(clone, "add_callback_with_key"):
         def on_detach(patcher, unpatch_all=True):
             # ComfyUI also detaches a clone when another clone of the same model is loaded;

@@ -81,6 +81,11 @@ def _is_ours(module):
             or getattr(module, "__dict__", {}).get(_DEVICE_COPY) is not None)
 
 
+def is_ours(value):
+    """True for an object patch value SD Accel made: a module of ours or a forward patch."""
+    return _is_ours(value) or is_forward_patch(value)
+
+
 def _original(module):
     return getattr(module, "__dict__", {}).get(_BASE, module)
 

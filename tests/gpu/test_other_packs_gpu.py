@@ -40,7 +40,7 @@ def _load_pack(name):
 @pytest.fixture(scope="module")
 def packs(comfy_env):  # noqa: F811
     return {n: _load_pack("standin_" + n) for n in ("ipadapter", "animatediff", "advanced_controlnet", "impact",
-                                                      "deepcache", "fbcache", "tiled_diffusion")}
+                                                      "deepcache", "fbcache", "tiled_diffusion", "brushnet")}
 
 
 # -- sampling ---------------------------------------------------------------------------------------------
@@ -342,3 +342,32 @@ def test_torch_compile_model_in_every_order_is_stock_with_the_same_compile(comfy
                 report
             assert not report["graphs"].get("captures"), report["graphs"]
 
+
+
+# -- BrushNet: a forward on every block layer's instance per run, its samples handed over as layer attributes ------
+def _brushnet(packs, env, model, scale=1.0):
+    """The BrushNet stand-in on a 256 px inpainting input: a light square on a dark ground, masked by itself."""
+    image = torch.full((1, 256, 256, 3), 0.15)
+    image[:, 64:160, 96:224] = torch.tensor([0.95, 0.75, 0.5])
+    mask = image[..., 0].clone()
+    with torch.inference_mode():
+        return packs["brushnet"].BrushNetLikeApply().model_update(model, env.vae, image, mask, env.pos, env.neg,
+                                                                  scale, 0, 10000, "float16", 1)[0]
+
+
+def test_brushnet_with_graphs_on_runs_eagerly_and_is_stock_in_every_order(comfy_env, packs):  # noqa: F811
+    """Before each call its apply_model wrapper sets new tensors on the blocks' last layers, which their per-run
+    forwards add: a replay would add the tensors of the call it captured. So no graph while they are hooked, and
+    where our copies displaced the modules it hooked (the first load), the originals come back for the run. In
+    every order, twice, stock's latent; its samples changed the latent; the report says why no graph ran."""
+    build = lambda m: _brushnet(packs, comfy_env, m)  # noqa: E731
+    ref = check_every_order(comfy_env, build, {}, "brushnet")
+    unscaled, _ = _run(comfy_env, _brushnet(packs, comfy_env, comfy_env.model, scale=0.0), "stock")
+    assert _rel(ref, unscaled) > 2 * FP16_NOISE, ("BrushNet's samples changed the latent too little to test",
+                                                  _rel(ref, unscaled))
+    out, report = _run(comfy_env, build(comfy_env.model), "ours", seed=9)
+    ref9, _ = _run(comfy_env, build(comfy_env.model), "stock", seed=9)
+    assert _rel(out, ref9) < FP16_NOISE, (_rel(out, ref9), report["graphs"])
+    refused = report["graphs"].get("refused") or {}
+    assert any("another pack set the forward of" in r for r in refused) and not report["graphs"].get("replays"), \
+        report["graphs"]

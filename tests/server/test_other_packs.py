@@ -130,7 +130,7 @@ def check_orders(srv, build, fused_kernels, orders=ORDERS):
 
 STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
              "ImpactLikeDetailer", "DeepCacheLikeApply", "FBCacheLikeApply",
-             "TiledDiffusionLikeApply")
+             "TiledDiffusionLikeApply", "BrushNetLikeApply")
 
 
 def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
@@ -457,3 +457,45 @@ def test_tiled_diffusion_with_a_controlnet_in_every_order_is_stock(comfy_packs, 
                                                          prefix="tdcn_notiles"))
     assert_changed(ref, no_cn, "the ControlNet under Tiled Diffusion")
     assert_changed(ref, no_tiles, "Tiled Diffusion with a ControlNet")
+
+
+# -- BrushNet: every block's layers given an instance forward per run, tensors set on them per call ----------------
+def brushnet_graph(models, order, fused_kernels, scale=1.0, seed=7, prefix="bn"):
+    """Inpainting as BrushNet's example graphs wire it: the checkpoint's model, VAE, an image, its mask and the two
+    prompts into the BrushNet node, whose model, prompts and (empty) latent go to the sampler. The image is a light
+    square on a dark ground, the mask its red channel (the square, softly)."""
+    nodes = [("BrushNetLikeApply", {"scale": scale, "start_at": 0, "end_at": 10000, "dtype": "float32", "seed": 1})]
+    wf = model_graph(models, nodes, order, fused_kernels, seed=seed, steps=3, prefix=prefix)
+    wf["b_dark"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
+                                                           "color": 0x203040}}
+    wf["b_light"] = {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 24, "batch_size": 1,
+                                                            "color": 0xF0C080}}
+    wf["b_image"] = {"class_type": "ImageCompositeMasked", "inputs": {
+        "destination": ["b_dark", 0], "source": ["b_light", 0], "x": 16, "y": 8, "resize_source": False}}
+    wf["b_mask"] = {"class_type": "ImageToMask", "inputs": {"image": ["b_image", 0], "channel": "red"}}
+    node = next(k for k, v in wf.items() if v["class_type"] == "BrushNetLikeApply")
+    sampler = wf[SAMPLER]["inputs"]
+    wf[node]["inputs"].update(vae=["4", 2], image=["b_image", 0], mask=["b_mask", 0], positive=sampler["positive"],
+                              negative=sampler["negative"])
+    sampler.update(positive=[node, 1], negative=[node, 2], latent_image=[node, 3])
+    return wf
+
+
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
+def test_brushnet_in_every_order_is_stock(comfy_packs, models, fused_kernels):
+    """BrushNet's run wrapper sets a forward on the instance of every layer of every UNet block; before each call
+    its apply_model wrapper reads the sigma on the host and sets the BrushNet network's samples on the blocks' last
+    layers, which their patched forwards add. With Apply SD Accel before it, its `wrappers.update` drops SD Accel's
+    wrappers of the same types. In every order, stock's output, and BrushNet's samples acted (the output differs
+    from the graph without it, and from the one with its scale at 0)."""
+    if _is_2024(comfy_packs):
+        pytest.skip("BrushNet's current release hooks ComfyUI's model wrappers, which ComfyUI 2024 does not have")
+    ref, entries = check_orders(comfy_packs, lambda o: brushnet_graph(models, o, fused_kernels), fused_kernels)
+    unscaled, _ = run_output(comfy_packs, brushnet_graph(models, "stock", fused_kernels, scale=0.0,
+                                                         prefix="bn_scale0"))
+    assert_changed(ref, unscaled, "BrushNet's samples")
+    # no graph while layers carry its forward: the tensors it hands them per call are no graph inputs
+    refused = report_of(entries["ours"])["graphs"].get("refused") or {}
+    assert any("another pack set the forward of" in r for r in refused), refused
+    if fused_kernels:   # its hooks sit on the original blocks our copies displaced: those give way
+        assert any("give way to the modules it hooked" in r for r in refused), refused
