@@ -224,10 +224,24 @@ def mixin_members(mixin):
     return out
 
 
+def own_method_residue(m, name):
+    """True when `m.__dict__[name]` is `m`'s own class method bound to `m`: what a pack's unhook leaves behind
+    (BrushNet's `layer.forward = layer.original_forward`). It computes as no instance attribute would, but copied
+    into a stand-in or a copy it would call `m` instead of the copy: such an attribute is not copied."""
+    v = m.__dict__.get(name)
+    return v is not None and getattr(v, "__self__", None) is m and \
+        getattr(v, "__func__", None) is getattr(type(m), name, None)
+
+
+def instance_state(m):
+    """`m.__dict__`'s items without own-method residues of the host's forwards (`own_method_residue`)."""
+    return [(k, v) for k, v in m.__dict__.items() if k not in _HOST_METHODS or not own_method_residue(m, k)]
+
+
 def _clone_into(cls, orig):
     new = cls.__new__(cls)
     theirs = mixin_members(orig.__dict__["sdaccel_mixin"]) if "sdaccel_mixin" in orig.__dict__ else {}
-    new.__dict__.update((k, v) for k, v in orig.__dict__.items() if k not in theirs)
+    new.__dict__.update((k, v) for k, v in instance_state(orig) if k not in theirs)
     # nn.Module keeps params/buffers/children/hooks in dicts. The hooks' and other dicts are copied, so the stand-in
     # can be given its own without touching the original module. Shared:
     # - parameters and buffers: a weight patch (ComfyUI's set_attr_param replaces the Parameter object) reaches
@@ -273,7 +287,7 @@ def clone_as(mixin, orig):
     `original_class(self).forward(self, ...)` (no `super()`: the mixin is not in the instance's class)."""
     base = original_class(orig)
     new = _clone_into(base, orig)
-    theirs = set() if "sdaccel_mixin" in orig.__dict__ else set(orig.__dict__)
+    theirs = set() if "sdaccel_mixin" in orig.__dict__ else {k for k, _ in instance_state(orig)}
     for name, value in mixin_members(mixin).items():
         if isinstance(value, (property, classmethod, staticmethod)):
             raise TypeError("%s.%s: a stand-in's members are set on the instance, where only plain methods "

@@ -40,7 +40,7 @@ def own_copy(module):
     """A shallow copy of `module` with a children dict of its own; everything else (parameters, buffers,
     hooks, attributes) is the original's, so weight patches and offloading reach both."""
     new = module.__class__.__new__(module.__class__)
-    new.__dict__.update(module.__dict__)
+    new.__dict__.update(fm.instance_state(module))
     new.__dict__["_modules"] = dict(module._modules)
     shared_state.link(module, new)   # the host's marks on the shared weights' state, as a stand-in's
     return fm.bind_methods(new)

@@ -10,7 +10,8 @@ the model and applied the object patches, after every OUTER_SAMPLE wrapper began
     tree, and only a hooked module adds them. Our copy in its place would drop them: a wrong image. ComfyUI's own
     unpatch puts the same original back, so its bookkeeping stays true.
   * The run gets no graph: a tensor read from a module attribute is no input a replay would copy in.
-Forwards of our own (a stand-in's bound methods, a forward patch) are not another pack's.
+Forwards of our own (a stand-in's bound methods, a forward patch) are not another pack's, nor is the module's own
+forward set back on its instance (what BrushNet's unhook leaves on every layer after its run).
 """
 from torch import nn
 
@@ -26,7 +27,7 @@ _REASON = "_sd_accel_hooked_layers"    # on the BaseModel: this run's line, or N
 def foreign_forward(module):
     """True when another pack set `forward` on this module's instance."""
     fwd = module.__dict__.get("forward")
-    if fwd is None or is_forward_patch(fwd):
+    if fwd is None or is_forward_patch(fwd) or fm.own_method_residue(module, "forward"):
         return False
     mixin = module.__dict__.get("sdaccel_mixin")
     if mixin is not None and getattr(fwd, "__func__", None) is fm.mixin_members(mixin).get("forward"):

@@ -66,3 +66,67 @@ def test_the_gpu_layout_stand_ins_alone_match_stock_on_this_cpu(model, monkeypat
     mm.unload_all_models()
     rel = float((got - ref).norm() / ref.norm())
     assert rel < 1e-4, rel
+
+
+def _loaded_for_a_run(patcher):
+    """The model loaded with its object patches applied, and the run's ON_PRE_RUN callbacks called, as ComfyUI's
+    outer_sample does before the first step."""
+    import comfy.model_management as mm
+    mm.load_models_gpu([patcher])
+    patcher.pre_run()
+    return patcher.model
+
+
+def test_no_forward_of_ours_counts_as_another_packs_hook(model, monkeypatch):
+    """The check that keeps graphs off for a run with hooked layers must not fire on SD Accel's own stand-ins (bound
+    mixin forwards, forward patches, folded copies): a false alarm would take every user's graphs away."""
+    import comfy.model_management as mm
+    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import hooked_layers
+    if not hasattr(model, "add_callback_with_key"):
+        pytest.skip("ComfyUI 2024 has no ON_PRE_RUN callbacks")
+    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    mm.unload_all_models()
+    ours, info = host.accelerate(model.clone(), host.AccelOptions(fused_kernels=True))
+    assert info["patched"].get("group_norm_silu") and info["patched"].get("channels_last_transformer"), info
+    base = _loaded_for_a_run(ours)
+    own = [n for n, m in base.diffusion_model.named_modules() if "forward" in m.__dict__]
+    assert own, "the plan set no forward of its own: this test would not test the check"
+    assert hooked_layers.run_reason(base) is None, hooked_layers.run_reason(base)
+    mm.unload_all_models()
+
+
+def test_blocks_hooked_before_the_load_get_their_originals_back_for_the_run(model, monkeypatch):
+    """BrushNet hooks the layers in the tree when its run wrapper starts, before ComfyUI applies SD Accel's object
+    patches: at ON_PRE_RUN our copies of the hooked blocks give way to the originals, and the run's line names the
+    hooked layers (no graph). The next load of a clone without the hooks gets our copies back."""
+    import comfy.model_management as mm
+    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import hooked_layers
+    if not hasattr(model, "add_callback_with_key"):
+        pytest.skip("ComfyUI 2024 has no ON_PRE_RUN callbacks")
+    bn = _load_pack("standin_brushnet")
+    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    mm.unload_all_models()
+    ours, _ = host.accelerate(model.clone(), host.AccelOptions(fused_kernels=True))
+    unet = ours.model.diffusion_model
+    originals = {k: getattr(unet, k) for k in ("input_blocks", "middle_block", "output_blocks")}
+    bn.set_hook(unet)        # what its OUTER_SAMPLE wrapper does, on the unpatched tree
+    try:
+        base = _loaded_for_a_run(ours)
+        assert all(getattr(unet, k) is m for k, m in originals.items()), "a hooked block stayed our copy"
+        why = hooked_layers.run_reason(base)
+        assert why and "another pack set the forward of" in why and "give way" in why, why
+    finally:
+        bn.clean_hook(unet)
+        mm.unload_all_models()
+    # its unhook leaves each layer's own forward set on the instance: no hook, and no copy of ours may call the
+    # original through it
+    assert any("forward" in m.__dict__ for m in unet.modules())
+    base = _loaded_for_a_run(host.accelerate(model.clone(), host.AccelOptions(fused_kernels=True))[0])
+    assert hooked_layers.run_reason(base) is None
+    assert any(getattr(unet, k) is not m for k, m in originals.items()), "our copies did not come back"
+    bound_elsewhere = [n for n, m in unet.named_modules()
+                       if getattr(m.__dict__.get("forward"), "__self__", m) is not m]
+    assert not bound_elsewhere, bound_elsewhere
+    mm.unload_all_models()
