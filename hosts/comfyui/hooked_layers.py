@@ -13,11 +13,18 @@ the model and applied the object patches, after every OUTER_SAMPLE wrapper began
 Forwards of our own (a stand-in's bound methods, a forward patch) are not another pack's, nor is the module's own
 forward set back on its instance (what BrushNet's unhook leaves on every layer after its run).
 """
+import logging
+
 from torch import nn
 
+from ...engine.options import strict
 from ...engine.patches import fused_modules as fm
 from ...engine.patches import patching
 from ...engine.patches.forward_patches import is_forward_patch
+from ...kernels.errors import first_line
+from . import object_patches
+
+log = logging.getLogger("sd_accel")
 
 UNET = "diffusion_model."
 CALLBACK_KEY = "sd_accel_hooked_layers"
@@ -106,10 +113,19 @@ def on_pre_run(patcher):
     """ON_PRE_RUN (current ComfyUI): gives way where our patches hide another pack's hooks, and notes the run's
     line for `run_reason`. One module-level function, marked inert: ComfyUI hands callbacks to the model in
     `transformer_options`, where a new object per clone would make each clone a new graph key."""
-    from . import object_patches
     base_model = patcher.model
-    taken = give_way(patcher, object_patches.is_ours)
-    base_model.__dict__[_REASON] = reason(base_model.diffusion_model, taken)
+    try:
+        taken = give_way(patcher, object_patches.is_ours)
+        why = reason(base_model.diffusion_model, taken)
+    except Exception as e:  # noqa: BLE001 - a fault here must not fail the user's run: it runs without graphs
+        if strict():
+            raise
+        log.exception("[SD Accel] checking the UNet's layers for other packs' forwards failed")
+        why = "the check for other packs' forwards on the UNet failed (%s: %s): no graph" % (
+            type(e).__name__, first_line(e))
+    base_model.__dict__[_REASON] = why
+    if why:
+        log.info("[SD Accel] %s", why)
 
 
 on_pre_run.sd_accel_inert = ("hooked layers",)

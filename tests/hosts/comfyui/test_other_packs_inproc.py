@@ -130,3 +130,21 @@ def test_blocks_hooked_before_the_load_get_their_originals_back_for_the_run(mode
                        if getattr(m.__dict__.get("forward"), "__self__", m) is not m]
     assert not bound_elsewhere, bound_elsewhere
     mm.unload_all_models()
+
+
+def test_a_fault_in_the_hooked_layers_check_costs_the_run_its_graphs_not_the_run(model, monkeypatch):
+    import comfy.model_management as mm
+    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import hooked_layers
+    if not hasattr(model, "add_callback_with_key"):
+        pytest.skip("ComfyUI 2024 has no ON_PRE_RUN callbacks")
+
+    def broken(patcher, is_ours):
+        raise RuntimeError("a module tree this check cannot read")
+    monkeypatch.setattr(hooked_layers, "give_way", broken)
+    monkeypatch.setattr(hooked_layers, "strict", lambda: False)
+    mm.unload_all_models()
+    base = _loaded_for_a_run(host.accelerate(model.clone(), host.AccelOptions(fused_kernels=False))[0])
+    why = hooked_layers.run_reason(base)
+    assert why and "failed (RuntimeError: a module tree this check cannot read): no graph" in why, why
+    mm.unload_all_models()
