@@ -494,6 +494,13 @@ def test_brushnet_in_every_order_is_stock(comfy_packs, models, fused_kernels):
     unscaled, _ = run_output(comfy_packs, brushnet_graph(models, "stock", fused_kernels, scale=0.0,
                                                          prefix="bn_scale0"))
     assert_changed(ref, unscaled, "BrushNet's samples")
+    # two prompts in a row: the second finds the model loaded (ComfyUI re-applies our patches; BrushNet hooks what
+    # the tree held after the first)
+    ours = [run_output(comfy_packs, brushnet_graph(models, "ours", fused_kernels, seed=s, prefix="bn_%d" % s))[0]
+            for s in (8, 9)]
+    for s, got in zip((8, 9), ours):
+        want, _ = run_output(comfy_packs, brushnet_graph(models, "stock", fused_kernels, seed=s, prefix="bn_%d" % s))
+        assert_matches(got, want, exact=not fused_kernels, what="ours, seed %d" % s)
     # no graph while layers carry its forward: the tensors it hands them per call are no graph inputs
     refused = report_of(entries["ours"])["graphs"].get("refused") or {}
     assert any("another pack set the forward of" in r for r in refused), refused
