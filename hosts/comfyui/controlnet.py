@@ -51,6 +51,7 @@ from . import control_graph
 from .controlnet_cond_only import set_cond_only
 from . import object_patches
 from . import stock_blocks
+from . import union_control_type
 
 log = logging.getLogger("sd_accel")
 
@@ -101,6 +102,11 @@ def plan_controlnet(patcher, options):
             hit = plans[key] = (planned, planned_counts, foreign)
         patches.update(hit[0])
         counts.update(hit[1])
+    if options.cuda_graph:
+        typed = union_control_type.plan(control_model)
+        patches.update(typed)
+        if typed:
+            counts["control_type_index"] = 1
     if options.hint_cache and not options.cuda_graph:
         hc = hint_cache.plan_hint_cache(control_model)
         patches.update(hc)

@@ -484,3 +484,30 @@ def test_a_union_controlnet_with_the_fused_modules_and_the_hint_cache_matches_st
         host_cn.release(info)
     a, b = first.values()
     assert _rel(a, b) > 1e-3, "the control type must change the residuals, or this test could not see a mix-up"
+
+
+def test_a_union_controlnets_type_embedding_gets_its_index_as_a_tensor_with_graphs_on(comfy_cn):
+    """The union model's type embedding indexes a GPU tensor with a Python list of types, a host-to-device copy no
+    CUDA graph can hold: with graphs on, a stand-in hands the host's own forward the same types as an index tensor
+    on the model's device, made once per types and kept. The residuals are stock's, over steps and types."""
+    union = comfy_inproc.fixtures_module().union_controlnet(COMFY, "tiny", seed=5)
+    if union is None:
+        pytest.skip("this ComfyUI (2024) has no ControlNet Union")
+    from comfy_extras.nodes_controlnet import SetUnionControlNetType
+    load, host_cn = comfy_cn
+    x, t, ctx = _inputs()
+    opts = host_cn.ControlNetOptions(cuda_graph=True, fused_kernels=False)
+    for type_name in ("depth", "canny/lineart/anime_lineart/mlsd"):
+        stock = SetUnionControlNetType().set_controlnet_type(union, type_name)[0].set_cond_hint(_hint(1), 0.8)
+        refs = [_control(stock, x, t + 100.0 * i, ctx) for i in range(2)]
+        stock.cleanup()
+        fast, info = host_cn.accelerate_controlnet(stock, opts)
+        assert info["patched"].get("control_type_index") == 1, info["patched"]
+        outs = [_control(fast, x, t + 100.0 * i, ctx) for i in range(2)]
+        embedding = fast.control_model.control_add_embedding
+        kept = embedding.__dict__.get("_sdaccel_index", {})
+        assert tuple(stock.extra_args["control_type"]) in [k for k, _ in kept], kept
+        for out, ref in zip(outs, refs):
+            assert len(out) == len(ref) and _rel(out, ref) == 0.0, (type_name, _rel(out, ref))
+        fast.cleanup()
+        host_cn.release(info)
