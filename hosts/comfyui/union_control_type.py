@@ -1,14 +1,13 @@
-"""ControlNet Union's control-type embedding, capturable: the host's own forward, handed the types as a GPU index.
+"""ControlNet Union's control-type embedding, capturable: the host's own forward, handed the type as a slice.
 
 ComfyUI's ControlAddEmbedding (cldm.py) sets its one-hot with `c_type[control_type] = 1.0`, indexing a GPU tensor
-with a Python list: a copy of the index from host memory at every call, which no CUDA graph can hold. The probe
-refused such a step ("waits for the GPU inside the step (cldm.py)"), and as a ControlNet runs inside the UNet's
-step, every step of a graph with a union ControlNet ran eagerly. The stand-in passes the same types as an index
-tensor on the model's device, made on a call outside any capture (a key's first call is its eager warm-up, and the
-types are part of the key) and kept: the same one-hot, the same values.
+with a Python list: advanced indexing, which copies the index and the value from host memory at every call, and no
+CUDA graph can hold that (a long index already on the GPU still waits: tried on an H100). The probe refused such a
+step ("waits for the GPU inside the step (cldm.py)"), and as a ControlNet runs inside the UNet's step, every step of
+a graph with a union ControlNet ran eagerly. SetUnionControlNetType sets one type; for one type the stand-in hands
+the host's own forward `slice(k, k + 1)`: basic indexing, a fill on the GPU, the same one-hot. Several types (other
+packs' nodes) keep the list, and those steps run eagerly as before.
 """
-import torch
-
 from ...engine.patches import fused_modules as fm
 
 ATTR = "control_add_embedding"
@@ -18,19 +17,11 @@ class ControlTypeOnDevice:
     sdaccel_kind = "control_type_index"
 
     def forward(self, control_type, dtype, device):
-        if isinstance(control_type, (list, tuple)) and control_type:
-            key = (tuple(int(c) for c in control_type), str(device))
-            kept = self.__dict__.setdefault("_sdaccel_index", {})
-            index = kept.get(key)
-            if index is None and not _capturing(device):
-                index = kept[key] = torch.tensor(key[0], dtype=torch.long, device=device)
-            if index is not None:
-                control_type = index
+        if isinstance(control_type, (list, tuple)) and len(control_type) == 1:
+            k = int(control_type[0])
+            if 0 <= k < self.num_control_type:     # else the host's own indexing raises, as on stock
+                control_type = slice(k, k + 1)
         return fm.original_class(self).forward(self, control_type, dtype, device)
-
-
-def _capturing(device):
-    return getattr(device, "type", None) == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def plan(control_model):
