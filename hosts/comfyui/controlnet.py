@@ -106,7 +106,7 @@ def plan_controlnet(patcher, options):
         typed = union_control_type.plan(control_model)
         patches.update(typed)
         if typed:
-            counts["control_type_index"] = 1
+            counts["control_type_slice"] = 1
     if options.hint_cache and not options.cuda_graph:
         hc = hint_cache.plan_hint_cache(control_model)
         patches.update(hc)

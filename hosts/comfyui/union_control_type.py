@@ -13,8 +13,8 @@ from ...engine.patches import fused_modules as fm
 ATTR = "control_add_embedding"
 
 
-class ControlTypeOnDevice:
-    sdaccel_kind = "control_type_index"
+class ControlTypeAsSlice:
+    sdaccel_kind = "control_type_slice"
 
     def forward(self, control_type, dtype, device):
         if isinstance(control_type, (list, tuple)) and len(control_type) == 1:
@@ -31,12 +31,12 @@ def plan(control_model):
     embedding = getattr(control_model, ATTR, None)
     if embedding is None or not callable(getattr(embedding, "forward", None)):
         return {}
-    if fm.kind_of(embedding) == ControlTypeOnDevice.sdaccel_kind:
+    if fm.kind_of(embedding) == ControlTypeAsSlice.sdaccel_kind:
         return {ATTR: embedding}          # another clone's stand-in, still applied
     kept = control_model.__dict__.get(_KEPT)
     if kept is None or kept[0] is not embedding:
-        kept = control_model.__dict__[_KEPT] = (embedding, fm.clone_as(ControlTypeOnDevice, embedding))
+        kept = control_model.__dict__[_KEPT] = (embedding, fm.clone_as(ControlTypeAsSlice, embedding))
     return {ATTR: kept[1]}
 
 
-_KEPT = "_sdaccel_control_type_index"     # (the embedding, its stand-in)
+_KEPT = "_sdaccel_control_type_slice"     # (the embedding, its stand-in)

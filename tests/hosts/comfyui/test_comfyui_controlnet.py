@@ -511,7 +511,7 @@ def test_a_union_controlnets_type_embedding_gets_its_type_as_a_slice_with_graphs
         assert seen[-1] == [k], seen
         stock.cleanup()
         fast, info = host_cn.accelerate_controlnet(stock, opts)
-        assert info["patched"].get("control_type_index") == 1, info["patched"]
+        assert info["patched"].get("control_type_slice") == 1, info["patched"]
         outs = [_control(fast, x, t + 100.0 * i, ctx) for i in range(2)]
         assert seen[-2:] == [slice(k, k + 1)] * 2, seen
         for out, ref in zip(outs, refs):
