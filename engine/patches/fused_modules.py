@@ -229,8 +229,12 @@ def own_method_residue(m, name):
     (BrushNet's `layer.forward = layer.original_forward`). It computes as no instance attribute would, but copied
     into a stand-in or a copy it would call `m` instead of the copy: such an attribute is not copied."""
     v = m.__dict__.get(name)
-    return v is not None and getattr(v, "__self__", None) is m and \
-        getattr(v, "__func__", None) is getattr(type(m), name, None)
+    return v is not None and is_own_method(v, m, name)
+
+
+def is_own_method(value, m, name):
+    """True when `value` is `m`'s class method `name` bound to `m` itself."""
+    return getattr(value, "__self__", None) is m and getattr(value, "__func__", None) is getattr(type(m), name, None)
 
 
 def instance_state(m):

@@ -65,9 +65,8 @@ def _displaced_hook(patcher, path, ours):
         return None
     if path.endswith(".forward"):
         owner = patching.get_attr(patcher.model, path[:-len(".forward")])
-        plain = getattr(original, "__func__", None) is getattr(type(owner), "forward", None) and \
-            getattr(original, "__self__", None) is owner
-        return path if not plain and not is_forward_patch(original) else None
+        plain = fm.is_own_method(original, owner, "forward") or is_forward_patch(original)
+        return None if plain else path
     return _hooked_below(original, ours, path) if isinstance(original, nn.Module) else None
 
 

@@ -424,6 +424,18 @@ def test_tiled_diffusion_in_every_order_is_stock(comfy_packs, models, method, fu
     assert_changed(ref, plain, "the Tiled Diffusion stand-in (%s)" % method)
 
 
+def add_square_image(wf, prefix, name, ground, square, size, at):
+    """Nodes making a 64 px image of colour `ground` with a `size` (w, h) square of colour `square` at `at` (x, y),
+    the last of them named `name`."""
+    wf[prefix + "_dark"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
+                                                                   "color": ground}}
+    wf[prefix + "_light"] = {"class_type": "EmptyImage", "inputs": {"width": size[0], "height": size[1],
+                                                                    "batch_size": 1, "color": square}}
+    wf[name] = {"class_type": "ImageCompositeMasked", "inputs": {
+        "destination": [prefix + "_dark", 0], "source": [prefix + "_light", 0], "x": at[0], "y": at[1],
+        "resize_source": False}}
+
+
 def tiled_cn_graph(models, order, fused_kernels, with_cn=True, with_tiles=True, prefix="tdcn"):
     """Tiled Diffusion (MultiDiffusion) with a ComfyUI ControlNet whose hint is not uniform (a light square on a
     dark image, off-centre), so each tile's cut of it differs."""
@@ -431,12 +443,7 @@ def tiled_cn_graph(models, order, fused_kernels, with_cn=True, with_tiles=True, 
     if not with_cn:
         return wf
     wf["c_load"] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": models["cn15"]}}
-    wf["c_dark"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
-                                                           "color": 0x101010}}
-    wf["c_light"] = {"class_type": "EmptyImage", "inputs": {"width": 24, "height": 16, "batch_size": 1,
-                                                            "color": 0xF0E0C0}}
-    wf["c_hint"] = {"class_type": "ImageCompositeMasked", "inputs": {
-        "destination": ["c_dark", 0], "source": ["c_light", 0], "x": 8, "y": 36, "resize_source": False}}
+    add_square_image(wf, "c", "c_hint", 0x101010, 0xF0E0C0, (24, 16), (8, 36))
     wf["c_apply"] = {"class_type": "ControlNetApplyAdvanced", "inputs": {
         "positive": ["6", 0], "negative": ["7", 0], "control_net": ["c_load", 0], "image": ["c_hint", 0],
         "strength": 1.0, "start_percent": 0.0, "end_percent": 1.0}}
@@ -466,12 +473,7 @@ def brushnet_graph(models, order, fused_kernels, scale=1.0, seed=7, prefix="bn")
     square on a dark ground, the mask its red channel (the square, softly)."""
     nodes = [("BrushNetLikeApply", {"scale": scale, "start_at": 0, "end_at": 10000, "dtype": "float32", "seed": 1})]
     wf = model_graph(models, nodes, order, fused_kernels, seed=seed, steps=3, prefix=prefix)
-    wf["b_dark"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
-                                                           "color": 0x203040}}
-    wf["b_light"] = {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 24, "batch_size": 1,
-                                                            "color": 0xF0C080}}
-    wf["b_image"] = {"class_type": "ImageCompositeMasked", "inputs": {
-        "destination": ["b_dark", 0], "source": ["b_light", 0], "x": 16, "y": 8, "resize_source": False}}
+    add_square_image(wf, "b", "b_image", 0x203040, 0xF0C080, (32, 24), (16, 8))
     wf["b_mask"] = {"class_type": "ImageToMask", "inputs": {"image": ["b_image", 0], "channel": "red"}}
     node = next(k for k, v in wf.items() if v["class_type"] == "BrushNetLikeApply")
     sampler = wf[SAMPLER]["inputs"]
