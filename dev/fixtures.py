@@ -137,10 +137,13 @@ def build_checkpoint(comfy_dir, kind, preset, path, seed=0, dtype="fp16"):
 
 def build_unet(comfy_dir, preset, path, in_channels=4, seed=0):
     """A diffusion-model-only file (UNETLoader's), SD1.5's layout at `preset`; `in_channels` 9 makes it an
-    inpainting UNet (latent, mask and masked-image latent concatenated: ComfyUI reads the count from the first conv)."""
+    inpainting UNet (latent, mask and masked-image latent concatenated: ComfyUI reads the count from the first conv),
+    8 an IC-Light fc UNet (latent and foreground latent), a file its pack reads itself, built from SD15's own config
+    (ComfyUI's detection takes 8 channels for another model: Stable Zero123, InstructPix2Pix)."""
     comfy = _import_comfy(comfy_dir)
     import torch
-    mc = _model_config(comfy, dict(sd15_unet_config(preset), in_channels=in_channels))
+    config = dict(sd15_unet_config(preset), in_channels=in_channels)
+    mc = comfy.supported_models.SD15(config) if in_channels == 8 else _model_config(comfy, config)
     if type(mc).__name__ != "SD15":
         raise RuntimeError("ComfyUI matched %s, expected SD15" % type(mc).__name__)
     with torch.device("meta"), torch.inference_mode():
@@ -327,7 +330,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy-dir", required=True)
     ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd", "hypernet15",
-                                                  "unet15", "unet15inpaint", "t2i15"], required=True)
+                                                  "unet15", "unet15inpaint", "unet15iclight", "t2i15"],
+                    required=True)
     ap.add_argument("--preset", choices=sorted(UNET_PRESETS), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -342,8 +346,9 @@ def main():
         ensure(a.out, build_hypernetwork, a.out, a.seed)
     elif a.kind == "t2i15":
         ensure(a.out, build_t2i_adapter, a.comfy_dir, a.out, a.seed)
-    elif a.kind in ("unet15", "unet15inpaint"):
-        ensure(a.out, build_unet, a.comfy_dir, a.preset, a.out, 9 if a.kind == "unet15inpaint" else 4, a.seed)
+    elif a.kind in ("unet15", "unet15inpaint", "unet15iclight"):
+        channels = {"unet15": 4, "unet15inpaint": 9, "unet15iclight": 8}[a.kind]
+        ensure(a.out, build_unet, a.comfy_dir, a.preset, a.out, channels, a.seed)
     else:
         ensure(a.out, build_lora, a.comfy_dir, a.preset, a.out, seed=a.seed)
 

@@ -267,11 +267,42 @@ def _clone_into(cls, orig):
 _SHARED_DICTS = ("_modules", "_parameters", "_buffers")
 
 
-@functools.lru_cache(maxsize=None)
 def host_source(cls, method, params):
-    """The source of `cls.<method>` when `cls` itself defines it with exactly these parameter names, else
-    None. Stand-ins that re-implement a host method (a SpatialTransformer's forward, a ResBlock's
-    _forward) check it for the steps they reproduce. Read once per class."""
+    """The source of `cls.<method>` when `cls` itself defines it with exactly these parameter names and no forward
+    of `cls` is another pack's (`foreign_forwards`), else None. Stand-ins that re-implement a host method (a
+    SpatialTransformer's forward, a ResBlock's _forward) check it for the steps they reproduce."""
+    if foreign_forwards(cls):
+        return None
+    return _own_source(cls, method, params)
+
+
+def foreign_forwards(cls):
+    """The forwards `cls` defines that another pack set on the class: a function defined in another module, or a
+    wrapper of the host's (LayerDiffuse wraps BasicTransformerBlock.forward when it is imported, to record each
+    call's transformer_options). A stand-in in place of such a module would skip that pack's code: a wrong image.
+    `inspect.getsource` follows a wrapper to the source it wraps, so the function object itself is checked."""
+    return [name for name in _HOST_METHODS if name in cls.__dict__ and not _defined_with(cls, cls.__dict__[name])]
+
+
+def _defined_with(cls, fn):
+    return getattr(fn, "__module__", None) == cls.__module__ and getattr(fn, "__wrapped__", None) is None
+
+
+def foreign_forwards_reason(root, names):
+    """One line naming the classes (of `names`, under `root`) whose forwards another pack replaced, or None."""
+    found = {}
+    for m in root.modules():
+        cls = original_class(m)
+        if cls.__name__ in names and cls not in found:
+            found[cls] = foreign_forwards(cls)
+    found = ["%s.%s" % (cls.__name__, "/".join(methods)) for cls, methods in found.items() if methods]
+    if not found:
+        return None
+    return ("another pack replaced %s on the class: those modules keep its forward, unfused" % ", ".join(found))
+
+
+@functools.lru_cache(maxsize=None)
+def _own_source(cls, method, params):
     fn = cls.__dict__.get(method)
     if fn is None:
         return None

@@ -53,11 +53,19 @@ class FusedTransformerBlock:
         (attention.TRANSFORMER_OPTION) and the call is the plain one (_plain_call passed: no replace patch)."""
         attn = getattr(self, which)
         attend = to.get(attention.TRANSFORMER_OPTION)
-        if attend is None or getattr(attn, "attn_precision", None) is not None:
+        if attend is None or getattr(attn, "attn_precision", None) is not None or not _host_attention(attn):
             kw = {"transformer_options": to} if self.sdaccel_attn_takes_options else {}
             return attn(n, context=context, value=None, **kw)
         kv = n if context is None else context
         return attn.to_out(attend(attn.to_q(n), attn.to_k(kv), attn.to_v(kv), self.n_heads))
+
+
+def _host_attention(attn):
+    """`attn` computes what ComfyUI's CrossAttention does around its attention (the projections SD Accel's backend
+    is put between): another pack's module in its place (LayerDiffuse's attention sharing, an object patch) or
+    another pack's forward on it or on its class is called as the host calls it."""
+    return (type(attn).__name__ == "CrossAttention" and "forward" not in attn.__dict__
+            and not fm.foreign_forwards(type(attn)))
 
 
 # what kernel_report files when the block ran the host's own steps

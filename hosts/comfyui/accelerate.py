@@ -472,6 +472,11 @@ def keep_while_loaded(model, old_clone=None):
     model.__dict__[_RETIRED_ATTR] = [c for c in kept if id(c) in loaded]
 
 
+# the host classes whose methods SD Accel's stand-ins re-implement (engine/patches: fused_transformer_block,
+# fused_resblock, layout_modules)
+_STANDS_IN_FOR = ("BasicTransformerBlock", "ResBlock", "SpatialTransformer")
+
+
 def _accelerate(model, options):
     clone = model.clone()
     parent_beyond_the_cache(clone, model)
@@ -503,6 +508,10 @@ def _accelerate(model, options):
                                                   upcast=upcast)
         for path, module in patches.items():
             clone.add_object_patch(path, module)
+        why = fused_modules.foreign_forwards_reason(base_model.diffusion_model, _STANDS_IN_FOR)
+        if why:
+            info["reasons"]["another pack's forwards"] = why
+            log.info("[SD Accel] %s", why)
         info["patched"].update(counts)
         info["object_patches"] = len(patches)
         object_patches.keep_restore_order(clone, patches)

@@ -139,3 +139,76 @@ def test_another_packs_replace_patch_wins_over_our_attention_backend(unet):
     ref, out, ran = _host_and_standin(blk, _standin(blk), x, ctx, to)
     assert torch.equal(out, ref) and calls == [1, 1]
     assert ran["transformer_add_norm"]["fallback"] == 1, ran
+
+
+class _SharedAttention(torch.nn.Module):
+    """Another pack's module in place of a block's attn1 (LayerDiffuse's attention sharing, an object patch): no
+    to_q/to_k/to_v of its own, and computes something else than CrossAttention."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = [inner]
+        self.calls = 0
+
+    def forward(self, h, context=None, value=None, transformer_options=None):
+        self.calls += 1
+        return self.inner[0](h, context=context, value=value) * 0.5
+
+
+def test_another_packs_module_in_place_of_an_attention_is_called_beside_our_backend(unet):
+    """With SD Accel's attention backend set, the stand-in puts it between the attention's own projections. A
+    module of another pack in attn1's place has none (or computes otherwise): it is called as the host calls it,
+    and the block's output is the host's."""
+    from sd_accel.engine.patches import attention
+    name, blk = _blocks(unet)[0]
+    new = _standin(blk)
+    x, ctx = _inputs(blk, seed=4)
+    theirs = _SharedAttention(blk.attn1)
+    to = {"block": ("input", 1), "block_index": 0, attention.TRANSFORMER_OPTION: attention.attention_fn("sdpa")}
+    blk._modules["attn1"] = theirs     # the stand-in shares the block's children, as ComfyUI's patch sets it
+    try:
+        ref, out, ran = _host_and_standin(blk, new, x, ctx, to)
+    finally:
+        blk._modules["attn1"] = theirs.inner[0]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert theirs.calls == 2 and ran["attention_sdpa"]["fused"] == 1, ran   # attn2 alone took the backend
+
+
+def _wrapped_forward(calls):
+    """What LayerDiffuse does to BasicTransformerBlock.forward when it is imported: a functools.wraps wrapper that
+    records each call's transformer_options where its attention-sharing modules read them."""
+    import functools
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    original = BasicTransformerBlock.__dict__["forward"]
+
+    @functools.wraps(original)
+    def forward(self, x, context=None, transformer_options={}):  # noqa: B006 - the host's signature
+        calls.append(transformer_options)
+        return original(self, x, context, transformer_options)
+    return forward
+
+
+def test_a_block_class_whose_forward_another_pack_replaced_gets_no_stand_in(unet, monkeypatch):
+    """A stand-in never calls its class's forward. Where another pack put its own there before SD Accel planned
+    (LayerDiffuse's wrapper, set at import), the source check read through the wrapper to ComfyUI's source and
+    the blocks were planned: the pack's code never ran, and the image was another. Neither a wrapper nor a
+    function of another module is planned now, and the plan's line says why."""
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    blocks = _blocks(unet)
+    assert ftb.eligible(blocks[0][1]) and not fm.foreign_forwards(BasicTransformerBlock)
+    calls = []
+    monkeypatch.setattr(BasicTransformerBlock, "forward", _wrapped_forward(calls))
+    assert fm.foreign_forwards(BasicTransformerBlock) == ["forward"]
+    plan = patching.plan_patches(unet, patching.COMFY_OPS)
+    assert "transformer_add_norm" not in plan.counts and plan.counts.get("layer_norm"), plan.counts
+    why = fm.foreign_forwards_reason(unet, ("BasicTransformerBlock", "ResBlock"))
+    assert why == ("another pack replaced BasicTransformerBlock.forward on the class: those modules keep its "
+                   "forward, unfused"), why
+
+    def elsewhere(self, x, context=None, transformer_options={}):  # noqa: B006 - the host's signature
+        return x
+    elsewhere.__module__ = "refdrop_like_pack"
+    monkeypatch.setattr(BasicTransformerBlock, "forward", elsewhere)
+    assert fm.foreign_forwards(BasicTransformerBlock) == ["forward"] and not ftb.eligible(blocks[0][1])
+    monkeypatch.undo()
+    assert ftb.eligible(blocks[0][1]) and fm.foreign_forwards_reason(unet, ("BasicTransformerBlock",)) is None

@@ -40,7 +40,8 @@ def _load_pack(name):
 @pytest.fixture(scope="module")
 def packs(comfy_env):  # noqa: F811
     return {n: _load_pack("standin_" + n) for n in ("ipadapter", "animatediff", "advanced_controlnet", "impact",
-                                                      "deepcache", "fbcache", "tiled_diffusion", "brushnet")}
+                                                      "deepcache", "fbcache", "tiled_diffusion", "brushnet",
+                                                      "iclight")}
 
 
 # -- sampling ---------------------------------------------------------------------------------------------
@@ -371,3 +372,54 @@ def test_brushnet_with_graphs_on_runs_eagerly_and_is_stock_in_every_order(comfy_
     refused = report["graphs"].get("refused") or {}
     assert any("another pack set the forward of" in r for r in refused) and not report["graphs"].get("replays"), \
         report["graphs"]
+
+
+# -- IC-Light ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def iclight_unet(comfy_env):  # noqa: F811
+    """An IC-Light fc UNet of the test checkpoint's layout (8 input channels, other weights), where its loader looks."""
+    import folder_paths
+    import fixtures
+    folder = os.path.join(WORK, "diffusion_models")
+    os.makedirs(folder, exist_ok=True)
+    folder_paths.add_model_folder_path("diffusion_models", folder, is_default=True)
+    path = os.path.join(folder, "gpu_small_iclight.safetensors")
+    fixtures.ensure(path, fixtures.build_unet, COMFY, "small", path, 8, 7)
+    return os.path.basename(path)
+
+
+def _iclight_inputs(env, packs, multiplier=0.18215):
+    """(positive, negative, empty latent) of the IC-Light conditioning on a 256 px foreground: a light square on a dark
+    ground, VAE-encoded."""
+    image = torch.full((1, 256, 256, 3), 0.2)
+    image[:, 48:176, 80:208] = torch.tensor([0.9, 0.8, 0.6])
+    with torch.inference_mode():
+        fg = env.nodes.VAEEncode().encode(env.vae, image)[0]
+        return packs["iclight"].ICLightLikeConditioning().encode(env.pos, env.neg, fg, multiplier)
+
+
+def test_iclight_with_graphs_is_stock_in_every_order_and_after(comfy_env, packs, iclight_unet):  # noqa: F811
+    """IC-Light's weight patches pad the input conv from 4 to 8 channels at each load and change every weight; its
+    extra_conds hands the foreground's latent to the UNet as c_concat. In every order, twice, stock's latent with
+    graphs used or refused; the foreground acted; and then the plain model's latent is stock's again, with the
+    graphs and the conv layout it had before (the padded conv went back at the unload)."""
+    config = comfy_env.model.model.model_config.unet_config
+    saved = config["in_channels"]
+    plain_ref, _ = _run(comfy_env, comfy_env.model, "stock", seed=4)
+    try:
+        pos, neg, latent = _iclight_inputs(comfy_env, packs)
+        build = lambda m: packs["iclight"].ICLightLikeApply().load(m, iclight_unet)[0]  # noqa: E731
+        ref = check_every_order(comfy_env, build, {"pos": pos, "neg": neg, "latent": latent}, "iclight")
+        pos2, neg2, _ = _iclight_inputs(comfy_env, packs, multiplier=0.6)
+        other, _ = _run(comfy_env, build(comfy_env.model), "stock", pos=pos2, neg=neg2, latent=latent)
+        assert _rel(ref, other) > 2 * FP16_NOISE, ("the foreground changed the latent too little to test",
+                                                   _rel(ref, other))
+    finally:
+        config["in_channels"] = saved   # the pack writes it into the checkpoint's shared config
+    _unload_all()
+    for attempt in (1, 2):
+        out, report = _run(comfy_env, comfy_env.model, "ours", seed=4)
+        assert _rel(out, plain_ref) < FP16_NOISE, (attempt, _rel(out, plain_ref), report["graphs"])
+    ref_after, _ = _run(comfy_env, comfy_env.model, "stock", seed=4)
+    assert _rel(ref_after, plain_ref) < 1e-3, ("stock's own latent changed after the IC-Light runs",
+                                               _rel(ref_after, plain_ref))

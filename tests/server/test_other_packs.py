@@ -130,7 +130,7 @@ def check_orders(srv, build, fused_kernels, orders=ORDERS):
 
 STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
              "ImpactLikeDetailer", "DeepCacheLikeApply", "FBCacheLikeApply",
-             "TiledDiffusionLikeApply", "BrushNetLikeApply")
+             "TiledDiffusionLikeApply", "BrushNetLikeApply", "ICLightLikeApply", "ICLightLikeConditioning")
 
 
 def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
@@ -508,3 +508,40 @@ def test_brushnet_in_every_order_is_stock(comfy_packs, models, fused_kernels):
     assert any("another pack set the forward of" in r for r in refused), refused
     if fused_kernels:   # its hooks sit on the original blocks our copies displaced: those give way
         assert any("give way to the modules it hooked" in r for r in refused), refused
+
+
+def iclight_graph(models, order, fused_kernels, multiplier=0.18215, seed=7, prefix="icl"):
+    """Relighting as IC-Light's fc example graphs wire it: the checkpoint's model through the IC-Light loader, the
+    foreground (a light square on a dark ground) VAE-encoded into the IC-Light conditioning with both prompts, whose
+    prompts and empty latent go to the sampler."""
+    wf = model_graph(models, [("ICLightLikeApply", {"model_path": models["unet15iclight_small"]})], order,
+                     fused_kernels, seed=seed, steps=2, prefix=prefix)
+    add_square_image(wf, "i", "i_image", 0x303030, 0xE0C0A0, (24, 32), (20, 16))
+    wf["i_fg"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["i_image", 0], "vae": ["4", 2]}}
+    sampler = wf[SAMPLER]["inputs"]
+    wf["i_cond"] = {"class_type": "ICLightLikeConditioning", "inputs": {
+        "positive": sampler["positive"], "negative": sampler["negative"], "foreground": ["i_fg", 0],
+        "multiplier": multiplier}}
+    sampler.update(positive=["i_cond", 0], negative=["i_cond", 1], latent_image=["i_cond", 2])
+    return wf
+
+
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
+def test_iclight_in_every_order_is_stock_and_leaves_the_checkpoint_as_it_was(comfy_packs, models, fused_kernels):
+    """IC-Light's weight patches pad the input conv from 4 to 8 channels at load (a patched weight of another shape
+    than the checkpoint's) and change every other weight; its own extra_conds hands the foreground's latent to the
+    UNet as c_concat. In every order, stock's output; the foreground acted (another multiplier, another output);
+    and afterwards the plain checkpoint gives the output it gave before, with SD Accel and without (the padded
+    conv and the patched weights went back)."""
+    if _is_2024(comfy_packs):
+        pytest.skip("IC-Light pads a weight through ComfyUI's pad_weight, which ComfyUI 2024 does not have")
+    plain = lambda o, p: model_graph(models, [], o, fused_kernels, seed=7, steps=2, prefix=p)  # noqa: E731
+    before, _ = run_output(comfy_packs, plain("stock", "icl_plain_before"))
+    ref, entries = check_orders(comfy_packs, lambda o: iclight_graph(models, o, fused_kernels), fused_kernels)
+    other, _ = run_output(comfy_packs, iclight_graph(models, "stock", fused_kernels, multiplier=0.5,
+                                                     prefix="icl_mult"))
+    assert_changed(ref, other, "IC-Light's foreground")
+    assert_changed(ref, before, "IC-Light's weights")
+    for order in ("stock", "ours"):
+        after, _ = run_output(comfy_packs, plain(order, "icl_plain_after_" + order))
+        assert_matches(after, before, exact=not fused_kernels or order == "stock", what="plain after, " + order)

@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 import comfy_inproc
 
@@ -148,3 +149,62 @@ def test_a_fault_in_the_hooked_layers_check_costs_the_run_its_graphs_not_the_run
     why = hooked_layers.run_reason(base)
     assert why and "failed (RuntimeError: a module tree this check cannot read): no graph" in why, why
     mm.unload_all_models()
+
+
+# -- LayerDiffuse (huchenlei/ComfyUI-layerdiffuse): a forward wrapper on the block class, set at import ---------------
+
+class _SharedAttentionLike(torch.nn.Module):
+    """LayerDiffuse's attention-sharing unit as far as SD Accel meets it: an object patch in each attn1's place that
+    reads the transformer_options its class-level wrapper recorded for the current block call (the step's sigmas),
+    not the ones it is called with. Here: the attention's output scaled by the step's sigma."""
+    recorded = {}
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = [inner]
+
+    def forward(self, h, context=None, value=None, transformer_options=None):
+        sigma = type(self).recorded["sigmas"].to(h).mean()
+        return self.inner[0](h, context=context, value=value) * (1.0 + 0.05 * sigma)
+
+
+def _record_block_options():
+    """LayerDiffuse's `hijack_transformer_block`: BasicTransformerBlock.forward wrapped (functools.wraps), each call's
+    transformer_options kept on the attention-sharing class."""
+    import functools
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    original = BasicTransformerBlock.forward
+
+    @functools.wraps(original)
+    def forward(self, x, context=None, transformer_options={}):  # noqa: B006 - the host's signature
+        _SharedAttentionLike.recorded = transformer_options
+        return original(self, x, context, transformer_options)
+    return forward
+
+
+def test_a_block_forward_another_pack_wrapped_at_import_runs_and_the_image_is_stock(model, monkeypatch):
+    """Before, the transformer-block stand-in skipped the wrapper (its source check read through it to ComfyUI's):
+    the sharing units read the options of stock's last call, another image. The blocks stay the host's, the rest is
+    fused, and the report says why."""
+    import comfy.model_management as mm
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    from sd_accel.hosts.comfyui import accelerate as host
+    monkeypatch.setattr(BasicTransformerBlock, "forward", _record_block_options())
+    shared = model.clone()
+    unet = model.model.diffusion_model
+    paths = [n for n, m in unet.named_modules() if n.endswith("transformer_blocks.0.attn1")]
+    for path in paths:
+        shared.add_object_patch("diffusion_model." + path, _SharedAttentionLike(unet.get_submodule(path)))
+    mm.unload_all_models()
+    plain = comfy_inproc.sample_tiny(model.clone(), steps=2, cfg=3.0)
+    mm.unload_all_models()
+    ref = comfy_inproc.sample_tiny(shared, steps=2, cfg=3.0)
+    mm.unload_all_models()
+    assert float((ref - plain).norm() / plain.norm()) > 1e-3, "the sharing units changed nothing: no test"
+    ours, info = host.accelerate(shared, host.AccelOptions(cuda_graph=False))
+    assert "transformer_add_norm" not in info["patched"] and info["patched"].get("resblock_add_norm"), info
+    assert "BasicTransformerBlock.forward" in info["reasons"]["another pack's forwards"], info["reasons"]
+    got = comfy_inproc.sample_tiny(ours, steps=2, cfg=3.0)
+    mm.unload_all_models()
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < 1e-4, rel
