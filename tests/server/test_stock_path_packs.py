@@ -7,8 +7,9 @@ branches. Both are stock's computation. Here the eager path is held to it (comfy
 so every graph must give stock's output to the byte, in each order SD Accel meets the pack, and the pack must act.
 The packs are the stand-ins of tests/packs (docs/other_packs.md); the graphs are test_other_packs.py's.
 """
-from test_other_packs import (ORDERS, ad_graph, animatediff, assert_changed, assert_matches, cn_graph,
-                              detailer_graph, ipadapter, model_graph, report_of, run_output)
+import pytest
+from test_other_packs import (ORDERS, _is_2024, ad_graph, animatediff, assert_changed, assert_matches, cn_graph,
+                              detailer_graph, iclight_graph, ipadapter, model_graph, report_of, run_output)
 
 
 def _stock_path_ran(entry):
@@ -67,3 +68,13 @@ def test_detailer_on_an_accelerated_model_on_the_stock_path_is_stock_to_the_byte
     got, entry = run_output(comfy_packs_stock, detailer_graph(models, "apply", prefix="sp_det"))
     report_of(entry)
     assert_matches(got, ref, exact=True, what="apply")
+
+
+def test_iclight_on_the_stock_path_is_stock_to_the_byte(comfy_packs_stock, models):
+    """IC-Light's padded input conv (a weight patch of another shape) and its extra_conds, on the originals the
+    stock path swaps back: stock's image to the byte in every order, and the foreground acted."""
+    if _is_2024(comfy_packs_stock):
+        pytest.skip("IC-Light pads a weight through ComfyUI's pad_weight, which ComfyUI 2024 does not have")
+    ref = _exact_in_orders(comfy_packs_stock, lambda o: iclight_graph(models, o, True, prefix="sp_icl"))
+    other, _ = run_output(comfy_packs_stock, iclight_graph(models, "stock", True, multiplier=0.5, prefix="sp_icl_m"))
+    assert_changed(ref, other, "IC-Light's foreground")
