@@ -400,6 +400,7 @@ def _install_keyed(clone, st, options, step):
         _inert(outer_sample, options, "outer_sample")
         clone.wrappers.setdefault(pe.WrappersMP.OUTER_SAMPLE, {})[WRAPPER_KEY] = [outer_sample]
     hooked_layers.install(clone)
+    object_patches.originals_between_runs_on_cleanup(clone)
     if hasattr(clone, "add_callback_with_key"):
         def on_detach(patcher, unpatch_all=True):
             # ComfyUI also detaches a clone when another clone of the same model is loaded;

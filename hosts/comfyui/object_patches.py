@@ -18,7 +18,8 @@ patch (ComfyUI applies that first, to the original; a copy made now would hide i
 Apply SD Accel, has it set inside our copy; ComfyUI restores patches in the order it applied them, which
 would put that copy's module back into the original, so before each run (ON_PRE_RUN, current ComfyUI) our
 blocks are moved to the end of the restore order. ComfyUI 2024 has no such callback, and it patches a loaded
-model only once (no per-prompt cycle to save): there the UNet is patched module by module (`fold=False`). A
+model only once (no per-prompt cycle to save): there the UNet is patched module by module (`fold=False`). On
+current ComfyUI, a run's end puts the originals back in the tree early (`originals_between_runs`). A
 ControlNet's patcher is made by Accelerated KSampler right before sampling, so no other node can add to it:
 folded on both.
 """
@@ -29,6 +30,8 @@ import weakref
 
 import torch
 
+from ...engine.memory import residency
+from ...engine.options import strict
 from ...engine.patches import layout_modules, patch_folding, patching
 from ...engine.patches import fused_modules as fm
 from ...engine.graphs import graph_memory
@@ -265,6 +268,63 @@ def keep_restore_order(clone, patches):
         return
     import comfy.patcher_extension as pe
     clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [_restore_ours_last]
+
+
+def originals_between_runs(patcher):
+    """At the end of a sampling run on current ComfyUI: the originals back in the tree where our folded blocks
+    stand, for as long as the model is not sampled. ComfyUI restores and re-applies a loaded model's object patches
+    at its next load (every sampler's), from the backup it keeps, which stays as it is: this only does that restore
+    early, for our blocks. Between prompts the tree is then the model's own. A pack that hooks the modules in the
+    tree before ComfyUI loads the model (BrushNet's OUTER_SAMPLE wrapper) otherwise hooked our copies, which the
+    next load replaced (another clone's patches, or none for stock's): its samples were set on modules no longer
+    in the tree, and the image was another, stock KSampler's too. Left as they are: blocks another pack's
+    injection or object patch sits in (ComfyUI takes those out itself), and a UNet a VRAM Pool streams.
+    Returns the paths restored."""
+    backup = getattr(patcher, "object_patches_backup", None)
+    model = getattr(patcher, "model", None)
+    if not backup or model is None or getattr(patcher, "is_injected", False):
+        return []
+    unet = getattr(model, "diffusion_model", None)
+    if unet is None or residency.streamer_of(unet) is not None:
+        return []
+    restored = []
+    for path, value in patcher.object_patches.items():
+        if not is_folded(value) or path not in backup or \
+                any(k.startswith(path + ".") for k in patcher.object_patches):
+            continue
+        try:
+            if patching.get_attr(model, path) is not value:
+                continue
+        except AttributeError:
+            continue
+        patching.set_attr(model, path, backup[path])
+        restored.append(path)
+    return restored
+
+
+def _originals_after_run(patcher):
+    """ON_CLEANUP (ComfyUI calls it at the end of every sampling run, also one that raised, inside every OUTER_SAMPLE
+    wrapper): `originals_between_runs`, a fault logged, never raised into the user's run. One module-level function,
+    marked inert (see `_restore_ours_last`)."""
+    try:
+        originals_between_runs(patcher)
+    except Exception as e:  # noqa: BLE001 - the run's result (or its own error) is the user's: keep it
+        if strict():
+            raise
+        log.warning("[SD Accel] the UNet's own blocks could not be put back after the run: %s", e)
+
+
+_originals_after_run.sd_accel_inert = ("originals between runs",)
+
+
+def originals_between_runs_on_cleanup(clone):
+    """Installs `_originals_after_run` on current ComfyUI (keyed ON_CLEANUP callbacks: another pack's
+    `wrappers.update` cannot drop it, as BrushNet's drops the OUTER_SAMPLE wrappers set before its own)."""
+    if not can_keep_restore_order(clone):
+        return
+    import comfy.patcher_extension as pe
+    if getattr(pe.CallbacksMP, "ON_CLEANUP", None):
+        clone.callbacks.setdefault(pe.CallbacksMP.ON_CLEANUP, {})[CALLBACK_KEY] = [_originals_after_run]
 
 
 def calls_on_detach(patcher):

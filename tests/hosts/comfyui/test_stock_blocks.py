@@ -1,7 +1,7 @@
 """hosts/comfyui/stock_blocks.py on a real ComfyUI, in-process (CPU): a stock-path call (the eager path a GPU's timing
 picks where the host is the bound; held to it here, where the kernels' interpreter would pick the fused one) runs
-the folded blocks' originals where the copies compute nothing else, the copies are back in the tree after it, and
-the image is stock's; a block holding another pack's module, or host state the original lacks, keeps its copy."""
+the folded blocks' originals where the copies compute nothing else, the copies are back in the tree after it (and
+the originals after the run), and the image is stock's; a block holding another pack's module, or host state the original lacks, keeps its copy."""
 import importlib
 
 import pytest
@@ -60,14 +60,19 @@ def test_a_stock_path_call_runs_the_originals_of_the_folded_blocks_and_gives_sto
     folded = {k.split(".")[-1]: m for k, m in acc.object_patches.items() if object_patches.is_folded(m)}
     folds = hasattr(model, "add_callback_with_key")   # current ComfyUI folds; 2024 patches module by module
     assert bool(folded) == folds and set(folded) <= set(FOLDED)
+    between = []    # the tree between the UNet's calls (after each step's CFG, outside the stock-path scope)
+    acc.set_model_sampler_post_cfg_function(
+        lambda args: between.append({n: dm._modules.get(n) for n in folded}) or args["denoised"])
     with _BlocksSeen(dm) as seen:
         ours = _sample(acc)
-    assert seen.calls
+    assert seen.calls and between
     for blocks in seen.calls:
         for name in folded:
             assert blocks[name] is originals[name], "%s ran its copy on the stock path" % name
-    if folds:
-        assert all(dm._modules[n] is m for n, m in folded.items()), "the copies are back in the tree after"
+    for blocks in between:
+        assert all(blocks[n] is m for n, m in folded.items()), "the copies are back in the tree after each call"
+    # at the run's end the model's own blocks go back in the tree until its next load (originals_between_runs)
+    assert all(dm._modules[n] is m for n, m in originals.items()), "the originals are in the tree between runs"
     mm.unload_all_models()
     assert all(dm._modules[n] is m for n, m in originals.items())
     assert torch.equal(ours, _sample(model))
