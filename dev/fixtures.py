@@ -6,6 +6,7 @@ No weights can be downloaded here, so the demo, the tests and the GPU benchmark 
   sdxl   SDXL checkpoint (full size; for the GPU machine)
   cn15   SD1.5 ControlNet (`control_model.*`), matching an SD1.5 UNet preset
   lora15 SD1.5 LoRA in kohya naming (`lora_unet_<path>.lora_up/lora_down/alpha`)
+  iclight15  IC-Light fc offsets (8 input channels, ldm keys) for an SD1.5 UNet preset, as its nodes read them
   taesd  TAESD decoder, the live-preview decoder of `--preview-method taesd` (models/vae_approx; one
          architecture for SD1.5 and SDXL: save it as taesd_decoder.safetensors or taesdxl_decoder.safetensors)
 
@@ -135,23 +136,48 @@ def build_checkpoint(comfy_dir, kind, preset, path, seed=0, dtype="fp16"):
                  {"sd_accel_fixture": kind, "preset": preset, "seed": seed})
 
 
-def build_unet(comfy_dir, preset, path, in_channels=4, seed=0):
-    """A diffusion-model-only file (UNETLoader's), SD1.5's layout at `preset`; `in_channels` 9 makes it an
-    inpainting UNet (latent, mask and masked-image latent concatenated: ComfyUI reads the count from the first conv),
-    8 an IC-Light fc UNet (latent and foreground latent), a file its pack reads itself, built from SD15's own config
-    (ComfyUI's detection takes 8 channels for another model: Stable Zero123, InstructPix2Pix)."""
+def _unet_state(comfy_dir, preset, in_channels, seed):
     comfy = _import_comfy(comfy_dir)
     import torch
     config = dict(sd15_unet_config(preset), in_channels=in_channels)
+    # ComfyUI's detection takes 8 input channels for another model (Stable Zero123, InstructPix2Pix)
     mc = comfy.supported_models.SD15(config) if in_channels == 8 else _model_config(comfy, config)
     if type(mc).__name__ != "SD15":
         raise RuntimeError("ComfyUI matched %s, expected SD15" % type(mc).__name__)
     with torch.device("meta"), torch.inference_mode():
         unet = mc.get_model({}, "").diffusion_model.state_dict()
     gen = torch.Generator().manual_seed(seed)
-    sd = {k: _random(k, unet[k], gen) for k in sorted(unet)}
+    return {k: _random(k, unet[k], gen) for k in sorted(unet)}
+
+
+def build_unet(comfy_dir, preset, path, in_channels=4, seed=0):
+    """A diffusion-model-only file (UNETLoader's), SD1.5's layout at `preset`; `in_channels` 9 makes it an
+    inpainting UNet (latent, mask and masked-image latent concatenated: ComfyUI reads the count from the first conv)."""
+    import torch
+    sd = _unet_state(comfy_dir, preset, in_channels, seed)
     return _save(sd, path, torch.float16, {"sd_accel_fixture": "unet15", "preset": preset, "seed": seed,
                                            "in_channels": in_channels})
+
+
+# IC-Light's files are offsets its nodes add to the base model's weights: a fine-tune's small deltas, but for the
+# input conv's new channels (the foreground latent's), which start from zero. Random offsets of a full weight's
+# size make the patched UNet another, badly conditioned network: one that amplified a 1e-3 change of the prompt 24
+# times over six steps (the plain UNet: once), so fp16's own rounding moved its image by 10-15%.
+ICLIGHT_OFFSET_SCALE = 0.05
+
+
+def build_iclight_offsets(comfy_dir, preset, path, seed=0):
+    """An IC-Light fc file as kijai's loader reads it (ldm keys, 8 input channels), SD1.5's layout at `preset`:
+    random offsets of `ICLIGHT_OFFSET_SCALE` times a weight's scale, the input conv's last 4 channels in full."""
+    import torch
+    sd = _unet_state(comfy_dir, preset, 8, seed)
+    for k, v in sd.items():
+        if v.is_floating_point():
+            v *= ICLIGHT_OFFSET_SCALE
+    conv = sd["input_blocks.0.0.weight"]
+    conv[:, 4:] /= ICLIGHT_OFFSET_SCALE
+    return _save(sd, path, torch.float16, {"sd_accel_fixture": "iclight15", "preset": preset, "seed": seed,
+                                           "offset_scale": ICLIGHT_OFFSET_SCALE})
 
 
 def random_vae(comfy_dir, seed=0, ddconfig=None, dtype=None):
@@ -330,7 +356,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--comfy-dir", required=True)
     ap.add_argument("--kind", choices=["sd15", "sdxl", "cn15", "lora15", "taesd", "hypernet15",
-                                                  "unet15", "unet15inpaint", "unet15iclight", "t2i15"],
+                                                  "unet15", "unet15inpaint", "iclight15", "t2i15"],
                     required=True)
     ap.add_argument("--preset", choices=sorted(UNET_PRESETS), default="small")
     ap.add_argument("--seed", type=int, default=0)
@@ -346,9 +372,10 @@ def main():
         ensure(a.out, build_hypernetwork, a.out, a.seed)
     elif a.kind == "t2i15":
         ensure(a.out, build_t2i_adapter, a.comfy_dir, a.out, a.seed)
-    elif a.kind in ("unet15", "unet15inpaint", "unet15iclight"):
-        channels = {"unet15": 4, "unet15inpaint": 9, "unet15iclight": 8}[a.kind]
-        ensure(a.out, build_unet, a.comfy_dir, a.preset, a.out, channels, a.seed)
+    elif a.kind in ("unet15", "unet15inpaint"):
+        ensure(a.out, build_unet, a.comfy_dir, a.preset, a.out, 9 if a.kind == "unet15inpaint" else 4, a.seed)
+    elif a.kind == "iclight15":
+        ensure(a.out, build_iclight_offsets, a.comfy_dir, a.preset, a.out, a.seed)
     else:
         ensure(a.out, build_lora, a.comfy_dir, a.preset, a.out, seed=a.seed)
 

@@ -377,14 +377,14 @@ def test_brushnet_with_graphs_on_runs_eagerly_and_is_stock_in_every_order(comfy_
 # -- IC-Light ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def iclight_unet(comfy_env):  # noqa: F811
-    """An IC-Light fc UNet of the test checkpoint's layout (8 input channels, other weights), where its loader looks."""
+    """IC-Light fc offsets for the test checkpoint's layout (8 input channels), where its loader looks."""
     import folder_paths
     import fixtures
     folder = os.path.join(WORK, "diffusion_models")
     os.makedirs(folder, exist_ok=True)
     folder_paths.add_model_folder_path("diffusion_models", folder, is_default=True)
-    path = os.path.join(folder, "gpu_small_iclight.safetensors")
-    fixtures.ensure(path, fixtures.build_unet, COMFY, "small", path, 8, 7)
+    path = os.path.join(folder, "gpu_small_iclight_offsets.safetensors")
+    fixtures.ensure(path, fixtures.build_iclight_offsets, COMFY, "small", path, 7)
     return os.path.basename(path)
 
 

@@ -33,13 +33,13 @@ FIXTURES = {  # file -> (kind, folder[, preset]); the key in `models` is the kin
     "sdaccel_random_unet15inpaint_tiny.safetensors": ("unet15inpaint", "diffusion_models", "tiny"),
     # a second UNet of the checkpoint's layout, other weights: the model merge nodes' model2
     "sdaccel_random_unet15_small_seed1.safetensors": ("unet15", "diffusion_models", PRESET),
-    # an IC-Light fc UNet of the checkpoint's layout (8 input channels, other weights), read by standin_iclight
-    "sdaccel_random_unet15iclight_small_seed2.safetensors": ("unet15iclight", "diffusion_models", PRESET),
+    # IC-Light fc offsets for the checkpoint's layout (8 input channels), read by standin_iclight
+    "sdaccel_random_iclight15_small_seed2.safetensors": ("iclight15", "diffusion_models", PRESET),
     # SD1.5's layout in small: the deepest level without attention (tests/server/test_other_packs.py)
     "sdaccel_random_sd15_small_plain_deep.safetensors": ("sd15", "checkpoints", "small_plain_deep"),
 }
 # dev/fixtures.py's seed where it is not 0: weights unlike the checkpoint's UNet
-SEEDS = {"unet15": 1, "unet15iclight": 2}
+SEEDS = {"unet15": 1, "iclight15": 2}
 
 
 def _build_fixtures():

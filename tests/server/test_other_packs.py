@@ -514,7 +514,7 @@ def iclight_graph(models, order, fused_kernels, multiplier=0.18215, seed=7, pref
     """Relighting as IC-Light's fc example graphs wire it: the checkpoint's model through the IC-Light loader, the
     foreground (a light square on a dark ground) VAE-encoded into the IC-Light conditioning with both prompts, whose
     prompts and empty latent go to the sampler."""
-    wf = model_graph(models, [("ICLightLikeApply", {"model_path": models["unet15iclight_small"]})], order,
+    wf = model_graph(models, [("ICLightLikeApply", {"model_path": models["iclight15_small"]})], order,
                      fused_kernels, seed=seed, steps=2, prefix=prefix)
     add_square_image(wf, "i", "i_image", 0x303030, 0xE0C0A0, (24, 32), (20, 16))
     wf["i_fg"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["i_image", 0], "vae": ["4", 2]}}
