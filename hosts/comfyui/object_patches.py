@@ -32,7 +32,7 @@ import torch
 
 from ...engine.memory import residency
 from ...engine.options import strict
-from ...engine.patches import layout_modules, patch_folding, patching
+from ...engine.patches import forward_patches, layout_modules, patch_folding, patching
 from ...engine.patches import fused_modules as fm
 from ...engine.graphs import graph_memory
 from ...engine.graphs.graphed_forward import GraphedForward
@@ -271,15 +271,17 @@ def keep_restore_order(clone, patches):
 
 
 def originals_between_runs(patcher):
-    """At the end of a sampling run on current ComfyUI: the originals back in the tree where our folded blocks
-    stand, for as long as the model is not sampled. ComfyUI restores and re-applies a loaded model's object patches
-    at its next load (every sampler's), from the backup it keeps, which stays as it is: this only does that restore
-    early, for our blocks. Between prompts the tree is then the model's own. A pack that hooks the modules in the
-    tree before ComfyUI loads the model (BrushNet's OUTER_SAMPLE wrapper) otherwise hooked our copies, which the
-    next load replaced (another clone's patches, or none for stock's): its samples were set on modules no longer
-    in the tree, and the image was another, stock KSampler's too. Left as they are: blocks another pack's
-    injection or object patch sits in (ComfyUI takes those out itself), and a UNet a VRAM Pool streams.
-    Returns the paths restored."""
+    """At the end of a sampling run on current ComfyUI: the originals back in the tree where our modules stand (the
+    folded blocks, and the stand-ins of a block patched module by module), for as long as the model is not sampled.
+    ComfyUI restores and re-applies a loaded model's object patches at its next load (every sampler's), from the
+    backup it keeps: this only does that restore early, for our patches, last applied first restored, and drops
+    their backup entries as ComfyUI's restore does (its next restore would otherwise set a forward of the host's
+    again, over whatever a pack set there since). Between prompts the tree is then the model's own. A pack that
+    hooks the modules in the tree before ComfyUI loads the model (BrushNet's OUTER_SAMPLE wrapper) otherwise hooked
+    our modules, which the next load replaced (another clone's patches, or none for stock's): its samples were set
+    on modules no longer in the tree, and the image was another, stock KSampler's too. Left as they are: another
+    pack's patches, ours with one of another pack's under them (ComfyUI takes those out itself), the model's
+    sampling object, injected models, and a UNet a VRAM Pool streams. Returns the paths restored."""
     backup = getattr(patcher, "object_patches_backup", None)
     model = getattr(patcher, "model", None)
     if not backup or model is None or getattr(patcher, "is_injected", False):
@@ -287,19 +289,33 @@ def originals_between_runs(patcher):
     unet = getattr(model, "diffusion_model", None)
     if unet is None or residency.streamer_of(unet) is not None:
         return []
+    theirs = [k for k, v in patcher.object_patches.items() if not is_ours(v)]
     restored = []
-    for path, value in patcher.object_patches.items():
-        if not is_folded(value) or path not in backup or \
-                any(k.startswith(path + ".") for k in patcher.object_patches):
+    for path, value in reversed(list(patcher.object_patches.items())):
+        if not path.startswith("diffusion_model.") or not is_ours(value) or path not in backup or \
+                any(k.startswith(path + ".") for k in theirs):
             continue
         try:
             if patching.get_attr(model, path) is not value:
                 continue
         except AttributeError:
             continue
-        patching.set_attr(model, path, backup[path])
+        _put_back(model, path, backup.pop(path))
         restored.append(path)
     return restored
+
+
+def _put_back(model, path, original):
+    """`original` at `path`; a forward patch's backup that is the module's own class forward bound to it is put back
+    as no instance attribute at all (as the host's module had it): a bound method held in the module's own
+    `__dict__` is a reference cycle that keeps the layer's weights until a garbage collection runs."""
+    parent, _, attr = path.rpartition(".")
+    owner = patching.get_attr(model, parent)
+    if attr == forward_patches.ATTR and getattr(original, "__self__", None) is owner and \
+            getattr(original, "__func__", None) is getattr(type(owner), attr, None):
+        delattr(owner, attr)
+    else:
+        setattr(owner, attr, original)
 
 
 def _originals_after_run(patcher):

@@ -208,3 +208,100 @@ def test_a_block_forward_another_pack_wrapped_at_import_runs_and_the_image_is_st
     mm.unload_all_models()
     rel = float((got - ref).norm() / ref.norm())
     assert rel < 1e-4, rel
+
+
+def _brushnet_inputs():
+    image = torch.full((1, 64, 64, 3), 0.15)
+    image[:, 16:40, 24:56] = torch.tensor([0.95, 0.75, 0.5])
+    return image, image[..., 0].clone()
+
+
+def _sample_brushnet(bn, patcher, vae):
+    """Stock KSampler on `patcher` with the BrushNet stand-in applied (its conditioning as the pack returns it)."""
+    import nodes
+    g = torch.Generator().manual_seed(11)
+    pos = [[torch.randn(1, 77, 768, generator=g), {}]]
+    neg = [[torch.randn(1, 77, 768, generator=g), {}]]
+    image, mask = _brushnet_inputs()
+    with torch.inference_mode():
+        m, pos, neg, latent = bn.BrushNetLikeApply().model_update(patcher, vae, image, mask, pos, neg, 1.0, 0, 10000,
+                                                                 "float32", 1)
+        return nodes.KSampler().sample(m, 5, 3, 7.0, "euler", "normal", pos, neg, latent)[0]["samples"]
+
+
+def _ours_in_tree(unet):
+    """Paths in `unet`'s live tree that hold a module or a forward of SD Accel's."""
+    from sd_accel.hosts.comfyui import object_patches
+    return [n for n, m in unet.named_modules()
+            if object_patches.is_ours(m) or object_patches.is_ours(m.__dict__.get("forward"))]
+
+
+def test_a_block_patched_module_by_module_gives_the_tree_back_after_the_run_and_brushnet_after_it_is_stock(
+        model, monkeypatch):
+    """Another pack's object patch under a block leaves that block patched module by module (a copy of it would hide
+    the patch). At the run's end our stand-ins there leave the tree too, as the folded blocks do: else BrushNet,
+    hooking the tree's layers before the next load, hooked our stand-ins, which that load (a stock KSampler's)
+    replaced by the originals, and its samples on the output blocks were lost."""
+    import comfy.model_management as mm
+    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import object_patches
+    if not hasattr(model, "add_callback_with_key"):
+        pytest.skip("BrushNet's current release hooks ComfyUI's model wrappers, which ComfyUI 2024 does not have")
+    bn = _load_pack("standin_brushnet")
+    vae = comfy_inproc.tiny_vae()
+    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    unet = model.model.diffusion_model
+    mm.unload_all_models()
+    want = _sample_brushnet(bn, model.clone(), vae)
+    mm.unload_all_models()
+    path = next(n for n, m in unet.named_modules() if n.startswith("output_blocks") and n.endswith(".emb_layers"))
+    theirs = model.clone()
+    tag = comfy_inproc.TaggedModule(unet.get_submodule(path))
+    theirs.add_object_patch("diffusion_model." + path, tag)
+    ours, _ = host.accelerate(theirs, host.AccelOptions(fused_kernels=False, cuda_graph=False))
+    by_module = [k for k, v in ours.object_patches.items()
+                 if k.startswith("diffusion_model.output_blocks.") and object_patches.is_ours(v)]
+    assert by_module and "diffusion_model.output_blocks" not in ours.object_patches, "no block patched by module"
+    comfy_inproc.sample_tiny(ours, steps=2, cfg=3.0)
+    assert tag.calls > 0
+    assert not _ours_in_tree(unet), "SD Accel's stand-ins stayed in the tree after the run"
+    got = _sample_brushnet(bn, model.clone(), vae)
+    mm.unload_all_models()
+    assert torch.equal(got, want), float((got - want).norm() / want.norm())
+
+
+def test_the_forward_patches_of_an_fp8_stored_unet_leave_after_the_run_and_brushnet_after_it_is_stock(
+        tmp_path, monkeypatch):
+    """An fp8-stored UNet's layers get SD Accel's forwards (object patches at `<layer>.forward`), its input conv among
+    them, a layer BrushNet hooks. At the run's end they leave the tree with no bound forward of the layer left on it
+    (a reference cycle), and their backup entries go too: ComfyUI's next load would otherwise set the layer's own
+    forward again over BrushNet's hook."""
+    checkpoint = comfy_inproc.tiny_checkpoint(tmp_path)   # ComfyUI on sys.path
+    import comfy.model_management as mm
+    import comfy.sd
+    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import object_patches
+    if "model_options" not in comfy.sd.load_checkpoint_guess_config.__code__.co_varnames:
+        pytest.skip("this ComfyUI (2024) cannot load weights as fp8 nor run BrushNet's current release")
+    bn = _load_pack("standin_brushnet")
+    vae = comfy_inproc.tiny_vae()
+    with torch.inference_mode():
+        model = comfy.sd.load_checkpoint_guess_config(
+            checkpoint, output_vae=False, output_clip=False,
+            model_options={"dtype": torch.float8_e4m3fn})[0]
+    unet = model.model.diffusion_model
+    mm.unload_all_models()
+    want = _sample_brushnet(bn, model.clone(), vae)
+    mm.unload_all_models()
+    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    ours, _ = host.accelerate(model.clone(), host.AccelOptions(fused_kernels=False, channels_last=False))
+    forwards = [k for k, v in ours.object_patches.items() if object_patches.is_forward_patch(v)]
+    assert "diffusion_model.input_blocks.0.0.forward" in forwards, forwards
+    comfy_inproc.sample_tiny(ours, steps=2, cfg=3.0)
+    assert not _ours_in_tree(unet), "SD Accel's forwards stayed in the tree after the run"
+    layers = [unet.get_submodule(k[len("diffusion_model."):-len(".forward")]) for k in forwards]
+    assert not [m for m in layers if "forward" in m.__dict__], "a layer holds a forward of its own"
+    assert not set(forwards) & set(ours.object_patches_backup), "their backup entries stayed"
+    got = _sample_brushnet(bn, model.clone(), vae)
+    mm.unload_all_models()
+    assert torch.equal(got, want), float((got - want).norm() / want.norm())
