@@ -229,11 +229,30 @@ def _sample_brushnet(bn, patcher, vae):
         return nodes.KSampler().sample(m, 5, 3, 7.0, "euler", "normal", pos, neg, latent)[0]["samples"]
 
 
-def _ours_in_tree(unet):
-    """Paths in `unet`'s live tree that hold a module or a forward of SD Accel's."""
+class _TreeSeen:
+    """At each UNet call, the object-patch paths (as ComfyUI names them) where the tree holds a module or a forward of
+    SD Accel's."""
+
+    def __init__(self, unet):
+        self.calls = []
+        self.handle = unet.register_forward_pre_hook(lambda m, args: self.calls.append(_ours_paths(m)))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def _ours_paths(unet):
     from sd_accel.hosts.comfyui import object_patches
-    return [n for n, m in unet.named_modules()
-            if object_patches.is_ours(m) or object_patches.is_ours(m.__dict__.get("forward"))]
+    out = []
+    for n, m in unet.named_modules():
+        if object_patches.is_ours(m):
+            out.append("diffusion_model." + n)
+        if object_patches.is_ours(m.__dict__.get("forward")):
+            out.append("diffusion_model.%s.forward" % n)
+    return out
 
 
 def test_a_block_patched_module_by_module_gives_the_tree_back_after_the_run_and_brushnet_after_it_is_stock(
@@ -262,9 +281,12 @@ def test_a_block_patched_module_by_module_gives_the_tree_back_after_the_run_and_
     by_module = [k for k, v in ours.object_patches.items()
                  if k.startswith("diffusion_model.output_blocks.") and object_patches.is_ours(v)]
     assert by_module and "diffusion_model.output_blocks" not in ours.object_patches, "no block patched by module"
-    comfy_inproc.sample_tiny(ours, steps=2, cfg=3.0)
+    for run in range(2):    # the second run's load sets them again
+        with _TreeSeen(unet) as seen:
+            comfy_inproc.sample_tiny(ours, steps=2, cfg=3.0)
+        assert seen.calls and all(set(by_module) <= set(c) for c in seen.calls), (run, by_module, seen.calls[:1])
+        assert not _ours_paths(unet), "SD Accel's stand-ins stayed in the tree after the run"
     assert tag.calls > 0
-    assert not _ours_in_tree(unet), "SD Accel's stand-ins stayed in the tree after the run"
     got = _sample_brushnet(bn, model.clone(), vae)
     mm.unload_all_models()
     assert torch.equal(got, want), float((got - want).norm() / want.norm())
@@ -297,8 +319,11 @@ def test_the_forward_patches_of_an_fp8_stored_unet_leave_after_the_run_and_brush
     ours, _ = host.accelerate(model.clone(), host.AccelOptions(fused_kernels=False, channels_last=False))
     forwards = [k for k, v in ours.object_patches.items() if object_patches.is_forward_patch(v)]
     assert "diffusion_model.input_blocks.0.0.forward" in forwards, forwards
-    comfy_inproc.sample_tiny(ours, steps=2, cfg=3.0)
-    assert not _ours_in_tree(unet), "SD Accel's forwards stayed in the tree after the run"
+    for run in range(2):    # the second run's load sets them again
+        with _TreeSeen(unet) as seen:
+            comfy_inproc.sample_tiny(ours, steps=2, cfg=3.0)
+        assert seen.calls and all(set(forwards) <= set(c) for c in seen.calls), (run, seen.calls[:1])
+        assert not _ours_paths(unet), "SD Accel's forwards stayed in the tree after the run"
     layers = [unet.get_submodule(k[len("diffusion_model."):-len(".forward")]) for k in forwards]
     assert not [m for m in layers if "forward" in m.__dict__], "a layer holds a forward of its own"
     assert not set(forwards) & set(ours.object_patches_backup), "their backup entries stayed"
