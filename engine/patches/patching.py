@@ -37,11 +37,25 @@ COMFY_OPS = ALL_OPS + ("resblock_add_norm", "transformer_add_norm")
 class PatchPlan:
     patches: dict = field(default_factory=dict)     # path -> replacement module
     counts: dict = field(default_factory=dict)      # op -> how many modules
+    ops: dict = field(default_factory=dict)         # path -> the op it counts under (None: counted with another)
+    pairs: dict = field(default_factory=dict)       # path -> the path it only works with (GroupNorm+SiLU's two)
 
     def add(self, path, module, op):
         self.patches[path] = module
+        self.ops[path] = op
         if op:
             self.counts[op] = self.counts.get(op, 0) + 1
+
+    def without(self, paths):
+        """The plan less the patches at `paths` (and the pair of any of them), counted again."""
+        paths = set(paths) | {self.pairs[p] for p in paths if p in self.pairs}
+        out = PatchPlan()
+        for path, module in self.patches.items():
+            if path not in paths:
+                out.add(path, module, self.ops[path])
+                if path in self.pairs:
+                    out.pairs[path] = self.pairs[path]
+        return out
 
 
 def _join(prefix, name):
@@ -88,6 +102,7 @@ def _plan_sequential(plan, handled, root, name, seq, ops, prefix):
             continue   # left to the plain GroupNorm rule (or to the host) below
         plan.add(prefix + p0, fm.make_fused_group_norm(m0, "silu"), "group_norm_silu")
         plan.add(prefix + p1, fm.SiLUFolded(), None)
+        plan.pairs[prefix + p0], plan.pairs[prefix + p1] = prefix + p1, prefix + p0
         handled.update((p0, p1))
 
 

@@ -103,6 +103,10 @@ def _unpatched(clone, path):
     return _original(patching.get_attr(clone.model, path))
 
 
+def _at_or_under_any(path, paths):
+    return any(path == p or path.startswith(p + ".") for p in paths)
+
+
 def _touches(path, group):
     return path == group or path.startswith(group + ".") or group.startswith(path + ".")
 
@@ -128,7 +132,8 @@ def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True,
     Planned with other loaded clones' injections ejected.
     `planner(view, prefix, live) -> (patches, counts)`: what to plan instead of a UNet's module swaps (a VAE's)."""
     if planner is None:
-        planner = functools.partial(_unet_planner, fused_kernels, channels_last, fp8, upcast)
+        theirs = [k for k, v in clone.object_patches.items() if not is_ours(v)]
+        planner = functools.partial(_unet_planner, fused_kernels, channels_last, fp8, upcast, theirs)
     with contextlib.ExitStack() as ejected:
         for other in _injected_clones(clone):
             ejected.enter_context(other.use_ejected())
@@ -174,27 +179,34 @@ def _foreign_class(m):
     return top not in ("comfy", "comfy_extras", "torch") and not _is_ours(m)
 
 
-def _unet_planner(fused_kernels, channels_last, fp8, upcast, view, prefix, live):
+def _unet_planner(fused_kernels, channels_last, fp8, upcast, theirs, view, prefix, live):
+    """The UNet's module swaps, planned on `view` (the unpatched blocks), none at or under a path in `theirs` (another
+    pack's object patches: its module stands there once ComfyUI applies them, and a patch of ours would replace it
+    or be set through it)."""
+    def ours_only(planned):
+        return {k: v for k, v in planned.items() if not _at_or_under_any(k, theirs)}
     patches, counts = {}, {}
     if channels_last:
         # before the fused modules: a SpatialTransformer stand-in must be in place before its children's
         # patches are set through it (ComfyUI applies object patches in insertion order; so does the fold)
-        layout = layout_modules.plan_layout_patches(view, prefix=prefix)
+        layout = ours_only(layout_modules.plan_layout_patches(view, prefix=prefix))
         patches.update(layout)
         if layout:
             counts["channels_last_transformer"] = len(layout)
     if fused_kernels:
         p = patching.plan_patches(view, patching.COMFY_OPS, prefix=prefix, owner=live)
+        p = p.without(set(p.patches) - set(ours_only(p.patches)))
         patches.update(p.patches)
         counts.update(p.counts)
     if upcast:
         kept, _ = plan_upcast(view, prefix, grouped=upcast == "grouped")
+        kept = ours_only(kept)
         patches.update(kept)
         for p in kept.values():
             counts[p.sdaccel_kind] = counts.get(p.sdaccel_kind, 0) + 1
     if fp8:
         # after the fused modules: a Linear under a stand-in (GEGLU's proj) is set through it
-        linears = plan_fp8(view, prefix)
+        linears = ours_only(plan_fp8(view, prefix))
         patches.update(linears)
         if linears:
             counts["fp8_linear"] = len(linears)

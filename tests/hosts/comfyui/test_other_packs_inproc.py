@@ -330,3 +330,46 @@ def test_the_forward_patches_of_an_fp8_stored_unet_leave_after_the_run_and_brush
     got = _sample_brushnet(bn, model.clone(), vae)
     mm.unload_all_models()
     assert torch.equal(got, want), float((got - want).norm() / want.norm())
+
+
+class _ScaledOutput(torch.nn.Module):
+    """Another pack's object patch: a module of its own in a UNet module's place, running it and scaling its output."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs) * 1.5
+
+
+@pytest.mark.parametrize("which", [".in_layers.0", ".in_layers.1", ".ff"])
+def test_another_packs_module_where_sd_accel_would_set_its_own_runs_and_the_image_is_stock(model, which):
+    """The plan is made on the unpatched blocks. Before, a patch of ours at the path of another pack's module
+    (a ResBlock's GroupNorm, or its SiLU, GroupNorm+SiLU's pair) replaced that module, so it never ran (another
+    image), and one under it (GEGLU's at `ff.net.0`) failed the run with AttributeError while ComfyUI set it
+    through the pack's module. Now no patch of ours is at or under another pack's."""
+    import comfy.model_management as mm
+    from sd_accel.hosts.comfyui import accelerate as host
+    unet = model.model.diffusion_model
+    path = next(n for n, m in unet.named_modules() if n.startswith("output_blocks") and n.endswith(which))
+    theirs = model.clone()
+    scaled = _ScaledOutput(unet.get_submodule(path))
+    theirs.add_object_patch("diffusion_model." + path, scaled)
+    mm.unload_all_models()
+    plain = comfy_inproc.sample_tiny(model.clone(), steps=2, cfg=3.0)
+    mm.unload_all_models()
+    ref = comfy_inproc.sample_tiny(theirs, steps=2, cfg=3.0)
+    mm.unload_all_models()
+    assert float((ref - plain).norm() / plain.norm()) > 1e-3, "the pack's module changed nothing: no test"
+    ours, info = host.accelerate(theirs, host.AccelOptions(cuda_graph=False))
+    assert ours.object_patches["diffusion_model." + path] is scaled
+    assert not [k for k in ours.object_patches if k.startswith("diffusion_model." + path + ".")]
+    assert info["patched"].get("group_norm_silu") or info["patched"].get("resblock_add_norm"), info["patched"]
+    calls = scaled.calls
+    got = comfy_inproc.sample_tiny(ours, steps=2, cfg=3.0)
+    mm.unload_all_models()
+    assert scaled.calls > calls, "the pack's module did not run"
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < 1e-4, rel
