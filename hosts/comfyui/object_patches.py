@@ -89,6 +89,11 @@ def is_ours(value):
     return _is_ours(value) or is_forward_patch(value)
 
 
+def others_paths(patcher):
+    """The paths of `patcher`'s object patches that are not SD Accel's (modules or forwards)."""
+    return [k for k, v in patcher.object_patches.items() if not is_ours(v)]
+
+
 def _original(module):
     return getattr(module, "__dict__", {}).get(_BASE, module)
 
@@ -132,7 +137,7 @@ def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True,
     Planned with other loaded clones' injections ejected.
     `planner(view, prefix, live) -> (patches, counts)`: what to plan instead of a UNet's module swaps (a VAE's)."""
     if planner is None:
-        theirs = [k for k, v in clone.object_patches.items() if not is_ours(v)]
+        theirs = others_paths(clone)
         planner = functools.partial(_unet_planner, fused_kernels, channels_last, fp8, upcast, theirs)
     with contextlib.ExitStack() as ejected:
         for other in _injected_clones(clone):
@@ -301,7 +306,7 @@ def originals_between_runs(patcher):
     unet = getattr(model, "diffusion_model", None)
     if unet is None or residency.streamer_of(unet) is not None:
         return []
-    theirs = [k for k, v in patcher.object_patches.items() if not is_ours(v)]
+    theirs = others_paths(patcher)
     restored = []
     for path, value in reversed(list(patcher.object_patches.items())):
         if not path.startswith("diffusion_model.") or not is_ours(value) or path not in backup or \

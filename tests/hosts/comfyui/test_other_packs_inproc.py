@@ -182,6 +182,19 @@ def _record_block_options():
     return forward
 
 
+def _stock_reference(model, patched, what):
+    """Stock's latent for `patched` (a clone with another pack's patches), after checking that the patches change
+    the image at all (otherwise a test of them could not fail)."""
+    import comfy.model_management as mm
+    mm.unload_all_models()
+    plain = comfy_inproc.sample_tiny(model.clone(), steps=2, cfg=3.0)
+    mm.unload_all_models()
+    ref = comfy_inproc.sample_tiny(patched, steps=2, cfg=3.0)
+    mm.unload_all_models()
+    assert float((ref - plain).norm() / plain.norm()) > 1e-3, what + " changed nothing: no test"
+    return ref
+
+
 def test_a_block_forward_another_pack_wrapped_at_import_runs_and_the_image_is_stock(model, monkeypatch):
     """Before, the transformer-block stand-in skipped the wrapper (its source check read through it to ComfyUI's):
     the sharing units read the options of stock's last call, another image. The blocks stay the host's, the rest is
@@ -195,12 +208,7 @@ def test_a_block_forward_another_pack_wrapped_at_import_runs_and_the_image_is_st
     paths = [n for n, m in unet.named_modules() if n.endswith("transformer_blocks.0.attn1")]
     for path in paths:
         shared.add_object_patch("diffusion_model." + path, _SharedAttentionLike(unet.get_submodule(path)))
-    mm.unload_all_models()
-    plain = comfy_inproc.sample_tiny(model.clone(), steps=2, cfg=3.0)
-    mm.unload_all_models()
-    ref = comfy_inproc.sample_tiny(shared, steps=2, cfg=3.0)
-    mm.unload_all_models()
-    assert float((ref - plain).norm() / plain.norm()) > 1e-3, "the sharing units changed nothing: no test"
+    ref = _stock_reference(model, shared, "the sharing units")
     ours, info = host.accelerate(shared, host.AccelOptions(cuda_graph=False))
     assert "transformer_add_norm" not in info["patched"] and info["patched"].get("resblock_add_norm"), info
     assert "BasicTransformerBlock.forward" in info["reasons"]["another pack's forwards"], info["reasons"]
@@ -357,12 +365,7 @@ def test_another_packs_module_where_sd_accel_would_set_its_own_runs_and_the_imag
     theirs = model.clone()
     scaled = _ScaledOutput(unet.get_submodule(path))
     theirs.add_object_patch("diffusion_model." + path, scaled)
-    mm.unload_all_models()
-    plain = comfy_inproc.sample_tiny(model.clone(), steps=2, cfg=3.0)
-    mm.unload_all_models()
-    ref = comfy_inproc.sample_tiny(theirs, steps=2, cfg=3.0)
-    mm.unload_all_models()
-    assert float((ref - plain).norm() / plain.norm()) > 1e-3, "the pack's module changed nothing: no test"
+    ref = _stock_reference(model, theirs, "the pack's module")
     ours, info = host.accelerate(theirs, host.AccelOptions(cuda_graph=False))
     assert ours.object_patches["diffusion_model." + path] is scaled
     assert not [k for k in ours.object_patches if k.startswith("diffusion_model." + path + ".")]
