@@ -423,3 +423,24 @@ def test_iclight_with_graphs_is_stock_in_every_order_and_after(comfy_env, packs,
     ref_after, _ = _run(comfy_env, comfy_env.model, "stock", seed=4)
     assert _rel(ref_after, plain_ref) < 1e-3, ("stock's own latent changed after the IC-Light runs",
                                                _rel(ref_after, plain_ref))
+
+
+# -- smZNodes: ComfyUI's sampling functions replaced at import --------------------------------------------------
+@pytest.fixture
+def smz(comfy_env):  # noqa: F811
+    """smZ's hooks for one test: in a real ComfyUI they stay for every graph (the CPU server tests have them so);
+    here they go at the end, so the other GPU tests in this process run without them."""
+    mod = _load_pack("standin_smz")
+    mod._register_hooks()
+    yield mod
+    mod._unregister_hooks()
+
+
+def test_smz_settings_with_graphs_are_stock_in_every_order(comfy_env, smz):  # noqa: F811
+    """NGMS skips the uncond on the odd steps below its sigma (a UNet call of half the batch, decided by a host read
+    of the sigmas outside the step), and ENSD moves the noise's seed, found on a `model` local of prepare_noise's
+    callers: the half-batch calls are other graph keys, never a replay of the full batch's graph."""
+    build = lambda m: smz.SmZLikeSettings().apply(m, 100.0, 31337)[0]  # noqa: E731
+    ref = check_every_order(comfy_env, build, {}, "smz")
+    plain, _ = _run(comfy_env, comfy_env.model, "stock")
+    assert _rel(ref, plain) > 2 * FP16_NOISE, ("smZ's settings changed the latent too little to test", _rel(ref, plain))

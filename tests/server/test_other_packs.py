@@ -130,7 +130,8 @@ def check_orders(srv, build, fused_kernels, orders=ORDERS):
 
 STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
              "ImpactLikeDetailer", "DeepCacheLikeApply", "FBCacheLikeApply",
-             "TiledDiffusionLikeApply", "BrushNetLikeApply", "ICLightLikeApply", "ICLightLikeConditioning")
+             "TiledDiffusionLikeApply", "BrushNetLikeApply", "ICLightLikeApply", "ICLightLikeConditioning",
+             "SmZLikeSettings")
 
 
 def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
@@ -564,3 +565,21 @@ def test_brushnet_between_accelerated_prompts_is_stock_and_so_is_stock_after_the
         got, entry = run_output(comfy_packs, brushnet_graph(models, order, True, seed=11, prefix="bnq_" + order))
         report_of(entry)
         assert_matches(got, want, exact=order == "stock", what=what + ", after an accelerated prompt")
+
+
+# -- smZNodes: ComfyUI's sampling functions replaced at import, for every graph -----------------------------------
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
+@pytest.mark.parametrize("setting", ["ngms", "ensd"])
+def test_smz_settings_in_every_order_is_stock(comfy_packs, models, setting, fused_kernels):
+    """smZ's hooks are in this server for every graph (the other tests here run beside them). With its Settings
+    on the model, NGMS skips the uncond on the odd steps (a UNet call of half the batch: cfg 1.0 there; 4 steps, as
+    the second of 2 is at a sigma where the guidance hardly shows; latents, as the random model's guidance is weak), and ENSD moves the noise's seed, found by
+    prepare_noise on a `model` local of its callers: the Accelerated KSampler must hand ComfyUI's sampler the
+    model the user's graph gave it, through ComfyUI's own functions."""
+    settings = {"ngms": {"s_min_uncond": 100.0, "ENSD": 0}, "ensd": {"s_min_uncond": 0.0, "ENSD": 31337}}[setting]
+    nodes = [("SmZLikeSettings", settings)]
+    build = lambda o: model_graph(models, nodes, o, fused_kernels, steps=4, save_latent=True,  # noqa: E731
+                                  prefix="smz_" + setting)
+    ref, _ = check_orders(comfy_packs, build, fused_kernels)
+    plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", steps=4, save_latent=True, prefix="smz_none"))
+    assert_changed(ref, plain, "smZ's " + setting)
