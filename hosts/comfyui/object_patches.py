@@ -289,16 +289,18 @@ def keep_restore_order(clone, patches):
 
 def originals_between_runs(patcher):
     """At the end of a sampling run on current ComfyUI: the originals back in the tree where our modules stand (the
-    folded blocks, and the stand-ins of a block patched module by module), for as long as the model is not sampled.
-    ComfyUI restores and re-applies a loaded model's object patches at its next load (every sampler's), from the
-    backup it keeps: this only does that restore early, for our patches, last applied first restored, and drops
-    their backup entries as ComfyUI's restore does (its next restore would otherwise set a forward of the host's
-    again, over whatever a pack set there since). Between prompts the tree is then the model's own. A pack that
-    hooks the modules in the tree before ComfyUI loads the model (BrushNet's OUTER_SAMPLE wrapper) otherwise hooked
-    our modules, which the next load replaced (another clone's patches, or none for stock's): its samples were set
-    on modules no longer in the tree, and the image was another, stock KSampler's too. Left as they are: another
-    pack's patches, ours with one of another pack's under them (ComfyUI takes those out itself), the model's
-    sampling object, injected models, and a UNet a VRAM Pool streams. Returns the paths restored."""
+    folded blocks, the stand-ins of a block patched module by module, our layer forwards), for as long as the model
+    is not sampled. ComfyUI restores and re-applies a loaded model's object patches at its next load (every
+    sampler's), from the backup it keeps: this only does that restore early, for our patches and any other pack's
+    patch under one of them, last applied first restored (each set undone in reverse, so the tree is the model's
+    own whichever of the two was applied first), and drops their backup entries as ComfyUI's restore does (its next
+    restore would otherwise set a forward of the host's again, over whatever a pack set there since, or a module of
+    our copy into the original). Between prompts the tree is then the model's own. A pack that hooks the modules in
+    the tree before ComfyUI loads the model (BrushNet's OUTER_SAMPLE wrapper) otherwise hooked our modules, which
+    the next load replaced (another clone's patches, or none for stock's): its samples were set on modules no
+    longer in the tree, and the image was another, stock KSampler's too. Left as they are: another pack's patches
+    outside ours, the model's sampling object, injected models, and a UNet a VRAM Pool streams. Returns the paths
+    restored."""
     backup = getattr(patcher, "object_patches_backup", None)
     model = getattr(patcher, "model", None)
     if not backup or model is None or getattr(patcher, "is_injected", False):
@@ -306,20 +308,22 @@ def originals_between_runs(patcher):
     unet = getattr(model, "diffusion_model", None)
     if unet is None or residency.streamer_of(unet) is not None:
         return []
-    theirs = others_paths(patcher)
+    applied = [(k, v) for k, v in patcher.object_patches.items() if k in backup and k.startswith("diffusion_model.")]
+    ours = [k for k, v in applied if is_ours(v) and _in_tree(model, k, v)]
     restored = []
-    for path, value in reversed(list(patcher.object_patches.items())):
-        if not path.startswith("diffusion_model.") or not is_ours(value) or path not in backup or \
-                any(k.startswith(path + ".") for k in theirs):
-            continue
-        try:
-            if patching.get_attr(model, path) is not value:
-                continue
-        except AttributeError:
+    for path, value in reversed(applied):
+        if not any(path == k or path.startswith(k + ".") for k in ours) or not _in_tree(model, path, value):
             continue
         _put_back(model, path, backup.pop(path))
         restored.append(path)
     return restored
+
+
+def _in_tree(model, path, value):
+    try:
+        return patching.get_attr(model, path) is value
+    except AttributeError:
+        return False
 
 
 def _put_back(model, path, original):
