@@ -237,6 +237,20 @@ def _sample_brushnet(bn, patcher, vae):
         return nodes.KSampler().sample(m, 5, 3, 7.0, "euler", "normal", pos, neg, latent)[0]["samples"]
 
 
+def _brushnet_reference(model, monkeypatch):
+    """(BrushNet stand-in, VAE, stock's BrushNet latent on `model`) with SD Accel's GPU plan forced on this CPU;
+    skips on ComfyUI 2024, which has none of the model wrappers BrushNet's current release hooks."""
+    import comfy.model_management as mm
+    from sd_accel.hosts.comfyui import accelerate as host
+    if not hasattr(model, "add_callback_with_key"):
+        pytest.skip("BrushNet's current release hooks ComfyUI's model wrappers, which ComfyUI 2024 does not have")
+    bn = _load_pack("standin_brushnet")
+    vae = comfy_inproc.tiny_vae()
+    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    mm.unload_all_models()
+    return bn, vae, _sample_brushnet(bn, model.clone(), vae)
+
+
 class _TreeSeen:
     """At each UNet call, the object-patch paths (as ComfyUI names them) where the tree holds a module or a forward of
     SD Accel's."""
@@ -272,14 +286,8 @@ def test_a_block_patched_module_by_module_gives_the_tree_back_after_the_run_and_
     import comfy.model_management as mm
     from sd_accel.hosts.comfyui import accelerate as host
     from sd_accel.hosts.comfyui import object_patches
-    if not hasattr(model, "add_callback_with_key"):
-        pytest.skip("BrushNet's current release hooks ComfyUI's model wrappers, which ComfyUI 2024 does not have")
-    bn = _load_pack("standin_brushnet")
-    vae = comfy_inproc.tiny_vae()
-    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    bn, vae, want = _brushnet_reference(model, monkeypatch)
     unet = model.model.diffusion_model
-    mm.unload_all_models()
-    want = _sample_brushnet(bn, model.clone(), vae)
     mm.unload_all_models()
     path = next(n for n, m in unet.named_modules() if n.startswith("output_blocks") and n.endswith(".emb_layers"))
     theirs = model.clone()
@@ -313,14 +321,8 @@ def test_our_stand_ins_over_another_packs_module_leave_the_tree_after_the_run_an
     import comfy.model_management as mm
     from sd_accel.hosts.comfyui import accelerate as host
     from sd_accel.hosts.comfyui import object_patches
-    if not hasattr(model, "add_callback_with_key"):
-        pytest.skip("BrushNet's current release hooks ComfyUI's model wrappers, which ComfyUI 2024 does not have")
-    bn = _load_pack("standin_brushnet")
-    vae = comfy_inproc.tiny_vae()
-    monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    bn, vae, want = _brushnet_reference(model, monkeypatch)
     unet = model.model.diffusion_model
-    mm.unload_all_models()
-    want = _sample_brushnet(bn, model.clone(), vae)
     options = host.AccelOptions(fused_kernels=fused_kernels, cuda_graph=False)
     units = []
 
