@@ -90,8 +90,8 @@ def is_ours(value):
 
 
 def others_paths(patcher):
-    """The paths of `patcher`'s object patches that are not SD Accel's (modules or forwards)."""
-    return [k for k, v in patcher.object_patches.items() if not is_ours(v)]
+    """The paths of `patcher`'s object patches that are not SD Accel's (modules or forwards), as a set."""
+    return {k for k, v in patcher.object_patches.items() if not is_ours(v)}
 
 
 def _original(module):
@@ -109,7 +109,12 @@ def _unpatched(clone, path):
 
 
 def _at_or_under_any(path, paths):
-    return any(path == p or path.startswith(p + ".") for p in paths)
+    """True where `path` or one of its parents is in `paths` (a set: one lookup per level of the path)."""
+    while path:
+        if path in paths:
+            return True
+        path = path.rpartition(".")[0]
+    return False
 
 
 def _touches(path, group):
@@ -309,10 +314,10 @@ def originals_between_runs(patcher):
     if unet is None or residency.streamer_of(unet) is not None:
         return []
     applied = [(k, v) for k, v in patcher.object_patches.items() if k in backup and k.startswith("diffusion_model.")]
-    ours = [k for k, v in applied if is_ours(v) and _in_tree(model, k, v)]
+    ours = {k for k, v in applied if is_ours(v) and _in_tree(model, k, v)}
     restored = []
     for path, value in reversed(applied):
-        if not any(path == k or path.startswith(k + ".") for k in ours) or not _in_tree(model, path, value):
+        if not _at_or_under_any(path, ours) or not _in_tree(model, path, value):
             continue
         _put_back(model, path, backup.pop(path))
         restored.append(path)
