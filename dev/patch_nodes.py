@@ -21,7 +21,7 @@ NODE_MODULES = {
     "PatchModelAddDownscale": "nodes_model_downscale",
     "APG": "nodes_apg", "CFGZeroStar": "nodes_cfg", "CFGNorm": "nodes_cfg", "TCFG": "nodes_tcfg",
     "Mahiro": "nodes_mahiro", "FreSca": "nodes_fresca", "Epsilon Scaling": "nodes_eps",
-    "HypernetworkLoader": "nodes_hypernetwork",
+    "HypernetworkLoader": "nodes_hypernetwork", "DifferentialDiffusion": "nodes_differential_diffusion",
 }
 # dev/fixtures.py's random hypernetwork, in the models' hypernetworks folder (its layers are a patch's own modules,
 # outside the UNet, which the host moves with `.to()` at every load and unload)

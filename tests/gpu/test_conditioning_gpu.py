@@ -1,6 +1,7 @@
 """ComfyUI's conditioning nodes with CUDA graphs (the CPU server tests run the sampler without graphs): area and
 mask conditioning (ComfyUI crops the latent per area, so one step calls the UNet with several shapes), a prompt
-switched mid-run by timestep ranges, combined / averaged / concatenated / zeroed conds, and a latent noise mask.
+switched mid-run by timestep ranges, combined / averaged / concatenated / zeroed conds, a latent noise mask, and
+Differential Diffusion (a soft noise mask made binary per step, around the model call, by a model patch).
 
 Per case, on the current ComfyUI in process: stock KSampler, then the Accelerated KSampler twice with the same seed:
 both equal stock's latent within fp16 noise, and the second prompt replays graphs without capturing again.
@@ -24,10 +25,20 @@ def _half_mask():
     return mask
 
 
+def _soft_mask():
+    return _half_mask() * 0.5 + 0.25
+
+
+def _noised_latent():
+    g = torch.Generator().manual_seed(3)
+    return {"samples": torch.randn((1, 4, SIZE // 8, SIZE // 8), generator=g)}
+
+
 def _case(env, name):
-    """(positive, negative, latent) of case `name`, built with ComfyUI's own nodes."""
+    """(model, positive, negative, latent) of case `name`, built with ComfyUI's own nodes."""
     n = env.nodes
     dog = _encode(env, "a dog in the snow")
+    model = env.model
     with torch.inference_mode():
         latent = n.EmptyLatentImage().generate(SIZE, SIZE, 1)[0]
         pos, neg = env.pos, env.neg
@@ -55,21 +66,24 @@ def _case(env, name):
         elif name == "zero_out_negative":
             neg = n.ConditioningZeroOut().zero_out(env.neg)[0]
         elif name == "latent_noise_mask":
-            g = torch.Generator().manual_seed(3)
-            latent = {"samples": torch.randn((1, 4, SIZE // 8, SIZE // 8), generator=g)}
-            latent = n.SetLatentNoiseMask().set_mask(latent, _half_mask())[0]
+            latent = n.SetLatentNoiseMask().set_mask(_noised_latent(), _half_mask())[0]
+        elif name == "differential_diffusion":
+            latent = n.SetLatentNoiseMask().set_mask(_noised_latent(), _soft_mask())[0]
+            import patch_nodes   # dev/, on sys.path once the comfy_env fixture has run
+            model = patch_nodes.apply_node("DifferentialDiffusion", env.model, {})
         else:
             raise KeyError(name)
-    return pos, neg, latent
+    return model, pos, neg, latent
 
 
 CASES = ["area", "two_areas_and_percentage", "mask", "mask_bounds", "timestep_range", "average", "concat",
-         "zero_out_negative", "latent_noise_mask"]
+         "zero_out_negative", "latent_noise_mask", "differential_diffusion"]
+MASKED = ("latent_noise_mask", "differential_diffusion")
 
 
-def _run(env, pos, neg, latent, ours, denoise):
+def _run(env, model, pos, neg, latent, ours, denoise):
     with torch.inference_mode():
-        args = (env.model, 5, 6, 7.0, "euler", "normal", pos, neg, latent)
+        args = (model, 5, 6, 7.0, "euler", "normal", pos, neg, latent)
         if ours:
             res = env.ours.sample(*args, denoise=denoise)
             return res["result"][0]["samples"].float(), res["ui"]["sdaccel_report"][0]
@@ -78,18 +92,22 @@ def _run(env, pos, neg, latent, ours, denoise):
 
 @pytest.mark.parametrize("name", CASES)
 def test_conditioning_with_graphs_equals_stock_and_reuses_its_graphs(comfy_env, name):
-    pos, neg, latent = _case(comfy_env, name)
-    denoise = 0.7 if name == "latent_noise_mask" else 1.0
-    stock, _ = _run(comfy_env, pos, neg, latent, ours=False, denoise=denoise)
+    model, pos, neg, latent = _case(comfy_env, name)
+    denoise = 0.7 if name in MASKED else 1.0
+    stock, _ = _run(comfy_env, model, pos, neg, latent, ours=False, denoise=denoise)
     # what a replay that ignored the node would give: the plain prompt (and, for the timestep ranges, the second
-    # prompt over the whole run, had the switch been missed the other way)
+    # prompt over the whole run, had the switch been missed the other way; for Differential Diffusion, its soft
+    # mask as it is)
     unmasked = {"samples": latent["samples"]}
-    ignored = [_run(comfy_env, comfy_env.pos, comfy_env.neg, unmasked, ours=False, denoise=denoise)[0]]
+    ignored = [_run(comfy_env, comfy_env.model, comfy_env.pos, comfy_env.neg, unmasked, ours=False,
+                    denoise=denoise)[0]]
     if name == "timestep_range":
-        ignored.append(_run(comfy_env, _encode(comfy_env, "a dog in the snow"), neg, latent, ours=False,
+        ignored.append(_run(comfy_env, model, _encode(comfy_env, "a dog in the snow"), neg, latent, ours=False,
                             denoise=denoise)[0])
-    first, rep1 = _run(comfy_env, pos, neg, latent, ours=True, denoise=denoise)
-    second, rep2 = _run(comfy_env, pos, neg, latent, ours=True, denoise=denoise)
+    if name == "differential_diffusion":
+        ignored.append(_run(comfy_env, comfy_env.model, pos, neg, latent, ours=False, denoise=denoise)[0])
+    first, rep1 = _run(comfy_env, model, pos, neg, latent, ours=True, denoise=denoise)
+    second, rep2 = _run(comfy_env, model, pos, neg, latent, ours=True, denoise=denoise)
     assert torch.isfinite(stock).all()
     err = max(_rel(first, stock), _rel(second, stock))
     effect = min(_rel(stock, other) for other in ignored)

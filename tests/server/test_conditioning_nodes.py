@@ -1,6 +1,7 @@
 """ComfyUI's conditioning nodes and multi-sampler graphs through the real server: what users wire between the text
-encoders and the sampler (area, mask, timestep-range, average, concat, zero-out conditioning, a latent noise mask)
-and graphs with two samplers (a hires fix; a KSamplerAdvanced split schedule on an Apply SD Accel model).
+encoders and the sampler (area, mask, timestep-range, average, concat, zero-out conditioning, a latent noise mask,
+Differential Diffusion on a soft one) and graphs with two samplers (a hires fix; a KSamplerAdvanced split schedule
+on an Apply SD Accel model).
 
 Each graph is posted twice, with the stock samplers and with SD Accel's (fused_kernels off: on this CPU the
 accelerated path then runs ComfyUI's own modules through its step wrapper, so any difference at all is a bug),
@@ -35,10 +36,10 @@ def _base(ckpt):
 
 
 def _conditioning(case):
-    """{node id: node} of `case` and the (positive, negative, latent) links the sampler takes."""
+    """{node id: node} of `case` and the (model, positive, negative, latent) links the sampler takes."""
     combine = lambda a, b: {"class_type": "ConditioningCombine",  # noqa: E731
                             "inputs": {"conditioning_1": a, "conditioning_2": b}}
-    pos, neg, latent = ["6", 0], ["7", 0], ["5", 0]
+    model, pos, neg, latent = ["4", 0], ["6", 0], ["7", 0], ["5", 0]
     nodes = {}
     if case == "area":
         nodes["50"] = {"class_type": "ConditioningSetArea", "inputs": {
@@ -76,13 +77,28 @@ def _conditioning(case):
     elif case == "latent_noise_mask":
         nodes["50"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["5", 0], "mask": ["42", 0]}}
         latent = ["50", 0]
+    elif case in ("soft_latent_noise_mask", "differential_diffusion"):
+        # a soft mask (0.75 on the left half, 0.25 on the right): Differential Diffusion turns it into a
+        # per-step binary mask from the step's timestep, in the inpainting wrapper around the model call
+        nodes["53"] = {"class_type": "SolidMask", "inputs": {"value": 0.25, "width": SIZE, "height": SIZE}}
+        nodes["54"] = {"class_type": "SolidMask", "inputs": {"value": 0.5, "width": SIZE // 2, "height": SIZE}}
+        nodes["55"] = {"class_type": "MaskComposite", "inputs": {"destination": ["53", 0], "source": ["54", 0],
+                                                                 "x": 0, "y": 0, "operation": "add"}}
+        nodes["50"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["5", 0], "mask": ["55", 0]}}
+        latent = ["50", 0]
+        if case == "differential_diffusion":
+            nodes["56"] = {"class_type": "DifferentialDiffusion", "inputs": {"model": model}}
+            model = ["56", 0]
     elif case != "plain":
         raise KeyError(case)
-    return nodes, pos, neg, latent
+    return nodes, model, pos, neg, latent
 
 
 CASES = ["area", "area_percentage", "mask", "timestep_range", "average", "concat", "zero_out_negative",
-         "latent_noise_mask"]
+         "latent_noise_mask", "differential_diffusion"]
+# what each case's output must differ from, so that the equality is about the case's node
+WITHOUT = {"differential_diffusion": "soft_latent_noise_mask"}
+DENOISE = {"latent_noise_mask": 0.7, "differential_diffusion": 0.7, "soft_latent_noise_mask": 0.7}
 
 
 def _sampler(cls, model, pos, neg, latent, denoise=1.0):
@@ -112,9 +128,9 @@ def _latent(srv, graph):
 
 def _conditioning_graph(ckpt, case, sampler, denoise):
     g = _base(ckpt)
-    nodes, pos, neg, latent = _conditioning(case)
+    nodes, model, pos, neg, latent = _conditioning(case)
     g.update(nodes)
-    g["3"] = _sampler(sampler, ["4", 0], pos, neg, latent, denoise)
+    g["3"] = _sampler(sampler, model, pos, neg, latent, denoise)
     return _save_latent(g, ["3", 0], "%s_%s" % (case, sampler))
 
 
@@ -126,13 +142,14 @@ def _require(comfy, classes):
 
 @pytest.mark.parametrize("case", CASES)
 def test_conditioning_node_accelerated_equals_stock(comfy, models, case):
-    nodes, _, _, _ = _conditioning(case)
+    nodes = _conditioning(case)[0]
     _require(comfy, {n["class_type"] for n in nodes.values()} | {"SolidMask", "MaskComposite"})
-    denoise = 0.7 if case == "latent_noise_mask" else 1.0
+    denoise = DENOISE.get(case, 1.0)
     stock = _latent(comfy, _conditioning_graph(models["sd15"], case, "KSampler", denoise))
     ours = _latent(comfy, _conditioning_graph(models["sd15"], case, "SDAccelKSampler", denoise))
-    plain = _latent(comfy, _conditioning_graph(models["sd15"], "plain", "KSampler", denoise))
-    assert not np.array_equal(stock, plain), "%s did not change the output" % case
+    without = WITHOUT.get(case, "plain")
+    plain = _latent(comfy, _conditioning_graph(models["sd15"], without, "KSampler", denoise))
+    assert not np.array_equal(stock, plain), "%s did not change the output against %s" % (case, without)
     assert np.array_equal(ours, stock), (case, float(np.abs(ours - stock).max()))
 
 
