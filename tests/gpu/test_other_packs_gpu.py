@@ -444,3 +444,44 @@ def test_smz_settings_with_graphs_are_stock_in_every_order(comfy_env, smz):  # n
     ref = check_every_order(comfy_env, build, {}, "smz")
     plain, _ = _run(comfy_env, comfy_env.model, "stock")
     assert _rel(ref, plain) > 2 * FP16_NOISE, ("smZ's settings changed the latent too little to test", _rel(ref, plain))
+
+
+# -- Fooocus inpaint: a weight patch type of its own, a block patch that keeps a copy made on its first call ------
+@pytest.fixture
+def fooocus(comfy_env):  # noqa: F811
+    """The stand-in for one test: its Apply replaces comfy.lora.calculate_weight for good (as the pack does in a
+    real ComfyUI); here ComfyUI's own comes back at the end, so the other GPU tests run without it."""
+    import comfy.lora
+    mod = _load_pack("standin_fooocus_inpaint")
+    yield mod
+    if mod._state["original"] is not None:
+        comfy.lora.calculate_weight, mod._state["original"] = mod._state["original"], None
+
+
+def _masked_latent(env):
+    """A 256 px image (a light square on a dark ground) VAE-encoded, with the square as its noise mask."""
+    image = torch.full((1, 256, 256, 3), 0.15)
+    image[:, 64:160, 96:224] = torch.tensor([0.95, 0.75, 0.5])
+    with torch.inference_mode():
+        latent = env.nodes.VAEEncode().encode(env.vae, image)[0]
+        return env.nodes.SetLatentNoiseMask().set_mask(latent, image[..., 0].clone())[0]
+
+
+def test_fooocus_inpaint_with_graphs_is_stock_in_every_order_and_replays(comfy_env, fooocus):  # noqa: F811
+    """Its block patch makes the head's feature on the call's device on its first call and keeps it on the patch
+    object (Python state the first call changes, unchanged after): the key's second probe finds nothing changed, so
+    the step is captured and replayed, reading the kept copy. In every order, twice, stock's latent; the patch acted;
+    and a second prompt on the same model replays graphs with nothing refused."""
+    latent = _masked_latent(comfy_env)
+    build = lambda m: fooocus.FooocusInpaintLikeApply().patch(m, latent, 1, 0.05)[0]  # noqa: E731
+    ref = check_every_order(comfy_env, build, {"latent": latent}, "fooocus inpaint")
+    without, _ = _run(comfy_env, comfy_env.model, "stock", latent=latent)
+    assert _rel(ref, without) > 2 * FP16_NOISE, ("Fooocus inpaint changed the latent too little to test",
+                                                 _rel(ref, without))
+    model = build(comfy_env.model)
+    for attempt in (1, 2):
+        out, report = _run(comfy_env, model, "ours", latent=latent, seed=9)
+    ref9, _ = _run(comfy_env, model, "stock", latent=latent, seed=9)
+    assert _rel(out, ref9) < FP16_NOISE, (_rel(out, ref9), report["graphs"])
+    graphs = report["graphs"]
+    assert graphs.get("replays", 0) > 0 and not graphs.get("refused"), graphs

@@ -131,7 +131,7 @@ def check_orders(srv, build, fused_kernels, orders=ORDERS):
 STAND_INS = ("IPAdapterLikeApply", "ADLikeApplyMotion", "ACNLikeApply", "ACNLikeTimestepKeyframe",
              "ImpactLikeDetailer", "DeepCacheLikeApply", "FBCacheLikeApply",
              "TiledDiffusionLikeApply", "BrushNetLikeApply", "ICLightLikeApply", "ICLightLikeConditioning",
-             "SmZLikeSettings")
+             "SmZLikeSettings", "FooocusInpaintLikeApply")
 
 
 def test_every_stand_in_pack_loads_beside_ours(comfy_packs):
@@ -583,3 +583,47 @@ def test_smz_settings_in_every_order_is_stock(comfy_packs, models, setting, fuse
     ref, _ = check_orders(comfy_packs, build, fused_kernels)
     plain, _ = run_output(comfy_packs, model_graph(models, [], "stock", steps=4, save_latent=True, prefix="smz_none"))
     assert_changed(ref, plain, "smZ's " + setting)
+
+
+# -- Fooocus inpaint: a weight patch type of its own (ComfyUI's calculate_weight replaced), a stateful block patch ----
+def fooocus_graph(models, order, fused_kernels, spread=0.05, seed=7, prefix="fi"):
+    """Inpainting as comfyui-inpaint-nodes' example graphs wire it: an image VAE-encoded with a noise mask (the
+    light square, from the image's red channel) into Apply Fooocus Inpaint and into the sampler, on the
+    checkpoint's model patched by it."""
+    nodes = [("FooocusInpaintLikeApply", {"seed": 1, "spread": spread})] if spread is not None else []
+    wf = model_graph(models, nodes, order, fused_kernels, seed=seed, steps=3, prefix=prefix)
+    add_square_image(wf, "f", "f_image", 0x203040, 0xF0C080, (32, 24), (16, 8))
+    wf["f_mask"] = {"class_type": "ImageToMask", "inputs": {"image": ["f_image", 0], "channel": "red"}}
+    wf["f_encoded"] = {"class_type": "VAEEncode", "inputs": {"pixels": ["f_image", 0], "vae": ["4", 2]}}
+    wf["f_latent"] = {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["f_encoded", 0],
+                                                                     "mask": ["f_mask", 0]}}
+    for node in wf.values():
+        if node["class_type"] == "FooocusInpaintLikeApply":
+            node["inputs"]["latent"] = ["f_latent", 0]
+    wf[SAMPLER]["inputs"]["latent_image"] = ["f_latent", 0]
+    return wf
+
+
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["plumbing_exact", "fused"])
+def test_fooocus_inpaint_in_every_order_is_stock_and_leaves_the_checkpoint_as_it_was(comfy_packs, models,
+                                                                                      fused_kernels):
+    """Fooocus inpaint patches every UNet weight with a patch type of its own, which its replacement of ComfyUI's
+    calculate_weight adds at load, and adds its head's feature after input block 0 from a copy it makes on the
+    first call and keeps on the patch object. In every order, stock's output; the patch acted (another output than
+    the same masked graph without it, and than with its weight patch at 0); and afterwards the plain checkpoint gives
+    the output it gave before, with SD Accel and without (its weight patches went back)."""
+    if _is_2024(comfy_packs):
+        pytest.skip("Fooocus inpaint replaces comfy.lora.calculate_weight, which ComfyUI 2024 does not have")
+    plain = lambda o, p: model_graph(models, [], o, fused_kernels, seed=7, steps=2, prefix=p)  # noqa: E731
+    before, _ = run_output(comfy_packs, plain("stock", "fi_plain_before"))
+    ref, _ = check_orders(comfy_packs, lambda o: fooocus_graph(models, o, fused_kernels), fused_kernels)
+    without, _ = run_output(comfy_packs, fooocus_graph(models, "stock", fused_kernels, spread=None,
+                                                       prefix="fi_none"))
+    head_only, _ = run_output(comfy_packs, fooocus_graph(models, "stock", fused_kernels, spread=0.0,
+                                                         prefix="fi_head"))
+    assert_changed(ref, without, "Fooocus inpaint")
+    assert_changed(ref, head_only, "Fooocus inpaint's weight patch")
+    assert_changed(head_only, without, "Fooocus inpaint's head")
+    for order in ("stock", "ours"):
+        after, _ = run_output(comfy_packs, plain(order, "fi_plain_after_" + order))
+        assert_matches(after, before, exact=not fused_kernels or order == "stock", what="plain after, " + order)
