@@ -22,6 +22,11 @@ BACKENDS = ("auto", "sdpa", "xformers", "sage")
 # An option, never an attention replace patch: packs that patch attention (IPAdapter) set and extend replace
 # patches per block, and one of ours there would take their place or break their own additions.
 TRANSFORMER_OPTION = "sd_accel_attention"
+# Current ComfyUI's per-call attention function (`optimized_attention_override`, a transformer option): where another
+# pack set one (KJNodes' Sage and Flash attention patches), it decides every block's attention, SD Accel's fused
+# blocks included; SD Accel's own override there carries OURS.
+HOST_OVERRIDE = "optimized_attention_override"
+OURS = "sd_accel_backend"
 SAGE_HEAD_DIMS = (64, 96, 128)
 _modules = {}
 
@@ -96,3 +101,9 @@ def attention_fn(backend):
         return out
     attend.sd_accel_backend = backend
     return attend
+
+
+def another_packs_override(transformer_options):
+    """Whether another pack's function is at the host's attention override."""
+    fn = transformer_options.get(HOST_OVERRIDE)
+    return fn is not None and not getattr(fn, OURS, False)

@@ -50,10 +50,12 @@ class FusedTransformerBlock:
 
     def _attention(self, which, n, context, to):
         """The host's attention call, or SD Accel's own attention backend where a host set one
-        (attention.TRANSFORMER_OPTION) and the call is the plain one (_plain_call passed: no replace patch)."""
+        (attention.TRANSFORMER_OPTION), the call is the plain one (_plain_call passed: no replace patch) and no
+        other pack set the host's attention override (then the host's call runs it, as in the host's blocks)."""
         attn = getattr(self, which)
         attend = to.get(attention.TRANSFORMER_OPTION)
-        if attend is None or getattr(attn, "attn_precision", None) is not None or not _host_attention(attn):
+        if attend is None or getattr(attn, "attn_precision", None) is not None or not _host_attention(attn) \
+                or attention.another_packs_override(to):
             kw = {"transformer_options": to} if self.sdaccel_attn_takes_options else {}
             return attn(n, context=context, value=None, **kw)
         kv = n if context is None else context

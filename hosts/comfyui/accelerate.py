@@ -303,17 +303,20 @@ def _transformer_blocks(diffusion_model):
 
 def _install_attention(clone, backend, options):
     """Our attention backend as a transformer option (see attention.TRANSFORMER_OPTION): the fused transformer
-    blocks read it; the host's own blocks take it through current ComfyUI's attention override, where no other
-    pack set one. Returns (the number of transformer blocks it can act in, why none where 0)."""
+    blocks read it; the host's own blocks take it through current ComfyUI's attention override. Where another pack
+    set that override, theirs runs in every block. Returns (the number of transformer blocks it can act in, why
+    none where 0)."""
     attend = _inert(attention.attention_fn(backend), options, "attention")
     to = clone.model_options.setdefault("transformer_options", {})
     to[attention.TRANSFORMER_OPTION] = attend
-    reaches_host_blocks = _host_has_attention_override() and "optimized_attention_override" not in to
+    if attention.another_packs_override(to):
+        # theirs decides every block's attention, the fused ones' too (a pack applied after ours takes it over too)
+        return 0, "another pack set ComfyUI's attention override"
+    reaches_host_blocks = _host_has_attention_override()
     if reaches_host_blocks:
-        to["optimized_attention_override"] = _inert(_attention_override(attend), options, "attention_override")
-    if not (reaches_host_blocks or options.fused_kernels):
-        return 0, ("another pack set ComfyUI's attention override" if _host_has_attention_override() else
-                   "this ComfyUI has no attention override: the backend runs in fused transformer blocks only "
+        to[attention.HOST_OVERRIDE] = _inert(_attention_override(attend), options, "attention_override")
+    elif not options.fused_kernels:
+        return 0, ("this ComfyUI has no attention override: the backend runs in fused transformer blocks only "
                    "(fused_kernels is off)")
     return len(_transformer_blocks(clone.model.diffusion_model)), None
 
@@ -336,6 +339,7 @@ def _attention_override(attend):
             return attend(q, k, v, heads)
         return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                     skip_output_reshape=skip_output_reshape, **kwargs)
+    setattr(override, attention.OURS, True)
     return override
 
 

@@ -87,3 +87,50 @@ def test_comfy_host_hands_the_backend_over_without_replace_patches():
     ran = kernel_report.summarize(before, kernel_report.snapshot()).get("attention_sdpa", {"fused": 0})
     assert ran["fused"] == (n_attn if reaches else 0) and n_attn >= 6
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_another_packs_attention_override_is_kept_in_the_fused_blocks_too():
+    """KJNodes' Patch Sage Attention (and its other attention nodes) put their own function at ComfyUI's
+    `optimized_attention_override`. The host's blocks then call it, ours or not; the fused transformer blocks must
+    too, even where SD Accel's own backend was chosen: one pack's choice for every block, whichever was applied
+    first (stock's output: the override here computes what the host would)."""
+    import comfy_inproc
+    from sd_accel.hosts.comfyui import accelerate as host
+    unet = comfy_inproc.tiny_unet(seed=3, std=0.05)   # imports ComfyUI
+    if not host._host_has_attention_override():
+        pytest.skip("ComfyUI 2024 has no attention override")
+    import comfy.model_patcher
+
+    class Base(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.diffusion_model = unet
+    calls = []
+
+    def theirs(func, *args, **kwargs):
+        calls.append(1)
+        return func(*args, **kwargs)
+    n_attn = 2 * sum(type(m).__name__ == "BasicTransformerBlock" for m in unet.modules())
+    x, t, ctx = torch.randn(2, 4, 8, 8), torch.tensor([10.0, 500.0]), torch.randn(2, 7, 768)
+    with torch.no_grad():
+        ref = unet(x, t, context=ctx, transformer_options={})
+    for order in ("theirs_first", "theirs_last"):
+        patcher = comfy.model_patcher.ModelPatcher(Base(), torch.device("cpu"), torch.device("cpu"))
+        if order == "theirs_first":
+            patcher.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = theirs
+        clone, info = host.accelerate(patcher, host.AccelOptions(True, False, False, "sdpa"))
+        to = clone.model_options["transformer_options"]
+        if order == "theirs_last":
+            to["optimized_attention_override"] = theirs
+        clone.patch_model()
+        try:
+            assert info["patched"].get("transformer_add_norm"), info["patched"]
+            calls.clear()
+            before = kernel_report.snapshot()
+            with torch.no_grad():
+                out = clone.model.diffusion_model(x, t, context=ctx, transformer_options=to)
+            ran = kernel_report.summarize(before, kernel_report.snapshot()).get("attention_sdpa", {"fused": 0})
+        finally:
+            clone.unpatch_model()
+        assert len(calls) == n_attn and ran["fused"] == 0, (order, len(calls), n_attn, ran)
+        assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), order
