@@ -7,6 +7,7 @@ Small CPU tensors (sigma schedules read by Python-side logic) enter by value; a 
 host moves to the GPU inside the call) becomes a GPU input. UUIDs enter by their pattern (which entries are
 equal), not their values: ComfyUI gives every cond a fresh uuid per sampling run, and a step computes the
 same with new ones; what a patch keeps per uuid lives in the patch's own state, which its signature reads.
+The key starts with the process's GEMM and convolution switches (`numerics`).
 `rebuild` puts the static buffers back where the tensors were. GPU tensors found inside objects (a patch's
 closure, say) are the key's `soft` tensors (tokens.py).
 """
@@ -57,9 +58,20 @@ class _Flat:
             self.key.append(("X", tuple(t.shape), t.dtype, t.stride(), t.device))
 
 
+def numerics():
+    """The process-wide switches that choose which GEMM and convolution kernels a capture records: a replay keeps the
+    kernels of its capture, so a switch flipped between runs (KJNodes' loaders set fp16 accumulation on or off per
+    model they load) must give another key, as stock's next call would run other kernels."""
+    m = torch.backends.cuda.matmul
+    return ("numerics", m.allow_tf32, m.allow_fp16_reduced_precision_reduction,
+            getattr(m, "allow_bf16_reduced_precision_reduction", None), getattr(m, "allow_fp16_accumulation", None),
+            torch.backends.cudnn.allow_tf32)
+
+
 def flatten(obj):
-    """Flat(input tensors, hashable key, soft tensors) of `obj` (see the module doc)."""
+    """Flat(input tensors, hashable key, soft tensors) of `obj` (see the module doc), the key led by `numerics()`."""
     f = _Flat()
+    f.key.append(numerics())
     f.walk(obj)
     return Flat(f.tensors, tuple(f.key), f.soft)
 

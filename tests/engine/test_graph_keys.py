@@ -29,6 +29,24 @@ def test_tensor_values_are_inputs_but_structure_and_shapes_are_key():
     assert _key({**b, "x": _big(2, 8, 8, 4).permute(0, 3, 1, 2)})[1] != ka   # and a layout (strides)
 
 
+def test_the_process_gemm_switches_are_key():
+    """A replay keeps its capture's GEMM kernels: with fp16 accumulation (KJNodes' loaders set it per model they load)
+    or reduced-precision reductions flipped since, stock's next call runs others, so the key must change."""
+    m = torch.backends.cuda.matmul
+    call = {"x": _big(2, 4, 8, 8), "n": 3}
+    before = _key(call)[1]
+    for name in ("allow_fp16_accumulation", "allow_fp16_reduced_precision_reduction", "allow_tf32"):
+        if not hasattr(m, name):
+            continue
+        old = getattr(m, name)
+        setattr(m, name, not old)
+        try:
+            assert _key(call)[1] != before, name
+        finally:
+            setattr(m, name, old)
+        assert _key(call)[1] == before, name
+
+
 def test_patch_objects_by_identity_never_by_a_reusable_id():
     patch1, patch2 = (lambda q: q), (lambda q: q)
     assert _key({"p": patch1})[1] != _key({"p": patch2})[1]
