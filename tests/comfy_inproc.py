@@ -127,6 +127,15 @@ def sample_tiny(model, steps=1, cfg=1.0, batch=1):
                                      {"samples": torch.zeros(batch, 4, 8, 8)})[0]["samples"]
 
 
+def coarse_upcast_tiles(monkeypatch):
+    """The fp8 group upcast kernel with tiles 8x its default (a block size it takes; tests/kernels covers the default):
+    interpreted on the CPU it costs per tile, and a tiny UNet's ~70 groups a step took minutes."""
+    import functools
+    from sd_accel.kernels import upcast_fp8
+    from sd_accel.engine.fp8 import block_upcast
+    monkeypatch.setattr(block_upcast.kernel, "Layout", functools.partial(upcast_fp8.Layout, block=8 * upcast_fp8.BLOCK))
+
+
 class TaggedModule(torch.nn.Module):
     """Another pack's object patch, for tests: runs the module it replaces and counts its calls."""
 

@@ -184,8 +184,10 @@ def test_the_stock_path_still_reads_the_kept_copies(fp8_unet, monkeypatch):
 
 
 def _counting_casts(monkeypatch):
-    """The group casts made (each: the number of groups alive just after it), through the real kernel."""
+    """The group casts made (each: the number of groups alive just after it), through the real kernel (coarse tiles:
+    comfy_inproc.coarse_upcast_tiles)."""
     from sd_accel.engine.fp8 import block_upcast
+    comfy_inproc.coarse_upcast_tiles(monkeypatch)
     casts, real = [], block_upcast.kernel.upcast_fp8
 
     def counting(sources, dst, layout, pointers):

@@ -40,6 +40,7 @@ def test_fp8_weights_choice_plans_copies_or_none_and_both_are_stock(tmp_path, mo
     ref = comfy_inproc.sample_tiny(model, steps=2, cfg=5.0)
     mm.unload_all_models()
     monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
+    comfy_inproc.coarse_upcast_tiles(monkeypatch)
     ours, info = host.accelerate(model, host.AccelOptions(fused_kernels=False, channels_last=False,
                                                           fp8_weights=fp8_weights))
     got = comfy_inproc.sample_tiny(ours, steps=2, cfg=5.0)
@@ -68,6 +69,7 @@ def test_as_stored_with_the_fused_modules_casts_each_group_once_a_step_and_equal
     from sd_accel.hosts.comfyui import accelerate as host
     monkeypatch.setattr(host, "_loads_on_cuda", lambda p: True)
     monkeypatch.setattr(block_upcast, "GROUP_BYTES", 64 << 10)    # the tiny UNet in several groups
+    comfy_inproc.coarse_upcast_tiles(monkeypatch)
     casts, real = [], block_upcast.kernel.upcast_fp8
 
     def counting(sources, dst, layout, pointers):
