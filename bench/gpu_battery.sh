@@ -5,7 +5,8 @@
 #   bash bench/gpu_battery.sh tests unet vram        # $OUT must be set (the device tool sets it)
 #
 # Parts: tests (tests/gpu but test_fp8_gpu.py (part fp8_tests), ~5.5 min on a warm Triton cache, more on a cold one;
-# stopped at 560 s with SIGINT, so pytest still prints its summary of what ran), unet (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min), cn
+# stopped at 560 s with SIGINT, so pytest still prints its summary of what ran; test_a1111_fp8_gpu.py in it needs A1111's
+# ldm: the stable-diffusion-sdkit wheel in .whl/, as part a1111_fp8 says), unet (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min), cn
 # (bench_controlnet.py, cn1 cn2 SDXL cn1, ~3 min), vram (bench_vram.py stock+ours, ~2 min), lowvram_baseline
 # (bench_vram.py with ComfyUI's own partial loading too, ~5 min), soak (bench_soak.py, ~3 min), a1111
 # (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min), profile
