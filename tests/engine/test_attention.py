@@ -59,24 +59,32 @@ def test_unknown_backend_is_refused():
         attention.attention_fn("flash3")
 
 
+def _patcher(unet):
+    """A ComfyUI ModelPatcher over `unet` on the CPU, its BaseModel the smallest stand-in the patcher needs."""
+    import comfy.model_patcher
+
+    class Base(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.diffusion_model = unet
+    return comfy.model_patcher.ModelPatcher(Base(), torch.device("cpu"), torch.device("cpu"))
+
+
+def _attention_calls(unet):
+    return 2 * sum(type(m).__name__ == "BasicTransformerBlock" for m in unet.modules())
+
+
 def test_comfy_host_hands_the_backend_over_without_replace_patches():
     """No attention replace patch of ours (IPAdapter extends those per block); on current ComfyUI the host's
     own blocks take the backend through its attention override, same output; on ComfyUI 2024 (no override)
     it reaches only the fused blocks, so with fused kernels off it acts nowhere and says so (0 blocks)."""
     import comfy_inproc
     unet = comfy_inproc.tiny_unet(seed=3, std=0.05)
-    import comfy.model_patcher
     from sd_accel.hosts.comfyui import accelerate as host
-
-    class Base(torch.nn.Module):   # the smallest stand-in of BaseModel the patcher needs
-        def __init__(self):
-            super().__init__()
-            self.diffusion_model = unet
-    patcher = comfy.model_patcher.ModelPatcher(Base(), torch.device("cpu"), torch.device("cpu"))
-    clone, info = host.accelerate(patcher, host.AccelOptions(False, False, False, "sdpa"))
+    clone, info = host.accelerate(_patcher(unet), host.AccelOptions(False, False, False, "sdpa"))
     to = clone.model_options["transformer_options"]
     assert not to.get("patches_replace")
-    n_attn = 2 * sum(type(m).__name__ == "BasicTransformerBlock" for m in unet.modules())
+    n_attn = _attention_calls(unet)
     reaches = host._host_has_attention_override()
     assert info["patched"]["attention_sdpa"] == (len(host._transformer_blocks(unet)) if reaches else 0)
     x, t, ctx = torch.randn(2, 4, 8, 8), torch.tensor([10.0, 500.0]), torch.randn(2, 7, 768)
@@ -99,23 +107,17 @@ def test_another_packs_attention_override_is_kept_in_the_fused_blocks_too():
     unet = comfy_inproc.tiny_unet(seed=3, std=0.05)   # imports ComfyUI
     if not host._host_has_attention_override():
         pytest.skip("ComfyUI 2024 has no attention override")
-    import comfy.model_patcher
-
-    class Base(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.diffusion_model = unet
     calls = []
 
     def theirs(func, *args, **kwargs):
         calls.append(1)
         return func(*args, **kwargs)
-    n_attn = 2 * sum(type(m).__name__ == "BasicTransformerBlock" for m in unet.modules())
+    n_attn = _attention_calls(unet)
     x, t, ctx = torch.randn(2, 4, 8, 8), torch.tensor([10.0, 500.0]), torch.randn(2, 7, 768)
     with torch.no_grad():
         ref = unet(x, t, context=ctx, transformer_options={})
     for order in ("theirs_first", "theirs_last"):
-        patcher = comfy.model_patcher.ModelPatcher(Base(), torch.device("cpu"), torch.device("cpu"))
+        patcher = _patcher(unet)
         if order == "theirs_first":
             patcher.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = theirs
         clone, info = host.accelerate(patcher, host.AccelOptions(True, False, False, "sdpa"))

@@ -346,10 +346,16 @@ def test_torch_compile_model_in_every_order_is_stock_with_the_same_compile(comfy
 
 
 # -- BrushNet: a forward on every block layer's instance per run, its samples handed over as layer attributes ------
-def _brushnet(packs, env, model, scale=1.0):
-    """The BrushNet stand-in on a 256 px inpainting input: a light square on a dark ground, masked by itself."""
+def _square_image():
+    """A 256 px inpainting input: a light square on a dark ground; its red channel masks the square."""
     image = torch.full((1, 256, 256, 3), 0.15)
     image[:, 64:160, 96:224] = torch.tensor([0.95, 0.75, 0.5])
+    return image
+
+
+def _brushnet(packs, env, model, scale=1.0):
+    """The BrushNet stand-in on `_square_image`, masked by itself."""
+    image = _square_image()
     mask = image[..., 0].clone()
     with torch.inference_mode():
         return packs["brushnet"].BrushNetLikeApply().model_update(model, env.vae, image, mask, env.pos, env.neg,
@@ -459,9 +465,8 @@ def fooocus(comfy_env):  # noqa: F811
 
 
 def _masked_latent(env):
-    """A 256 px image (a light square on a dark ground) VAE-encoded, with the square as its noise mask."""
-    image = torch.full((1, 256, 256, 3), 0.15)
-    image[:, 64:160, 96:224] = torch.tensor([0.95, 0.75, 0.5])
+    """`_square_image` VAE-encoded, with the square as its noise mask."""
+    image = _square_image()
     with torch.inference_mode():
         latent = env.nodes.VAEEncode().encode(env.vae, image)[0]
         return env.nodes.SetLatentNoiseMask().set_mask(latent, image[..., 0].clone())[0]
@@ -479,8 +484,8 @@ def test_fooocus_inpaint_with_graphs_is_stock_in_every_order_and_replays(comfy_e
     assert _rel(ref, without) > 2 * FP16_NOISE, ("Fooocus inpaint changed the latent too little to test",
                                                  _rel(ref, without))
     model = build(comfy_env.model)
-    for attempt in (1, 2):
-        out, report = _run(comfy_env, model, "ours", latent=latent, seed=9)
+    _run(comfy_env, model, "ours", latent=latent, seed=9)    # the first prompt on this model captures
+    out, report = _run(comfy_env, model, "ours", latent=latent, seed=9)
     ref9, _ = _run(comfy_env, model, "stock", latent=latent, seed=9)
     assert _rel(out, ref9) < FP16_NOISE, (_rel(out, ref9), report["graphs"])
     graphs = report["graphs"]
