@@ -33,6 +33,7 @@ from . import compiled
 from . import control_graph
 from . import conv_layout
 from . import families
+from . import freeu_filter
 from . import hooked_layers
 from . import object_patches
 from . import precision
@@ -147,6 +148,8 @@ def _make_step(st, options, base_model, derived_copies=False):
         if why:   # compiled after SD Accel was applied: the host's own modules, traced by torch.compile
             conv_layout.set_layout(st, base_model, False)
             return st.graphs.run_stock(fn, args, kwargs, why)
+        if options.fused_kernels:
+            args, kwargs, transformer_options = freeu_filter.on_fast_filter(args, kwargs, transformer_options)
         host_state = getattr(base_model, "current_weight_patches_uuid", None)
         if derived_copies and hooks_patch_weights(base_model):
             # a hook's weight patch is written in place, between the calls of one step, into tensors without a

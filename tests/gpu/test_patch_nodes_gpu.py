@@ -142,6 +142,19 @@ def test_patch_node_equals_stock_and_replays_graphs(comfy_env, plain_ref, case):
         assert _skipped(first_log.lines, case) == skipped and _skipped(second_log.lines, case) == skipped
 
 
+@pytest.mark.parametrize("case", ["FreeU", "FreeU_V2"])
+def test_freeus_filter_runs_sd_accels_kernel_in_the_replayed_graphs(comfy_env, case):  # noqa: F811
+    """Stock's image is the test above's; here, that the filter inside the graphs is SD Accel's
+    (hosts/comfyui/freeu_filter.py), replayed on every step of the second prompt, and never fell back."""
+    model = _patched(comfy_env, case)
+    _sample(comfy_env, model)
+    _, rep = _sample(comfy_env, model)
+    assert rep["graphs"].get("replays", 0) >= STEPS and not rep["graphs"].get("captures"), rep["graphs"]
+    ran = [r for r in rep["ran"] if r.startswith("fourier_low_scale")]
+    assert ran and int(ran[0].split(" x")[1]) >= STEPS, rep["ran"]
+    assert "fourier_low_scale" not in rep["fell_back"], rep["fell_back"]
+
+
 @pytest.mark.parametrize("case", STALE_CASES)
 def test_plain_patched_plain_never_replays_a_stale_graph(comfy_env, plain_ref, case):  # noqa: F811
     """The plain model's graphs exist (captured and replayed) when the same model gets the patch, and the
