@@ -185,20 +185,12 @@ def _reference_in_x_format(x, threshold, scale):
     return y.contiguous(memory_format=torch.channels_last) if is_channels_last(x) else y
 
 
-def _window(n, threshold):
-    """The unshifted frequencies of the centred window's indices [n//2 - threshold, n//2 + threshold) of a
-    shifted spectrum of length n, Python's slice rules included (a negative start counts from the end)."""
-    shifted = list(range(n))[n // 2 - threshold:n // 2 + threshold]
-    return [(i - n // 2) % n for i in shifted]
-
-
 def fourier_low_scale_reference(x, threshold=1, scale=1.0):
-    """Plain torch, the way FreeU defines the filter: an fp32 FFT of each plane, the window's modes scaled, the
-    inverse FFT's real part in x's dtype."""
-    spectrum = torch.fft.fft2(x.float())
-    rows = torch.tensor(_window(x.shape[-2], threshold), dtype=torch.long, device=x.device)
-    cols = torch.tensor(_window(x.shape[-1], threshold), dtype=torch.long, device=x.device)
-    if len(rows) and len(cols):
-        window = (rows[:, None], cols[None, :])
-        spectrum[..., window[0], window[1]] *= scale
-    return torch.fft.ifft2(spectrum).real.to(x.dtype)
+    """Plain torch, the way FreeU defines the filter: an fp32 FFT of each plane, shifted so that the mean is at
+    the centre, the centred window scaled (by Python's slice rules, as FreeU's mask: a start below 0 counts from
+    the end), the inverse FFT's real part in x's dtype. No host-to-device copy: a step may be captured around it."""
+    dims = (-2, -1)
+    spectrum = torch.fft.fftshift(torch.fft.fft2(x.float()), dim=dims)
+    row, col = x.shape[-2] // 2, x.shape[-1] // 2
+    spectrum[..., row - threshold:row + threshold, col - threshold:col + threshold] *= scale
+    return torch.fft.ifft2(torch.fft.ifftshift(spectrum, dim=dims)).real.to(x.dtype)
