@@ -21,7 +21,7 @@ from ...kernels.errors import first_line
 from ...kernels.fourier_low_scale import eligible, fourier_low_scale
 
 log = logging.getLogger("sd_accel")
-OP = "fourier_low_scale"
+OP = "freeu_filter"   # the report's name: what the user put in the graph
 _FILTER = "Fourier_filter"
 _MODULE = "comfy_extras.nodes_freelunch"
 _copies = weakref.WeakKeyDictionary()   # a FreeU closure -> its copy on SD Accel's filter

@@ -150,9 +150,9 @@ def test_freeus_filter_runs_sd_accels_kernel_in_the_replayed_graphs(comfy_env, c
     _sample(comfy_env, model)
     _, rep = _sample(comfy_env, model)
     assert rep["graphs"].get("replays", 0) >= STEPS and not rep["graphs"].get("captures"), rep["graphs"]
-    ran = [r for r in rep["ran"] if r.startswith("fourier_low_scale")]
+    ran = [r for r in rep["ran"] if r.startswith("freeu_filter x")]
     assert ran and int(ran[0].split(" x")[1]) >= STEPS, rep["ran"]
-    assert "fourier_low_scale" not in rep["fell_back"], rep["fell_back"]
+    assert "freeu_filter" not in rep["fell_back"], rep["fell_back"]
 
 
 @pytest.mark.parametrize("case", STALE_CASES)
