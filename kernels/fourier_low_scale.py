@@ -10,8 +10,9 @@ At threshold 1 (what ComfyUI's FreeU and FreeU_V2 nodes use) the window is the f
 
 with a = 2πh/H, b = 2πw/W at the output position and S, A..F the plane's sums of x, x·cos a, x·sin a,
 x·cos b, x·sin b, x·cos(a+b), x·sin(a+b). (Taking the real part halves the change of a mode whose mirror image
-lies outside the window: the mean is scaled by `scale`, the three other modes and their mirrors by (1 + scale)/2.) Torch's way costs a dozen full passes over complex fp32 copies (the
-FFTs, two rolls, a mask as large as the input); this one reads x twice and writes y once:
+lies outside the window: the mean is scaled by `scale`, the three other modes and their mirrors by (1 + scale)/2.)
+Torch's way costs a dozen full passes over complex fp32 copies (the FFTs, two rolls, a mask as large as the
+input); this one reads x twice and writes y once:
 
 * `_plane_sums_kernel`, grid (splits of H·W, channel tiles, N): the seven sums of its part of each plane, fp32;
 * the splits' partial sums added by torch (a fixed order: every run gives the same bits);

@@ -59,13 +59,22 @@ class _Flat:
 
 
 def numerics():
-    """The process-wide switches that choose which GEMM and convolution kernels a capture records: a replay keeps the
-    kernels of its capture, so a switch flipped between runs (KJNodes' loaders set fp16 accumulation on or off per
-    model they load) must give another key, as stock's next call would run other kernels."""
-    m = torch.backends.cuda.matmul
+    """The process-wide switches that choose which GEMM, convolution and attention kernels a capture records: a replay
+    keeps the kernels of its capture, so a switch flipped between runs (KJNodes' loaders set fp16 accumulation on or off
+    per model they load; a pack that turns an SDPA backend off for a model it knows it fails on) must give another key,
+    as stock's next call would run other kernels."""
+    m, cuda = torch.backends.cuda.matmul, torch.backends.cuda
     return ("numerics", m.allow_tf32, m.allow_fp16_reduced_precision_reduction,
             getattr(m, "allow_bf16_reduced_precision_reduction", None), getattr(m, "allow_fp16_accumulation", None),
-            torch.backends.cudnn.allow_tf32)
+            torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic,
+            torch.are_deterministic_algorithms_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+            cuda.math_sdp_enabled(), _enabled(cuda, "cudnn_sdp_enabled"))
+
+
+def _enabled(module, switch):
+    """A switch this torch may not have (None then)."""
+    read = getattr(module, switch, None)
+    return read() if read is not None else None
 
 
 def flatten(obj):

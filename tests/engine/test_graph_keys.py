@@ -47,6 +47,27 @@ def test_the_process_gemm_switches_are_key():
         assert _key(call)[1] == before, name
 
 
+def test_the_process_attention_and_determinism_switches_are_key():
+    """The SDPA backends torch may choose (a pack that turns flash attention off) and deterministic algorithms: a
+    replay keeps the attention kernels and algorithms of its capture, so flipping one must give another key."""
+    cuda = torch.backends.cuda
+    call = {"x": _big(2, 4, 8, 8)}
+    before = _key(call)[1]
+    switches = [(cuda.flash_sdp_enabled, cuda.enable_flash_sdp), (cuda.math_sdp_enabled, cuda.enable_math_sdp),
+                (cuda.mem_efficient_sdp_enabled, cuda.enable_mem_efficient_sdp),
+                (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms)]
+    if hasattr(cuda, "cudnn_sdp_enabled"):
+        switches.append((cuda.cudnn_sdp_enabled, cuda.enable_cudnn_sdp))
+    for read, set_ in switches:
+        old = read()
+        set_(not old)
+        try:
+            assert _key(call)[1] != before, read.__name__
+        finally:
+            set_(old)
+        assert _key(call)[1] == before, read.__name__
+
+
 def test_patch_objects_by_identity_never_by_a_reusable_id():
     patch1, patch2 = (lambda q: q), (lambda q: q)
     assert _key({"p": patch1})[1] != _key({"p": patch2})[1]
