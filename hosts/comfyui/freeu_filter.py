@@ -9,8 +9,8 @@ closure always gets the same copy (a graph key sees the same patch on every call
 as the closure does. Nothing global changes: stock KSampler, and every other caller, runs the stock filter.
 
 Only the node's own code is swapped: a closure is recognised by its code object, one of those nested in the
-FreeU classes of the running ComfyUI, and its `Fourier_filter` must be that module's own function (another
-pack that replaced it keeps its replacement).
+FreeU classes of the running ComfyUI, and its `Fourier_filter` must be that module's own function, checked on
+every call (another pack that replaced it, before the first run or since, keeps its replacement).
 """
 import logging
 import types
@@ -23,6 +23,7 @@ from ...kernels.fourier_low_scale import eligible, fourier_low_scale
 log = logging.getLogger("sd_accel")
 OP = "freeu_filter"   # the report's name: what the user put in the graph
 _FILTER = "Fourier_filter"
+_WRAPPED = "_sd_accel_wrapped_filter"   # in a copy's globals: the module's filter it was made over
 _MODULE = "comfy_extras.nodes_freelunch"
 _copies = weakref.WeakKeyDictionary()   # a FreeU closure -> its copy on SD Accel's filter
 _codes = None                            # the FreeU closures' code objects in this ComfyUI
@@ -71,17 +72,19 @@ def fast_copy(patch):
     """The copy of `patch` on SD Accel's filter, or None when `patch` is not a FreeU node's closure."""
     if not isinstance(patch, types.FunctionType) or patch.__code__ not in _freeu_codes():
         return None
+    stock = patch.__globals__.get(_FILTER)
     copy = _copies.get(patch)
-    if copy is None:
-        stock = patch.__globals__.get(_FILTER)
-        if not _is_stock_filter(stock):
-            return None
-        names = dict(patch.__globals__)
-        names[_FILTER] = _filter_through_kernel(stock)
-        copy = types.FunctionType(patch.__code__, names, patch.__name__, patch.__defaults__, patch.__closure__)
-        copy.__qualname__ = patch.__qualname__
-        copy.__kwdefaults__ = patch.__kwdefaults__
-        _copies[patch] = copy
+    if copy is not None and copy.__globals__[_WRAPPED] is stock:
+        return copy
+    if not _is_stock_filter(stock):   # another pack's filter, set before the first run or since
+        _copies.pop(patch, None)
+        return None
+    names = dict(patch.__globals__)
+    names[_FILTER], names[_WRAPPED] = _filter_through_kernel(stock), stock
+    copy = types.FunctionType(patch.__code__, names, patch.__name__, patch.__defaults__, patch.__closure__)
+    copy.__qualname__ = patch.__qualname__
+    copy.__kwdefaults__ = patch.__kwdefaults__
+    _copies[patch] = copy
     return copy
 
 

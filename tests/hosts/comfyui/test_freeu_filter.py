@@ -79,19 +79,24 @@ def test_accelerated_freeu_filters_through_the_kernel_with_stocks_latent(model, 
     assert torch.equal(again, stock) and len(filter_calls) == 2 * stock_calls   # stock's own filter, as before
 
 
-def test_another_packs_filter_is_kept(model, gpu_plan_stock_modules, monkeypatch):
+@pytest.mark.parametrize("when", ["before the first run", "after an accelerated run"])
+def test_another_packs_filter_is_kept(model, gpu_plan_stock_modules, monkeypatch, filter_calls, when):
     import comfy_extras.nodes_freelunch as freelunch
     stock, theirs = freelunch.Fourier_filter, []
 
     def their_filter(x, threshold, scale):   # e.g. a pack that moves the FFT elsewhere
         theirs.append(x.shape)
         return stock(x, threshold=threshold, scale=scale)
-    monkeypatch.setattr(freelunch, "Fourier_filter", their_filter)
     patched = _freeu(model, "FreeU_V2")
+    accelerated = _accelerated(gpu_plan_stock_modules, patched)
+    if when == "after an accelerated run":
+        _sample(accelerated)
+        assert not filter_calls
+    monkeypatch.setattr(freelunch, "Fourier_filter", their_filter)
     stock_latent = _sample(patched)
     n = len(theirs)
     assert n > 0
-    ours = _sample(_accelerated(gpu_plan_stock_modules, patched))
+    ours = _sample(accelerated)
     assert len(theirs) == 2 * n
     assert torch.equal(ours, stock_latent)
 
