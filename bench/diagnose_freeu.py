@@ -29,6 +29,7 @@ say = cb.say
 import patch_nodes  # noqa: E402  (dev/, on the path after boot)
 from comfy_extras.nodes_freelunch import Fourier_filter  # noqa: E402
 from sd_accel.kernels.fourier_low_scale import fourier_low_scale  # noqa: E402
+from kernel_timing import graph_us  # noqa: E402
 
 # (channels of hsp, side) of each skip FreeU_V2 filters in SDXL's output blocks 0-6 at 1024² (latent 128²)
 SDXL_SKIPS = [(1280, 32), (1280, 32), (640, 32), (640, 64), (640, 64), (320, 64), (320, 128)]
@@ -40,28 +41,6 @@ def step_ms(model, clip, vae, variant_accel):
         out = cb.run_graph(ENV, model, clip, vae, SIZE, 1, seed, "ours", OPT.steps, accel=variant_accel)
         runs.append(out["sample_s"] * 1000.0 / OPT.steps)
     return statistics.median(runs), out["line"]
-
-
-def graph_ms(fn, reps=50):
-    """GPU ms per call of `fn()` replayed from a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 def main():
@@ -93,8 +72,8 @@ def main():
         for c, side in SDXL_SKIPS:
             x = torch.randn(2, c, side, side, device="cuda", dtype=torch.float16)
             for fmt, xx in (("contiguous", x), ("channels_last", x.to(memory_format=torch.channels_last))):
-                stock_ms = graph_ms(lambda: Fourier_filter(xx, threshold=1, scale=0.2))
-                ours_ms = graph_ms(lambda: fourier_low_scale(xx, 1, 0.2))
+                stock_ms = graph_us(lambda: Fourier_filter(xx, threshold=1, scale=0.2)) / 1000
+                ours_ms = graph_us(lambda: fourier_low_scale(xx, 1, 0.2)) / 1000
                 assert fourier_low_scale.last_call.path == "triton", fourier_low_scale.last_call
                 diff = (fourier_low_scale(xx, 1, 0.2).float() - Fourier_filter(xx, threshold=1, scale=0.2).float())
                 tot[fmt] = [a + b for a, b in zip(tot.get(fmt, (0.0, 0.0)), (stock_ms, ours_ms))]
