@@ -35,7 +35,7 @@ from ..engine.graphs import eager
 from ..engine.graphs.step_graphs import StepGraphs
 from ..engine.graphs.tokens import Token
 from ..engine.fp8 import weights as fp8_weights
-from . import a1111_fp8, a1111_lora, unet_call_hooks, webui
+from . import a1111_fp8, a1111_lora, a1111_unet_hooks, unet_call_hooks, webui
 from .attached import state_on
 from .webui import kernel_summary  # noqa: F401 - the extension script's status route reads it here
 
@@ -385,6 +385,9 @@ def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs
                     return original_forward(unet, *a, **k)
             return original_forward(unet, *a, **k)
 
+    hooked = a1111_unet_hooks.reason(unet)
+    if hooked:
+        return st.graphs.run_eager(fn, (x, timesteps, context) + args, kwargs, hooked)
     return st.graphs.run(fn, (x, timesteps, context) + args, kwargs, epoch=st.epoch,
                          host_state=host_state(unet, st), warm_after_change=bool(st.fp8))
 

@@ -1,0 +1,92 @@
+"""Another extension's hook inside A1111's UNet forward (hosts/a1111_unet_hooks.py), with the stand-ins of A1111's
+UNet torch proxy (fake_a1111/modules/sd_hijack_unet.py) and of sd-webui-freeu (lib_free_u/): the graph route runs
+such calls eagerly, with the hook's image and the reason counted, unless the extension is switched off; a graph
+captured at one step would replay its decision at every other (tests/gpu/test_a1111_hooks_gpu.py shows it)."""
+import types
+
+import pytest
+import torch
+
+from sd_accel.hosts import a1111, a1111_unet_hooks
+
+from unet_util import make_unet, unet_inputs
+
+STAGES = {32: (1.6, 0.1)}   # the test UNet's 32 channels: backbone factor, skip scale
+
+
+@pytest.fixture
+def freeu(fake_a1111, monkeypatch):
+    import ldm.modules.diffusionmodules.openaimodel as om
+    from modules import sd_hijack_unet
+    from lib_free_u import global_state, unet as freeu_unet
+    monkeypatch.setattr(om, "th", sd_hijack_unet.th)      # as A1111's apply_optimizations sets it
+    monkeypatch.setattr(global_state, "instance", types.SimpleNamespace(enable=True, stages=STAGES, start_step=0,
+                                                                        stop_step=None))
+    monkeypatch.setattr(global_state, "sampling_step", 0)
+    remove = freeu_unet.patch()
+    yield global_state
+    remove()
+
+
+def _stock(unet, inputs):
+    with torch.no_grad():
+        return unet(*inputs)
+
+
+def _graph_route(unet, inputs):
+    import ldm.modules.diffusionmodules.openaimodel as om
+    with torch.no_grad():
+        return a1111.graph_forward(unet, om.UNetModel.forward, *inputs)
+
+
+def _hook_refusals(unet):
+    return sum(n for why, n in a1111._state(unet).graphs.refused.items() if "skip concatenation" in why)
+
+
+def test_freeus_hook_sends_the_graph_route_eager_with_its_image(freeu, stock_kernels):
+    unet, inputs = make_unet(), unet_inputs()
+    with_freeu = _stock(unet, inputs)
+    freeu.instance.enable = False
+    without = _stock(unet, inputs)
+    assert float((with_freeu - without).norm() / without.norm()) > 1e-2      # the hook acts on this UNet
+    freeu.instance.enable = True
+    a1111.apply(unet, a1111.A1111Options())
+    why = a1111_unet_hooks.reason(unet)
+    assert why and "free_u_cat_hijack from lib_free_u.unet" in why, why
+    out = _graph_route(unet, inputs)
+    torch.testing.assert_close(out, with_freeu, atol=2e-5, rtol=1e-4)
+    assert _hook_refusals(unet) == 1
+
+
+def test_switched_off_freeu_lets_graphs_run_and_on_again_refuses(freeu, stock_kernels):
+    unet, inputs = make_unet(), unet_inputs()
+    a1111.apply(unet, a1111.A1111Options())
+    freeu.instance.enable = False
+    assert a1111_unet_hooks.reason(unet) is None
+    _graph_route(unet, inputs)
+    assert _hook_refusals(unet) == 0
+    freeu.instance.enable = True
+    _graph_route(unet, inputs)
+    assert _hook_refusals(unet) == 1
+
+
+def test_a1111s_own_proxy_and_plain_torch_are_no_hook(fake_a1111, monkeypatch):
+    import ldm.modules.diffusionmodules.openaimodel as om
+    from modules import sd_hijack_unet
+    unet = make_unet()
+    monkeypatch.setattr(om, "th", torch)
+    assert a1111_unet_hooks.reason(unet) is None
+    monkeypatch.setattr(om, "th", sd_hijack_unet.th)
+    assert a1111_unet_hooks.reason(unet) is None
+
+
+def test_another_extensions_hook_or_torch_is_refused_whatever_its_name(fake_a1111, monkeypatch):
+    import ldm.modules.diffusionmodules.openaimodel as om
+    from modules import sd_hijack_unet
+    unet = make_unet()
+    monkeypatch.setattr(om, "th", sd_hijack_unet.th)
+    monkeypatch.setattr(sd_hijack_unet.th, "cat", lambda tensors, *a, **k: torch.cat(tensors, *a, **k), raising=False)
+    assert "skip concatenation" in a1111_unet_hooks.reason(unet)
+    monkeypatch.delattr(sd_hijack_unet.th, "cat")
+    monkeypatch.setattr(om, "th", types.SimpleNamespace(cat=torch.cat))
+    assert "replaced the torch" in a1111_unet_hooks.reason(unet)
