@@ -1,13 +1,20 @@
 """Another extension's hook inside A1111's UNet forward, whose decisions a CUDA graph would bake in.
 
-ldm's and sgm's UNet forward concatenate every skip connection through `th.cat`, `th` being A1111's torch proxy
-(modules/sd_hijack_unet.py, set on both openaimodel modules). sd-webui-freeu sets a `cat` of its own on that
-proxy: on every call it decides in Python, from its settings and the sampling step (its start/stop schedule),
-whether and how to scale the backbone and filter the skip. A graph captured at one step would replay that
-decision at every later one, and after the user changed or switched off FreeU: a wrong image. So while such a
-hook is in place the UNet's calls run eagerly (the measured faster path), the report saying why; except while
-sd-webui-freeu itself is switched off, which its hook checks first before calling torch's cat unchanged: graphs
-run then, and the next call after it is switched on runs eagerly again.
+While one is in place the graph route's calls run eagerly (the measured faster path), the report saying why.
+
+* Modules of its own among the UNet's blocks: Kohya Hires.fix (sd-webui-kohya-hiresfix) wraps an input and an
+  output block in a module that rescales the features, from a callback before each step, and takes it out after
+  its last scaled step, or changes its scale on every step ("smooth scaling"). A block swapped in the middle of a
+  run keeps every weight where it was, so the weights' fingerprint (read in full once per run) does not see it,
+  nor a number changed on a module: a graph would replay the first step's scale, and after the wrapper is gone.
+  Every call reads the types of the UNet's input, middle and output blocks (a few dozen).
+* A hook on the skip concatenation: ldm's and sgm's UNet forward concatenate every skip connection through
+  `th.cat`, `th` being A1111's torch proxy (modules/sd_hijack_unet.py, set on both openaimodel modules).
+  sd-webui-freeu sets a `cat` of its own on that proxy, which decides on every call, from its settings and the
+  sampling step (its start/stop schedule), whether and how to scale the backbone and filter the skip: a graph
+  would replay one step's decision at every other, and after the user changed or switched off FreeU. While
+  sd-webui-freeu itself is switched off (its hook checks that first, then calls the proxy's cat unchanged), graphs
+  run; the first call after it is switched on runs eagerly again.
 """
 import sys
 
@@ -15,6 +22,8 @@ import torch
 
 _A1111_PROXY = "modules.sd_hijack_unet"
 _FREEU = "lib_free_u"      # sd-webui-freeu's package
+# where the blocks of A1111's and Forge's UNets, and SD Accel's own modules, come from
+_OWN_BLOCKS = ("ldm.", "sgm.", "torch.", __name__.rsplit(".hosts.", 1)[0] + ".")
 
 
 def _name(fn):
@@ -33,8 +42,24 @@ def _freeu_switched_off(hook):
     return switch is False
 
 
+def _foreign_block(unet):
+    """Where another extension's module stands among the UNet's blocks, or None."""
+    lists = (("input_blocks", getattr(unet, "input_blocks", ())),
+             ("middle_block", [getattr(unet, "middle_block", None)]),
+             ("output_blocks", getattr(unet, "output_blocks", ())))
+    for name, blocks in lists:
+        for i, block in enumerate(blocks):
+            if block is not None and not type(block).__module__.startswith(_OWN_BLOCKS):
+                return "%s[%d] (%s from %s)" % (name, i, type(block).__qualname__, type(block).__module__)
+    return None
+
+
 def reason(unet):
     """Why no graph may run this call of `unet`, or None."""
+    where = _foreign_block(unet)
+    if where:
+        return ("another extension's module among the UNet's blocks, at %s: it may change from step to step, where "
+                "a graph would replay the first" % where)
     th = getattr(sys.modules.get(type(unet).__module__), "th", torch)
     if th is torch:
         return None

@@ -1,7 +1,8 @@
-"""sd-webui-freeu's hook inside A1111's UNet forward (its stand-in, tests/hosts/a1111/lib_free_u) through SD Accel's
-CUDA-graph route on A1111's ldm UNet: over a schedule that stops FreeU after two steps, then switched off, then on
-with other settings, every call is the stock forward's with the same hook state (a replay would keep the
-decision of the step it was captured at); while it is switched off, graphs replay.
+"""Other extensions' hooks inside A1111's UNet forward through SD Accel's CUDA-graph route on A1111's ldm UNet (their
+stand-ins in tests/hosts/a1111): sd-webui-freeu over a schedule that stops FreeU after two steps, then switched off,
+then on with other settings; Kohya Hires.fix's block wrappers with smooth scaling, taken out after two steps. Every
+call is the stock forward's with the same hook state (a replay would keep the decision of the step it was captured
+at); where no hook acts, graphs replay.
 `python3 -m pytest tests/gpu/test_a1111_hooks_gpu.py`."""
 import os
 import sys
@@ -18,6 +19,7 @@ from ldm_without_omegaconf import provide_list_config  # noqa: E402
 
 provide_list_config()
 
+from kohya_hiresfix_standin import Scaler  # noqa: E402
 from unet_util import make_unet, unet_inputs  # noqa: E402
 
 TOL = 1e-2
@@ -73,3 +75,41 @@ def test_freeus_schedule_and_switch_are_never_replayed_stale(monkeypatch):
         assert max(errs.values()) < TOL, errs
     finally:
         remove()
+
+
+def test_kohya_hiresfix_blocks_are_never_replayed_stale(monkeypatch):
+    import ldm.modules.diffusionmodules.openaimodel as om
+    from modules import sd_hijack_unet
+    from sd_accel.hosts import a1111
+    monkeypatch.setattr(om, "th", sd_hijack_unet.th)
+    unet = make_unet().cuda().half()
+    x, t, ctx = (v.cuda() for v in unet_inputs(batch=2))
+    down, up = unet.input_blocks[1], unet.output_blocks[0]
+    schedule = [0.5, 0.75, None, None, None, None]    # the wrappers' scale per step; None: taken out
+
+    def at_step(scale):   # what the extension's callback does before a step
+        if scale is None:
+            unet.input_blocks[1], unet.output_blocks[0] = down, up
+            return
+        if not isinstance(unet.input_blocks[1], Scaler):
+            unet.input_blocks[1], unet.output_blocks[0] = Scaler(scale, down), Scaler(1 / scale, up)
+        unet.input_blocks[1].scale, unet.output_blocks[0].scale = scale, 1 / scale
+
+    def call(forward):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            return forward().float()
+
+    refs = []
+    for scale in schedule:
+        at_step(scale)
+        refs.append(call(lambda: unet(x, t, context=ctx)))
+    assert _rel(refs[0], refs[-1]) > 5 * TOL and _rel(refs[0], refs[1]) > 5 * TOL
+    a1111.apply(unet, a1111.A1111Options())
+    a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))   # one run
+    outs = []
+    for scale in schedule:
+        at_step(scale)
+        outs.append(call(lambda: a1111.graph_forward(unet, om.UNetModel.forward, x, t, ctx)))
+    errs = [_rel(o, r) for o, r in zip(outs, refs)]
+    assert max(errs) < TOL, errs
+    assert a1111.status(unet)["graphs"]["replays"] >= 1, a1111.status(unet)["graphs"]   # once the wrappers are out

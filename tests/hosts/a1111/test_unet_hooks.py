@@ -9,6 +9,7 @@ import torch
 
 from sd_accel.hosts import a1111, a1111_unet_hooks
 
+from kohya_hiresfix_standin import Scaler
 from unet_util import make_unet, unet_inputs
 
 STAGES = {32: (1.6, 0.1)}   # the test UNet's 32 channels: backbone factor, skip scale
@@ -90,3 +91,24 @@ def test_another_extensions_hook_or_torch_is_refused_whatever_its_name(fake_a111
     monkeypatch.delattr(sd_hijack_unet.th, "cat")
     monkeypatch.setattr(om, "th", types.SimpleNamespace(cat=torch.cat))
     assert "replaced the torch" in a1111_unet_hooks.reason(unet)
+
+
+def test_kohya_hiresfix_blocks_send_the_graph_route_eager_until_taken_out(fake_a1111, monkeypatch, stock_kernels):
+    import ldm.modules.diffusionmodules.openaimodel as om
+    from modules import sd_hijack_unet
+    monkeypatch.setattr(om, "th", sd_hijack_unet.th)      # its cat resizes the skips the wrapper left smaller
+    unet, inputs = make_unet(), unet_inputs()
+    plain = _stock(unet, inputs)
+    a1111.apply(unet, a1111.A1111Options())
+    down, up = unet.input_blocks[1], unet.output_blocks[0]
+    unet.input_blocks[1], unet.output_blocks[0] = Scaler(0.5, down), Scaler(2.0, up)
+    scaled = _stock(unet, inputs)
+    assert float((scaled - plain).norm() / plain.norm()) > 1e-2
+    why = a1111_unet_hooks.reason(unet)
+    assert why and "input_blocks[1] (Scaler from kohya_hiresfix_standin)" in why, why
+    torch.testing.assert_close(_graph_route(unet, inputs), scaled, atol=2e-5, rtol=1e-4)
+    refused = sum(n for w, n in a1111._state(unet).graphs.refused.items() if "among the UNet's blocks" in w)
+    assert refused == 1
+    unet.input_blocks[1], unet.output_blocks[0] = down, up
+    assert a1111_unet_hooks.reason(unet) is None
+    torch.testing.assert_close(_graph_route(unet, inputs), plain, atol=2e-5, rtol=1e-4)
