@@ -85,7 +85,8 @@ def test_kohya_hiresfix_blocks_are_never_replayed_stale(monkeypatch):
     unet = make_unet().cuda().half()
     x, t, ctx = (v.cuda() for v in unet_inputs(batch=2))
     down, up = unet.input_blocks[1], unet.output_blocks[0]
-    schedule = [0.5, 0.75, None, None, None, None]    # the wrappers' scale per step; None: taken out
+    # the wrappers' scale per step (None: taken out): more scaled steps than the graph route's eager warm-up calls
+    schedule = [0.5, 0.6, 0.7, 0.8, 0.9, None, None, None, None]
 
     def at_step(scale):   # what the extension's callback does before a step
         if scale is None:
@@ -103,7 +104,7 @@ def test_kohya_hiresfix_blocks_are_never_replayed_stale(monkeypatch):
     for scale in schedule:
         at_step(scale)
         refs.append(call(lambda: unet(x, t, context=ctx)))
-    assert _rel(refs[0], refs[-1]) > 5 * TOL and _rel(refs[0], refs[1]) > 5 * TOL
+    assert _rel(refs[3], refs[-1]) > 5 * TOL and _rel(refs[2], refs[3]) > 2 * TOL
     a1111.apply(unet, a1111.A1111Options())
     a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))   # one run
     outs = []
