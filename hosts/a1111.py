@@ -60,6 +60,7 @@ class _UnetState:
         self.graphs = None
         self.epoch = None
         self.structure = None     # (epoch, signature) cache for the graph key
+        self.forwards = None      # (epoch, another extension's module forward in the UNet or None), read once a run
         self.fp8 = {}             # path -> (Linear, its FP8 forward): precision fp8 (hosts/a1111_fp8.py)
         self.fp8_reason = None    # why precision fp8 was asked for and not set
         self.route_active = False  # SD Accel's "SD Unet" is the active one (its graph route runs the UNet's calls)
@@ -345,6 +346,13 @@ def _structure(unet, st):
     return sig
 
 
+def _foreign_forward(unet, st):
+    """`a1111_unet_hooks.foreign_forward`, read once per sampling run (extensions set them before a run)."""
+    if st.forwards is None or st.forwards[0] is not st.epoch or st.epoch is None:
+        st.forwards = (st.epoch, a1111_unet_hooks.foreign_forward(unet))
+    return st.forwards[1]
+
+
 def host_state(unet, st):
     """What A1111 changes without changing the weights' identity: LoRA set (A1111 applies it lazily
     in forward, which a replay skips), hypernetworks, attention settings, autocast, module structure."""
@@ -385,7 +393,7 @@ def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs
                     return original_forward(unet, *a, **k)
             return original_forward(unet, *a, **k)
 
-    hooked = a1111_unet_hooks.reason(unet)
+    hooked = a1111_unet_hooks.reason(unet) or _foreign_forward(unet, st)
     if hooked:
         return st.graphs.run_eager(fn, (x, timesteps, context) + args, kwargs, hooked)
     return st.graphs.run(fn, (x, timesteps, context) + args, kwargs, epoch=st.epoch,

@@ -8,6 +8,10 @@ While one is in place the graph route's calls run eagerly (the measured faster p
   run keeps every weight where it was, so the weights' fingerprint (read in full once per run) does not see it,
   nor a number changed on a module: a graph would replay the first step's scale, and after the wrapper is gone.
   Every call reads the types of the UNet's input, middle and output blocks (a few dozen).
+* A forward of its own set on a module inside the UNet: Regional Prompter sets one on every cross-attention
+  (`module.forward = ...`) before a generation, which counts its calls and switches between the positive and the
+  negative prompt's regions every so many: Python state outside the call that a replay would neither read nor
+  advance. Read once per sampling run (SD Accel's own forward patches carry `sdaccel_kind`).
 * A hook on the skip concatenation: ldm's and sgm's UNet forward concatenate every skip connection through
   `th.cat`, `th` being A1111's torch proxy (modules/sd_hijack_unet.py, set on both openaimodel modules).
   sd-webui-freeu sets a `cat` of its own on that proxy, which decides on every call, from its settings and the
@@ -51,6 +55,21 @@ def _foreign_block(unet):
         for i, block in enumerate(blocks):
             if block is not None and not type(block).__module__.startswith(_OWN_BLOCKS):
                 return "%s[%d] (%s from %s)" % (name, i, type(block).__qualname__, type(block).__module__)
+    return None
+
+
+def _ours(forward):
+    return getattr(forward, "sdaccel_kind", None) is not None or \
+        getattr(forward, "__module__", "").startswith(_OWN_BLOCKS[-1])
+
+
+def foreign_forward(unet):
+    """Where another extension set a module's own `forward` inside the UNet, as a reason, or None."""
+    for name, module in unet.named_modules():
+        forward = module.__dict__.get("forward") if name else None
+        if forward is not None and not _ours(forward):
+            return ("another extension set the forward of %s (%s): it may keep state between calls that a graph "
+                    "would not advance" % (name, _name(forward)))
     return None
 
 

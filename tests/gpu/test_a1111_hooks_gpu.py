@@ -114,3 +114,26 @@ def test_kohya_hiresfix_blocks_are_never_replayed_stale(monkeypatch):
     errs = [_rel(o, r) for o, r in zip(outs, refs)]
     assert max(errs) < TOL, errs
     assert a1111.status(unet)["graphs"]["replays"] >= 1, a1111.status(unet)["graphs"]   # once the wrappers are out
+
+
+def test_regional_prompters_forwards_are_never_replayed_stale():
+    import ldm.modules.diffusionmodules.openaimodel as om
+    import regional_prompter_standin
+    from sd_accel.hosts import a1111
+    unet = make_unet().cuda().half()
+    x, t, ctx = (v.cuda() for v in unet_inputs(batch=2))
+    calls = []
+    regional_prompter_standin.hook_forwards(unet, calls)
+
+    def call(forward):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            return forward().float()
+
+    refs = [call(lambda: unet(x, t, context=ctx)) for _ in range(6)]    # the hooks alternate from call to call
+    assert _rel(refs[0], refs[1]) > 5 * TOL
+    calls.clear()
+    a1111.apply(unet, a1111.A1111Options())
+    a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))
+    outs = [call(lambda: a1111.graph_forward(unet, om.UNetModel.forward, x, t, ctx)) for _ in range(6)]
+    errs = [_rel(o, r) for o, r in zip(outs, refs)]
+    assert max(errs) < TOL, errs

@@ -9,6 +9,7 @@ import torch
 
 from sd_accel.hosts import a1111, a1111_unet_hooks
 
+import regional_prompter_standin
 from kohya_hiresfix_standin import Scaler
 from unet_util import make_unet, unet_inputs
 
@@ -112,3 +113,22 @@ def test_kohya_hiresfix_blocks_send_the_graph_route_eager_until_taken_out(fake_a
     unet.input_blocks[1], unet.output_blocks[0] = down, up
     assert a1111_unet_hooks.reason(unet) is None
     torch.testing.assert_close(_graph_route(unet, inputs), plain, atol=2e-5, rtol=1e-4)
+
+
+def test_regional_prompters_forwards_send_the_graph_route_eager(fake_a1111, stock_kernels):
+    unet, inputs = make_unet(), unet_inputs()
+    a1111.apply(unet, a1111.A1111Options())
+    a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))
+    assert a1111._foreign_forward(unet, a1111._state(unet)) is None
+    calls = []
+    regional_prompter_standin.hook_forwards(unet, calls)
+    refs = [_stock(unet, inputs) for _ in range(2)]                 # the first call halves the context, the second not
+    assert float((refs[0] - refs[1]).norm() / refs[1].norm()) > 1e-3
+    a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))  # the next run
+    st = a1111._state(unet)
+    why = a1111._foreign_forward(unet, st)
+    assert why and "attn2" in why and "regional_prompter_standin" in why, why
+    outs = [_graph_route(unet, inputs) for _ in range(2)]
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert sum(n for w, n in st.graphs.refused.items() if "set the forward of" in w) == 2
