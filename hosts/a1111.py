@@ -287,6 +287,8 @@ def status(unet):
            "graphs": dict(st.graphs.stats) if st and st.graphs is not None else {}}
     if st and st.graphs is not None and st.graphs.last_eager_reason:
         out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
+    if st and st.graphs is not None and st.graphs.refused:   # why calls ran without graphs (another extension's hook)
+        out["graphs"]["refused"] = dict(st.graphs.refused)
     if st and st.replacements:   # calls outside the graph route: which path each shape measured faster
         out["outside_graphs"] = {"paths": st.eager_paths.choices(), "stock_calls": st.eager_paths.stock_calls}
         if st.eager_hooks is not None and st.eager_hooks.missing:

@@ -132,3 +132,4 @@ def test_regional_prompters_forwards_send_the_graph_route_eager(fake_a1111, stoc
     for out, ref in zip(outs, refs):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert sum(n for w, n in st.graphs.refused.items() if "set the forward of" in w) == 2
+    assert [why] == list(a1111.status(unet)["graphs"]["refused"])     # what /sd_accel/status shows the user
