@@ -348,13 +348,6 @@ def _structure(unet, st):
     return sig
 
 
-def _foreign_forward(unet, st):
-    """`a1111_unet_hooks.foreign_forward`, read once per sampling run (extensions set them before a run)."""
-    if st.forwards is None or st.forwards[0] is not st.epoch or st.epoch is None:
-        st.forwards = (st.epoch, a1111_unet_hooks.foreign_forward(unet))
-    return st.forwards[1]
-
-
 def host_state(unet, st):
     """What A1111 changes without changing the weights' identity: LoRA set (A1111 applies it lazily
     in forward, which a replay skips), hypernetworks, attention settings, autocast, module structure."""
@@ -395,7 +388,7 @@ def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs
                     return original_forward(unet, *a, **k)
             return original_forward(unet, *a, **k)
 
-    hooked = a1111_unet_hooks.reason(unet) or _foreign_forward(unet, st)
+    hooked = a1111_unet_hooks.reason(unet) or a1111_unet_hooks.foreign_forward_in_run(unet, st)
     if hooked:
         return st.graphs.run_eager(fn, (x, timesteps, context) + args, kwargs, hooked)
     return st.graphs.run(fn, (x, timesteps, context) + args, kwargs, epoch=st.epoch,

@@ -1,6 +1,7 @@
-"""Another extension's hook inside A1111's UNet forward, whose decisions a CUDA graph would bake in.
+"""Another extension's hook inside the WebUIs' UNet forward, whose decisions a CUDA graph would bake in.
 
-While one is in place the graph route's calls run eagerly (the measured faster path), the report saying why.
+While one is in place the graph route's calls (A1111's "SD Unet" route, Forge's step) run eagerly (the measured
+faster path), the report saying why.
 
 * Modules of its own among the UNet's blocks: Kohya Hires.fix (sd-webui-kohya-hiresfix) wraps an input and an
   output block in a module that rescales the features, from a callback before each step, and takes it out after
@@ -27,7 +28,7 @@ import torch
 _A1111_PROXY = "modules.sd_hijack_unet"
 _FREEU = "lib_free_u"      # sd-webui-freeu's package
 # where the blocks of A1111's and Forge's UNets, and SD Accel's own modules, come from
-_OWN_BLOCKS = ("ldm.", "sgm.", "torch.", __name__.rsplit(".hosts.", 1)[0] + ".")
+_OWN_BLOCKS = ("ldm.", "sgm.", "backend.", "ldm_patched.", "torch.", __name__.rsplit(".hosts.", 1)[0] + ".")
 
 
 def _name(fn):
@@ -60,7 +61,7 @@ def _foreign_block(unet):
 
 def _ours(forward):
     return getattr(forward, "sdaccel_kind", None) is not None or \
-        getattr(forward, "__module__", "").startswith(_OWN_BLOCKS[-1])
+        (getattr(forward, "__module__", None) or "").startswith(_OWN_BLOCKS[-1])
 
 
 def foreign_forward(unet):
@@ -71,6 +72,14 @@ def foreign_forward(unet):
             return ("another extension set the forward of %s (%s): it may keep state between calls that a graph "
                     "would not advance" % (name, _name(forward)))
     return None
+
+
+def foreign_forward_in_run(unet, st):
+    """`foreign_forward`, read once per sampling run (`st.epoch`; every call without one): extensions set their
+    forwards before a run. The result is kept in `st.forwards`."""
+    if st.forwards is None or st.forwards[0] is not st.epoch or st.epoch is None:
+        st.forwards = (st.epoch, foreign_forward(unet))
+    return st.forwards[1]
 
 
 def reason(unet):

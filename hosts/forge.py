@@ -35,7 +35,7 @@ import torch
 from ..engine.patches import patching
 from ..engine.graphs import eager
 from ..engine.graphs.step_graphs import StepGraphs
-from . import forge_calls, forge_controlnet, forge_plan, webui
+from . import a1111_unet_hooks, forge_calls, forge_controlnet, forge_plan, webui
 from .forge_plan import PREFIX, state_of
 
 log = logging.getLogger("sd_accel")
@@ -285,6 +285,9 @@ def _make_step(st, options, kmodel):
                 return apply_model(x, t, **kw)
         if st.graphs is None:
             st.graphs = StepGraphs(kmodel, name="Forge " + type(unet).__name__)
+        hooked = a1111_unet_hooks.reason(unet) or a1111_unet_hooks.foreign_forward_in_run(unet, st)
+        if hooked:
+            return st.graphs.run_eager(fn, (x, t), c, hooked)
         out = st.graphs.run(fn, (x, t), c, epoch=st.epoch, host_state=_host_state(st, kmodel),
                             before_capture=to_channels_last)
         if st.channels_last and not st.graphs.may_replay():
@@ -353,6 +356,8 @@ def status(sd_model):
                graphs=dict(st.graphs.stats) if st.graphs is not None else {})
     if st.graphs is not None and st.graphs.last_eager_reason:
         out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
+    if st.graphs is not None and st.graphs.refused:   # why calls ran without graphs (another extension's hook)
+        out["graphs"]["refused"] = dict(st.graphs.refused)
     out["controlnets"] = forge_controlnet.status()
     out["outside_step"] = forge_calls.status(st)
     return out

@@ -66,6 +66,7 @@ class ForgeState:
         self.patches = None     # the last run's {path: replacement}
         self.patch_token = None  # a new object whenever that set changes (part of the graph key)
         self.structure = (None, None)   # (epoch, webui.structure_signature) for the graph key
+        self.forwards = None    # (epoch, another extension's module forward in the UNet or None), read once a run
         self.runs = 0
         self.wrapper_calls = 0  # UNet calls through SD Accel's model_function_wrapper (each step's, each tile's)
         self.outside_calls = 0  # UNet calls with SD Accel's modules in but not through its step (forge_calls.py)

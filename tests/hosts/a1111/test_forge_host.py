@@ -9,6 +9,7 @@ from sd_accel.engine.patches import fused_modules
 from sd_accel.engine.reports import kernel_report
 from sd_accel.hosts import forge, forge_plan, webui
 
+import regional_prompter_standin
 from forge_util import denoise, make_patcher, norm_and_geglu_lora
 
 ON = webui.WebUIOptions()
@@ -444,3 +445,17 @@ def test_once_every_key_is_refused_the_conv_weights_go_back_to_forges_layout(fak
         spatial = [m.weight for m in unet.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-1] > 1]
         assert st.channels_last is stays and all(w.is_contiguous() is not stays for w in spatial), refused
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_another_extensions_forwards_in_the_unet_send_forges_step_eager(fake_forge, stock_kernels):
+    """Regional Prompter on Forge (its stand-in): its own forward on every cross-attention, switching prompts by a
+    call counter. Forge's step runs such calls eagerly (a replay would keep the capture's side), Forge's image."""
+    base = make_patcher()
+    calls = []
+    regional_prompter_standin.hook_forwards(base.model.diffusion_model, calls)
+    ref = denoise(base)
+    clone, _ = forge.accelerate(base, ON)
+    calls.clear()
+    torch.testing.assert_close(denoise(clone), ref, atol=2e-5, rtol=1e-4)
+    g = forge.status(type("M", (), {"forge_objects": type("F", (), {"unet": clone})})())["graphs"]
+    assert [r for r in g["refused"] if "set the forward of" in r and "attn2" in r], g

@@ -119,14 +119,14 @@ def test_regional_prompters_forwards_send_the_graph_route_eager(fake_a1111, stoc
     unet, inputs = make_unet(), unet_inputs()
     a1111.apply(unet, a1111.A1111Options())
     a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))
-    assert a1111._foreign_forward(unet, a1111._state(unet)) is None
+    assert a1111_unet_hooks.foreign_forward_in_run(unet, a1111._state(unet)) is None
     calls = []
     regional_prompter_standin.hook_forwards(unet, calls)
     refs = [_stock(unet, inputs) for _ in range(2)]                 # the first call halves the context, the second not
     assert float((refs[0] - refs[1]).norm() / refs[1].norm()) > 1e-3
     a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))  # the next run
     st = a1111._state(unet)
-    why = a1111._foreign_forward(unet, st)
+    why = a1111_unet_hooks.foreign_forward_in_run(unet, st)
     assert why and "attn2" in why and "regional_prompter_standin" in why, why
     outs = [_graph_route(unet, inputs) for _ in range(2)]
     for out, ref in zip(outs, refs):
