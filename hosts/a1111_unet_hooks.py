@@ -12,7 +12,9 @@ faster path), the report saying why.
 * A forward of its own set on a module inside the UNet: Regional Prompter sets one on every cross-attention
   (`module.forward = ...`) before a generation, which counts its calls and switches between the positive and the
   negative prompt's regions every so many: Python state outside the call that a replay would neither read nor
-  advance. Read once per sampling run (SD Accel's own forward patches carry `sdaccel_kind`).
+  advance. A1111's own HyperTile wraps self-attentions the same way (a random tile split per call, its size from
+  the image): switched off, its wrapper calls the layer's forward unchanged and graphs run. Read once per sampling
+  run (SD Accel's own forward patches carry `sdaccel_kind`).
 * A hook on the skip concatenation: ldm's and sgm's UNet forward concatenate every skip connection through
   `th.cat`, `th` being A1111's torch proxy (modules/sd_hijack_unet.py, set on both openaimodel modules).
   sd-webui-freeu sets a `cat` of its own on that proxy, which decides on every call, from its settings and the
@@ -31,15 +33,25 @@ _FREEU = "lib_free_u"      # sd-webui-freeu's package
 _OWN_BLOCKS = ("ldm.", "sgm.", "backend.", "ldm_patched.", "torch.", __name__.rsplit(".hosts.", 1)[0] + ".")
 
 
+def _defined_in(fn):
+    """The module `fn` was written in: a function's globals (functools.wraps copies the wrapped one's `__module__`
+    onto a wrapper: HyperTile's), else its `__module__`."""
+    fn = getattr(fn, "__func__", fn)
+    names = getattr(fn, "__globals__", None)
+    return names.get("__name__", "?") if isinstance(names, dict) else (getattr(fn, "__module__", None) or "?")
+
+
 def _name(fn):
     fn = getattr(fn, "func", fn)   # functools.partial, as sd-webui-freeu installs it
-    return "%s from %s" % (getattr(fn, "__qualname__", type(fn).__name__), getattr(fn, "__module__", "?"))
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    name = getattr(code, "co_qualname", None) or getattr(fn, "__qualname__", None) or type(fn).__name__
+    return "%s from %s" % (name, _defined_in(fn))
 
 
 def _freeu_switched_off(hook):
     """sd-webui-freeu's hook, with its own switch off (`global_state.instance.enable`, `global_state.enabled` in
     its older releases): it then calls torch's cat and nothing else."""
-    if not getattr(getattr(hook, "func", hook), "__module__", "").startswith(_FREEU + "."):
+    if not _defined_in(getattr(hook, "func", hook)).startswith(_FREEU + "."):
         return False
     state = sys.modules.get(_FREEU + ".global_state")
     instance = getattr(state, "instance", None)
@@ -60,15 +72,22 @@ def _foreign_block(unet):
 
 
 def _ours(forward):
-    return getattr(forward, "sdaccel_kind", None) is not None or \
-        (getattr(forward, "__module__", None) or "").startswith(_OWN_BLOCKS[-1])
+    return getattr(forward, "sdaccel_kind", None) is not None or _defined_in(forward).startswith(_OWN_BLOCKS[-1])
+
+
+def _switched_off_hypertile(module, forward):
+    """A1111's built-in HyperTile once enabled leaves its wrapper on every self-attention it tiles for good, and
+    switches it per generation (`params.enabled`, set before sampling): switched off, it calls the layer's own
+    forward and nothing else."""
+    params = module.__dict__.get("__webui_hypertile_params")
+    return _defined_in(forward) == "hypertile" and getattr(params, "enabled", None) is False
 
 
 def foreign_forward(unet):
     """Where another extension set a module's own `forward` inside the UNet, as a reason, or None."""
     for name, module in unet.named_modules():
         forward = module.__dict__.get("forward") if name else None
-        if forward is not None and not _ours(forward):
+        if forward is not None and not _ours(forward) and not _switched_off_hypertile(module, forward):
             return ("another extension set the forward of %s (%s): it may keep state between calls that a graph "
                     "would not advance" % (name, _name(forward)))
     return None

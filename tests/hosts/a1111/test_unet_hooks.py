@@ -133,3 +133,27 @@ def test_regional_prompters_forwards_send_the_graph_route_eager(fake_a1111, stoc
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert sum(n for w, n in st.graphs.refused.items() if "set the forward of" in w) == 2
     assert [why] == list(a1111.status(unet)["graphs"]["refused"])     # what /sd_accel/status shows the user
+
+
+def test_a1111s_hypertile_refuses_graphs_while_on_and_lets_them_run_switched_off(fake_a1111, stock_kernels,
+                                                                                 monkeypatch):
+    import os
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "hypertile_standin_pkg"))
+    import hypertile
+    unet, inputs = make_unet(), unet_inputs()
+    plain = _stock(unet, inputs)
+    params = [hypertile.hook(m) for n, m in unet.named_modules() if n.endswith("attn1")]
+    tiled = _stock(unet, inputs)
+    assert params and float((tiled - plain).norm() / plain.norm()) > 1e-3
+    a1111.apply(unet, a1111.A1111Options())
+    st = a1111._state(unet)
+    run = types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet))
+    a1111.new_sampling_run(run)
+    why = a1111_unet_hooks.foreign_forward_in_run(unet, st)
+    assert why and "attn1" in why and "hypertile" in why, why
+    torch.testing.assert_close(_graph_route(unet, inputs), tiled, atol=2e-5, rtol=1e-4)
+    for p in params:
+        p.enabled = False
+    a1111.new_sampling_run(run)
+    assert a1111_unet_hooks.foreign_forward_in_run(unet, st) is None
+    torch.testing.assert_close(_graph_route(unet, inputs), plain, atol=2e-5, rtol=1e-4)
