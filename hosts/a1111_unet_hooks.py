@@ -61,9 +61,9 @@ def _freeu_switched_off(hook):
 
 def _foreign_block(unet):
     """Where another extension's module stands among the UNet's blocks, or None."""
-    lists = (("input_blocks", getattr(unet, "input_blocks", ())),
+    lists = (("input_blocks", getattr(unet, "input_blocks", None) or ()),
              ("middle_block", [getattr(unet, "middle_block", None)]),
-             ("output_blocks", getattr(unet, "output_blocks", ())))
+             ("output_blocks", getattr(unet, "output_blocks", None) or ()))
     for name, blocks in lists:
         for i, block in enumerate(blocks):
             if block is not None and not type(block).__module__.startswith(_OWN_BLOCKS):
