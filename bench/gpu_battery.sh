@@ -293,7 +293,8 @@ for p in "$@"; do
       grep -v "^\[W\|This is technically allowed" "$OUT/h2d/log.txt" | tail -16 ;;
     kernels)
       mkdir -p "$OUT/kernels"
-      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add quantize_rows fp8_gemm upcast_fp8; do
+      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add quantize_rows fp8_gemm upcast_fp8 \
+          fourier_low_scale; do
         timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
         tail -12 "$OUT/kernels/$b.txt"
       done ;;
