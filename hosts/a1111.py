@@ -284,11 +284,7 @@ def status(unet):
            "paths": sorted(st.replacements) if st else [],
            "channels_last": bool(st and st.channels_last),
            "state_dict_keys_unchanged": True if st is None or st.keys_ok is None else st.keys_ok,
-           "graphs": dict(st.graphs.stats) if st and st.graphs is not None else {}}
-    if st and st.graphs is not None and st.graphs.last_eager_reason:
-        out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
-    if st and st.graphs is not None and st.graphs.refused:   # why calls ran without graphs (another extension's hook)
-        out["graphs"]["refused"] = dict(st.graphs.refused)
+           "graphs": webui.graph_status(st.graphs if st else None)}
     if st and st.replacements:   # calls outside the graph route: which path each shape measured faster
         out["outside_graphs"] = {"paths": st.eager_paths.choices(), "stock_calls": st.eager_paths.stock_calls}
         if st.eager_hooks is not None and st.eager_hooks.missing:
@@ -388,7 +384,7 @@ def graph_forward(unet, original_forward, x, timesteps, context, *args, **kwargs
                     return original_forward(unet, *a, **k)
             return original_forward(unet, *a, **k)
 
-    hooked = a1111_unet_hooks.reason(unet) or a1111_unet_hooks.foreign_forward_in_run(unet, st)
+    hooked = a1111_unet_hooks.refusal(unet, st)
     if hooked:
         return st.graphs.run_eager(fn, (x, timesteps, context) + args, kwargs, hooked)
     return st.graphs.run(fn, (x, timesteps, context) + args, kwargs, epoch=st.epoch,

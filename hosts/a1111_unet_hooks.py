@@ -101,8 +101,14 @@ def foreign_forward_in_run(unet, st):
     return st.forwards[1]
 
 
+def refusal(unet, st):
+    """Why no graph may run this call of `unet` (the host's per-model state `st` keeps the once-a-run read), or
+    None: what both WebUIs' graph routes ask before each call."""
+    return reason(unet) or foreign_forward_in_run(unet, st)
+
+
 def reason(unet):
-    """Why no graph may run this call of `unet`, or None."""
+    """Why no graph may run this call of `unet` for a hook read on every call, or None."""
     where = _foreign_block(unet)
     if where:
         return ("another extension's module among the UNet's blocks, at %s: it may change from step to step, where "

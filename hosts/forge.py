@@ -285,7 +285,7 @@ def _make_step(st, options, kmodel):
                 return apply_model(x, t, **kw)
         if st.graphs is None:
             st.graphs = StepGraphs(kmodel, name="Forge " + type(unet).__name__)
-        hooked = a1111_unet_hooks.reason(unet) or a1111_unet_hooks.foreign_forward_in_run(unet, st)
+        hooked = a1111_unet_hooks.refusal(unet, st)
         if hooked:
             return st.graphs.run_eager(fn, (x, t), c, hooked)
         out = st.graphs.run(fn, (x, t), c, epoch=st.epoch, host_state=_host_state(st, kmodel),
@@ -353,11 +353,7 @@ def status(sd_model):
     last = st.last or _summary({}, {}, True, None, False)
     out = dict(last, model=type(kmodel.diffusion_model).__name__, channels_last=st.channels_last,
                state_dict_keys_unchanged=st.keys_ok, runs=st.runs, wrapper_calls=st.wrapper_calls,
-               graphs=dict(st.graphs.stats) if st.graphs is not None else {})
-    if st.graphs is not None and st.graphs.last_eager_reason:
-        out["graphs"]["last_eager_reason"] = st.graphs.last_eager_reason
-    if st.graphs is not None and st.graphs.refused:   # why calls ran without graphs (another extension's hook)
-        out["graphs"]["refused"] = dict(st.graphs.refused)
+               graphs=webui.graph_status(st.graphs))
     out["controlnets"] = forge_controlnet.status()
     out["outside_step"] = forge_calls.status(st)
     return out

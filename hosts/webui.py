@@ -113,6 +113,19 @@ def kernel_summary(before=None):
     return kernel_report.summarize(before or (Counter(), {}), kernel_report.snapshot())
 
 
+def graph_status(graphs):
+    """A StepGraphs' counters for a WebUI's status route: its stats, the last reason a call ran eagerly, and every
+    reason calls ran without graphs (another extension's hook among them)."""
+    if graphs is None:
+        return {}
+    out = dict(graphs.stats)
+    if graphs.last_eager_reason:
+        out["last_eager_reason"] = graphs.last_eager_reason
+    if graphs.refused:
+        out["refused"] = dict(graphs.refused)
+    return out
+
+
 def count_fused(root):
     return sum(1 for m in root.modules() if fused_modules.is_fused(m))
 
