@@ -69,6 +69,8 @@
 # diagnose_eager_easycache (the same with EasyCache on every variant's model at SDXL 1024²: the plain pair with GPU
 # time by kernel against stock's (--kernels), then each eager path held with every apply_model call timed; ~4 min
 # with the SDXL build, killed at 240 + 180 s),
+# step_kernels (diagnose_step_kernels.py: an Accelerated KSampler run's GPU time kernel by kernel, SDXL 1024² b1 then
+# SD1.5 512² b1, graphs replayed; a diagnosis; ~2.5 min with the SDXL build, killed at 240 s),
 # diagnose_eager_pag (diagnose_eager.py at SDXL 1024² with PerturbedAttentionGuidance, the plain pair only: stock vs
 # ours without graphs, GPU busy time and cProfile each; why that pair ran at 0.92x in session 35; killed at 420 s), diagnose_stock_path (diagnose_stock_path.py: the SDXL then the SD1.5 UNet alone,
 # stock vs SD Accel's stand-ins on their stock branch vs the original blocks swapped back vs fused vs stock on
@@ -273,6 +275,7 @@ for p in "$@"; do
     diagnose_eager_pag)
       part diagnose_eager_pag 420 python3 bench/diagnose_eager.py --comfy-dir $COMFY --patch PerturbedAttentionGuidance \
         --family sdxl --plain-only ;;
+    step_kernels) part step_kernels 240 python3 bench/diagnose_step_kernels.py --comfy-dir $COMFY ;;
     diagnose_stock_path)
       part diagnose_stock_path 150 python3 bench/diagnose_stock_path.py --comfy-dir $COMFY
       part diagnose_stock_path_sd15 150 python3 bench/diagnose_stock_path.py --comfy-dir $COMFY --family sd15 ;;
