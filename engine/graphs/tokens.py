@@ -125,7 +125,8 @@ class _Walk:
             owner = obj.__self__
             attrs = getattr(owner, "__dict__", None)
             return ("bound", Token(owner), Token(obj.__func__),
-                    self.leaf(attrs, depth - 1) if isinstance(attrs, dict) and not is_opaque(owner) else None)
+                    self.leaf(attrs, depth - 1) if isinstance(attrs, dict) and not is_opaque(owner) else None,
+                    global_reads(obj.__func__))
         if isinstance(obj, types.FunctionType):
             return self.function(obj, depth) if top else ("code", Token(obj.__code__))
         if isinstance(obj, functools.partial):
@@ -146,7 +147,7 @@ class _Walk:
             except ValueError:                   # an empty cell (a name assigned later)
                 cells.append(("empty",))
         return ("fn", Token(fn), tuple(cells), self.leaf(fn.__defaults__, depth - 1),
-                self.leaf(fn.__kwdefaults__, depth - 1))
+                self.leaf(fn.__kwdefaults__, depth - 1), global_reads(fn))
 
 
     def module_tensors(self, module):
@@ -174,6 +175,50 @@ class _Walk:
         if self.soft is not None:
             self.soft.append(t)
         return ("T", tuple(t.shape), t.dtype, t.stride(), t.device)
+
+
+def global_reads(fn):
+    """The plain values (numbers, flags, strings) a function's code reads from its module: a global name, or an
+    attribute of a class or module held by a global name (`FreeUForForge.doFreeU`: Forge's built-in FreeU patch
+    applies FreeU or not by a flag its denoiser callback sets before each step, from the user's start/end
+    schedule). Such a value decides what the call computes without being in its arguments or its closure: a graph
+    captured under one value must not replay under another. Names are those of the code and of the functions
+    nested in it; values are read on every call (a flag changes between steps)."""
+    fn = getattr(fn, "__func__", fn)
+    code, names_of = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is None or not isinstance(names_of, dict):
+        return ()
+    names = _code_names(code)
+    out = []
+    for name in names:
+        value = names_of.get(name, _MISSING)
+        if value is _MISSING:
+            continue
+        if isinstance(value, _PRIMITIVE):
+            out.append((name, value))
+        elif isinstance(value, (type, types.ModuleType)):
+            spaces = [vars(value)] if isinstance(value, types.ModuleType) else [vars(c) for c in value.__mro__[:-1]]
+            for attr in names:
+                found = next((space[attr] for space in spaces if attr in space), _MISSING)
+                if found is not _MISSING and isinstance(found, _PRIMITIVE):
+                    out.append((name + "." + attr, found))
+    return tuple(out)
+
+
+_MISSING = object()
+_NAMES = weakref.WeakKeyDictionary()    # code object -> the names its code (and nested code) reads
+
+
+def _code_names(code):
+    names = _NAMES.get(code)
+    if names is None:
+        found, stack = [], [code]
+        while stack:
+            c = stack.pop()
+            found.extend(c.co_names)
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        names = _NAMES[code] = tuple(dict.fromkeys(found))
+    return names
 
 
 def _dict_key(k):

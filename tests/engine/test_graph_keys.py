@@ -283,3 +283,58 @@ def test_a_plain_holders_tensors_are_neither_key_nor_soft_inputs():
     h.x_prev = torch.empty(1, 4, 8, 8, device="meta")
     b = keys.flatten({"easycache": h, "wrappers": {"diffusion_model": {"easycache": [wrapper]}}})
     assert a.key == b.key and a.soft == [] and b.soft == []
+
+
+FLAG_SWITCH = True
+
+
+class _Switches:
+    on = True
+    factor = 1.5
+
+
+def test_a_patch_reading_a_flag_of_its_module_or_class_keys_on_the_flags_value():
+    """Forge's built-in FreeU patch applies FreeU or not by a class attribute its denoiser callback sets before each
+    step (the user's start/end schedule): neither the call's arguments nor the patch's closure change, so the key
+    must read the flag itself, or a graph captured while FreeU was on replays it after the schedule ended."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "hosts", "a1111"))
+    from forge_freeu_standin import FreeUScript, make_output_block_patch
+    patch = make_output_block_patch(320, 1.3, 1.4, 0.9, 0.2)
+    to = {"patches": {"output_block_patch": [patch]}}
+    try:
+        FreeUScript.doFreeU = True
+        on = _key(to)[1]
+        assert _key(to)[1] == on
+        FreeUScript.end = 0.5
+        FreeUScript.denoiser_callback(19, 20)      # past the schedule's end
+        assert FreeUScript.doFreeU is False and _key(to)[1] != on
+        FreeUScript.denoiser_callback(0, 20)
+        assert _key(to)[1] == on
+    finally:
+        FreeUScript.doFreeU, FreeUScript.end = True, 1.0
+
+
+def test_module_globals_and_class_attributes_a_patch_reads_are_key_others_are_not():
+    global FLAG_SWITCH
+
+    def patch(h):
+        return h * _Switches.factor if FLAG_SWITCH and _Switches.on else h
+
+    def other(h):
+        return h
+    k1 = _key({"p": patch, "q": other})[1]
+    try:
+        FLAG_SWITCH = False
+        k2 = _key({"p": patch, "q": other})[1]
+        FLAG_SWITCH = True
+        _Switches.factor = 2.0
+        k3 = _key({"p": patch, "q": other})[1]
+        _Switches.factor = 1.5
+        assert len({k1, k2, k3}) == 3
+        assert _key({"p": patch, "q": other})[1] == k1
+        _Switches.unread = 7                     # an attribute the patch never reads changes nothing
+        assert _key({"p": patch, "q": other})[1] == k1
+    finally:
+        FLAG_SWITCH, _Switches.factor = True, 1.5

@@ -155,6 +155,41 @@ def test_freeus_filter_runs_sd_accels_kernel_in_the_replayed_graphs(comfy_env, c
     assert "freeu_filter" not in rep["fell_back"], rep["fell_back"]
 
 
+def test_a_patch_its_extension_switches_between_steps_never_replays_stale(comfy_env, plain_ref):  # noqa: F811
+    """Forge's built-in FreeU (tests/hosts/a1111/forge_freeu_standin.py): its patch reads a class flag that the
+    extension's callback sets before each step from the user's schedule, here FreeU on for the first half of the
+    steps. The flag is in neither the call's arguments nor the patch's closure: a graph captured while it was on
+    must not replay once it is off (nor the other way on the next prompt). The flag is set after each step for
+    the next, as Forge's callback sets it before that step."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "hosts", "a1111"))
+    from forge_freeu_standin import FreeUScript, patch_freeu_v2
+    model = patch_freeu_v2(comfy_env.model, 1.5, 1.6, 0.9, 0.2)
+    done = [0]
+
+    def next_steps_flag(args):
+        done[0] += 1
+        FreeUScript.denoiser_callback(done[0], STEPS)
+        return args["denoised"]
+    model.set_model_sampler_post_cfg_function(next_steps_flag)
+
+    def run(ours):
+        done[0] = 0
+        FreeUScript.denoiser_callback(0, STEPS)
+        return _sample(comfy_env, model, ours=ours)
+    try:
+        always, _ = run(False)
+        FreeUScript.end = 0.5
+        ref, _ = run(False)
+        assert _rel(ref, always) > MIN_EFFECT and _rel(ref, plain_ref) > MIN_EFFECT, (
+            _rel(ref, always), _rel(ref, plain_ref))
+        for prompt in range(2):
+            out, rep = run(True)
+            assert _rel(out, ref) < TOL, (prompt, _rel(out, ref), _rel(out, always), rep["graphs"])
+        assert rep["graphs"].get("replays", 0) >= STEPS - 1, rep["graphs"]   # both phases' graphs replay
+    finally:
+        FreeUScript.doFreeU, FreeUScript.end = True, 1.0
+
+
 @pytest.mark.parametrize("case", STALE_CASES)
 def test_plain_patched_plain_never_replays_a_stale_graph(comfy_env, plain_ref, case):  # noqa: F811
     """The plain model's graphs exist (captured and replayed) when the same model gets the patch, and the
