@@ -8,17 +8,21 @@ runs kernels/fourier_low_scale.py where it can take the tensor, and the stock fu
 closure always gets the same copy (a graph key sees the same patch on every call), and the copy lives as long
 as the closure does. Nothing global changes: stock KSampler, and every other caller, runs the stock filter.
 
-Only the node's own code is swapped: a closure is recognised by its code object, one of those nested in the
-FreeU classes of the running ComfyUI, and its `Fourier_filter` must be that module's own function, checked on
-every call (another pack that replaced it, before the first run or since, keeps its replacement).
+Only a FreeU filter of the patch's own is swapped: an output_block_patch function whose code calls the global
+`Fourier_filter`, that global being ComfyUI's own (comfy_extras/nodes_freelunch.py), or a function of the patch's
+own module that computes the same filter (Forge's built-in FreeU carries its own copy), told once by running it
+on small CPU tensors against SD Accel's reference. Checked on every call: another pack that replaced the filter,
+before the first run or since, keeps its replacement.
 """
 import logging
 import types
 import weakref
 
+import torch
+
 from ...engine.reports import kernel_report
 from ...kernels.errors import first_line
-from ...kernels.fourier_low_scale import eligible, fourier_low_scale
+from ...kernels.fourier_low_scale import eligible, fourier_low_scale, fourier_low_scale_reference
 
 log = logging.getLogger("sd_accel")
 OP = "freeu_filter"   # the report's name: what the user put in the graph
@@ -26,30 +30,43 @@ _FILTER = "Fourier_filter"
 _WRAPPED = "_sd_accel_wrapped_filter"   # in a copy's globals: the module's filter it was made over
 _MODULE = "comfy_extras.nodes_freelunch"
 _copies = weakref.WeakKeyDictionary()   # a FreeU closure -> its copy on SD Accel's filter
-_codes = None                            # the FreeU closures' code objects in this ComfyUI
+_behaves = weakref.WeakKeyDictionary()  # a module's own filter function -> whether it computes FreeU's filter
 _failed = []
-
-
-def _freeu_codes():
-    global _codes
-    if _codes is None:
-        codes = set()
-        try:
-            import comfy_extras.nodes_freelunch as freelunch
-        except Exception:  # noqa: BLE001 - a ComfyUI without the FreeU nodes: nothing to recognise
-            freelunch = None
-        for cls_name in ("FreeU", "FreeU_V2"):
-            for attr in vars(getattr(freelunch, cls_name, object)).values():
-                fn = getattr(attr, "__func__", attr)
-                for const in getattr(getattr(fn, "__code__", None), "co_consts", ()):
-                    if isinstance(const, types.CodeType) and const.co_name == "output_block_patch":
-                        codes.add(const)
-        _codes = frozenset(codes)
-    return _codes
+# (shape, scale) of the CPU tensors a module's own filter is checked on: even and odd sides, two scales
+_CHECKS = (((1, 3, 8, 8), 0.9), ((2, 2, 7, 9), 0.2), ((1, 2, 6, 5), 1.4))
 
 
 def _is_stock_filter(fn):
     return isinstance(fn, types.FunctionType) and fn.__module__ == _MODULE and fn.__qualname__ == _FILTER
+
+
+def _is_freeu_filter(fn, patch):
+    """`fn` (the patch's global `Fourier_filter`) computes FreeU's filter: ComfyUI's own, or a function of the
+    patch's own module that gives the reference's result on the check tensors (once per function)."""
+    if _is_stock_filter(fn):
+        return True
+    if not isinstance(fn, types.FunctionType) or fn.__globals__ is not patch.__globals__:
+        return False
+    known = _behaves.get(fn)
+    if known is None:
+        known = _behaves[fn] = _computes_the_filter(fn)
+    return known
+
+
+def _computes_the_filter(fn):
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            for shape, scale in _CHECKS:
+                x = torch.randn(shape, generator=gen)
+                got = fn(x, threshold=1, scale=scale)
+                want = fourier_low_scale_reference(x, 1, scale)
+                if not (isinstance(got, torch.Tensor) and got.shape == want.shape and
+                        torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5)):
+                    return False
+    except Exception:  # noqa: BLE001 - a filter that cannot run here is not the one SD Accel's kernel computes
+        return False
+    return True
 
 
 def _filter_through_kernel(stock):
@@ -70,13 +87,17 @@ def _filter_through_kernel(stock):
 
 def fast_copy(patch):
     """The copy of `patch` on SD Accel's filter, or None when `patch` is not a FreeU node's closure."""
-    if not isinstance(patch, types.FunctionType) or patch.__code__ not in _freeu_codes():
+    if not isinstance(patch, types.FunctionType) or _FILTER not in patch.__code__.co_names:
         return None
     stock = patch.__globals__.get(_FILTER)
     copy = _copies.get(patch)
     if copy is not None and copy.__globals__[_WRAPPED] is stock:
+        names = copy.__globals__
+        ours = names[_FILTER]
+        names.update(patch.__globals__)     # the module's names as they are now (a flag it rebinds, say)
+        names[_FILTER], names[_WRAPPED] = ours, stock
         return copy
-    if not _is_stock_filter(stock):   # another pack's filter, set before the first run or since
+    if not _is_freeu_filter(stock, patch):   # another pack's filter, set before the first run or since
         _copies.pop(patch, None)
         return None
     names = dict(patch.__globals__)

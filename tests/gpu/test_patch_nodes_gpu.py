@@ -160,7 +160,8 @@ def test_a_patch_its_extension_switches_between_steps_never_replays_stale(comfy_
     extension's callback sets before each step from the user's schedule, here FreeU on for the first half of the
     steps. The flag is in neither the call's arguments nor the patch's closure: a graph captured while it was on
     must not replay once it is off (nor the other way on the next prompt). The flag is set after each step for
-    the next, as Forge's callback sets it before that step."""
+    the next, as Forge's callback sets it before that step. The extension's own copy of the filter runs SD Accel's
+    kernel (hosts/comfyui/freeu_filter.py)."""
     sys.path.insert(0, os.path.join(REPO, "tests", "hosts", "a1111"))
     from forge_freeu_standin import FreeUScript, patch_freeu_v2
     model = patch_freeu_v2(comfy_env.model, 1.5, 1.6, 0.9, 0.2)
@@ -186,6 +187,7 @@ def test_a_patch_its_extension_switches_between_steps_never_replays_stale(comfy_
             out, rep = run(True)
             assert _rel(out, ref) < TOL, (prompt, _rel(out, ref), _rel(out, always), rep["graphs"])
         assert rep["graphs"].get("replays", 0) >= STEPS - 1, rep["graphs"]   # both phases' graphs replay
+        assert any(r.startswith("freeu_filter x") for r in rep["ran"]), rep["ran"]   # its own filter: the kernel
     finally:
         FreeUScript.doFreeU, FreeUScript.end = True, 1.0
 

@@ -5,7 +5,8 @@ The extension's Script class keeps `doFreeU` as a class attribute. Before every 
 from the user's start/end schedule (`sampling_step / (total_sampling_steps - 1)` inside [start, end]). The patch
 it sets on the UNet patcher (`set_model_output_block_patch`, a closure over the scales keyed by channel count)
 reads that class attribute on every call: while it is False the skip and backbone features pass unchanged.
-So what a call computes depends on a flag that is neither in its arguments nor in its closure.
+So what a call computes depends on a flag that is neither in its arguments nor in its closure. The skip filter
+is the extension's own function, in its own module, computing what ComfyUI's `Fourier_filter` does.
 """
 import torch
 
@@ -20,12 +21,16 @@ class FreeUScript:
         cls.doFreeU = cls.start <= at <= cls.end
 
 
-def _low_frequencies_scaled(x, scale):
-    """The skip's four lowest centred Fourier modes (FreeU's threshold 1) scaled by `scale`, in fp32."""
-    spectrum = torch.fft.fftshift(torch.fft.fftn(x.float(), dim=(-2, -1)), dim=(-2, -1))
-    h, w = spectrum.shape[-2:]
-    spectrum[..., h // 2 - 1:h // 2 + 1, w // 2 - 1:w // 2 + 1] *= scale
-    return torch.fft.ifftn(torch.fft.ifftshift(spectrum, dim=(-2, -1)), dim=(-2, -1)).real.to(x.dtype)
+def Fourier_filter(x, threshold, scale):  # noqa: N802 - the name the extension gives its own copy of the filter
+    """FreeU's skip filter, as the extension carries it in its own module: the centred window of the fp32 spectrum
+    `2 * threshold` modes wide scaled by `scale`."""
+    planes = torch.fft.fftn(x.float(), dim=(-2, -1))
+    planes = torch.fft.fftshift(planes, dim=(-2, -1))
+    rows, cols = planes.shape[-2] // 2, planes.shape[-1] // 2
+    window = (slice(rows - threshold, rows + threshold), slice(cols - threshold, cols + threshold))
+    planes[(Ellipsis,) + window] = planes[(Ellipsis,) + window] * scale
+    planes = torch.fft.ifftshift(planes, dim=(-2, -1))
+    return torch.fft.ifftn(planes, dim=(-2, -1)).real.to(x.dtype)
 
 
 def make_output_block_patch(model_channels, b1, b2, s1, s2):
@@ -41,7 +46,7 @@ def make_output_block_patch(model_channels, b1, b2, s1, s2):
                 mean = (mean - lo) / (hi - lo)
                 half = h.shape[1] // 2
                 h[:, :half] = h[:, :half] * ((scale[0] - 1) * mean + 1)
-                hsp = _low_frequencies_scaled(hsp, scale[1])
+                hsp = Fourier_filter(hsp, threshold=1, scale=scale[1])
         return h, hsp
     return output_block_patch
 

@@ -122,3 +122,49 @@ def test_one_copy_per_closure_living_as_long_as_it(model):
     del first, options, a, b, copy, patch
     gc.collect()
     assert len(freeu_filter._copies) == alive - 1
+
+
+def _forge_freeu():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "a1111"))
+    import forge_freeu_standin
+    return forge_freeu_standin
+
+
+def test_an_extensions_own_copy_of_the_filter_runs_the_kernel_with_stocks_latent(model, gpu_plan_stock_modules):
+    """Forge's built-in FreeU (its stand-in: the extension's own `Fourier_filter` in its own module, the patch
+    switched by a class flag): recognised by what its filter computes, so accelerated runs get the kernel."""
+    from sd_accel.engine.reports import kernel_report
+    forge = _forge_freeu()
+    patched = forge.patch_freeu_v2(model, 1.3, 1.4, 0.9, 0.2)
+    plain, stock = _sample(model), _sample(patched)
+    assert float((stock - plain).norm() / plain.norm()) > 1e-3
+    before = kernel_report.snapshot()
+    ours = _sample(_accelerated(gpu_plan_stock_modules, patched))
+    ran = kernel_report.summarize(before, kernel_report.snapshot())
+    assert ran.get("freeu_filter", {}).get("fused"), ran
+    assert float((ours - stock).norm() / stock.norm()) < 1e-5
+
+
+def test_a_modules_own_filter_that_computes_otherwise_is_kept():
+    """A module's own `Fourier_filter` that is not FreeU's filter (here: a wider window) is never swapped; nor one
+    the patch's module did not define (another pack's, in test_another_packs_filter_is_kept)."""
+    import types as pytypes
+    from sd_accel.hosts.comfyui import freeu_filter
+    forge = _forge_freeu()
+    source = ("import torch\n"
+              "def Fourier_filter(x, threshold, scale):\n"
+              "    f = torch.fft.fftshift(torch.fft.fftn(x.float(), dim=(-2, -1)), dim=(-2, -1))\n"
+              "    r, c = f.shape[-2] // 2, f.shape[-1] // 2\n"
+              "    f[..., r - 2:r + 2, c - 2:c + 2] *= scale\n"
+              "    return torch.fft.ifftn(torch.fft.ifftshift(f, dim=(-2, -1)), dim=(-2, -1)).real.to(x.dtype)\n"
+              "def output_block_patch(h, hsp, transformer_options):\n"
+              "    return h, Fourier_filter(hsp, threshold=1, scale=0.5)\n")
+    other = pytypes.ModuleType("wider_filter_pack")
+    exec(compile(source, "wider_filter_pack.py", "exec"), other.__dict__)  # noqa: S102 - a module of the test's
+    assert freeu_filter.fast_copy(other.output_block_patch) is None
+    theirs = forge.make_output_block_patch(320, 1.3, 1.4, 0.9, 0.2)
+    copy = freeu_filter.fast_copy(theirs)
+    assert copy is not None and copy.__globals__["Fourier_filter"] is not forge.Fourier_filter
+    assert copy.__globals__["FreeUScript"] is forge.FreeUScript   # the extension's live flag, read by the copy
