@@ -32,7 +32,7 @@ import weakref
 
 import torch
 
-from ..engine.patches import patching
+from ..engine.patches import freeu_filter, patching
 from ..engine.graphs import eager
 from ..engine.graphs.step_graphs import StepGraphs
 from . import a1111_unet_hooks, forge_calls, forge_controlnet, forge_plan, webui
@@ -269,6 +269,8 @@ def _make_step(st, options, kmodel):
 
     def run_step(apply_model, x, t, c):
         to = c.get("transformer_options")
+        if options.want("fused_kernels") and isinstance(to, dict):
+            _, c, to = freeu_filter.on_fast_filter((), c, to)    # Forge's built-in FreeU: its filter on our kernel
         gnw = to.get("group_norm_wrapper") if isinstance(to, dict) else None
         if gnw is not None and st.unfused:
             c = dict(c, transformer_options=dict(to, group_norm_wrapper=_unfolding(st, gnw)))

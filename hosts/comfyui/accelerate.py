@@ -24,7 +24,7 @@ from ...engine.options import AccelOptions, strict  # noqa: F401  (the nodes bui
 from ...engine.fp8 import block_upcast
 from ...engine.fp8 import upcast as fp8_upcast
 from ...engine.fp8 import weights as fp8_weights
-from ...engine.patches import attention, fused_modules, patching, shared_state
+from ...engine.patches import attention, freeu_filter, fused_modules, patching, shared_state
 from ...engine.reports import run_report
 from ...engine.graphs.step_graphs import StepGraphs
 from ...kernels.errors import first_line
@@ -33,7 +33,6 @@ from . import compiled
 from . import control_graph
 from . import conv_layout
 from . import families
-from . import freeu_filter
 from . import hooked_layers
 from . import object_patches
 from . import precision

@@ -145,7 +145,7 @@ def test_patch_node_equals_stock_and_replays_graphs(comfy_env, plain_ref, case):
 @pytest.mark.parametrize("case", ["FreeU", "FreeU_V2"])
 def test_freeus_filter_runs_sd_accels_kernel_in_the_replayed_graphs(comfy_env, case):  # noqa: F811
     """Stock's image is the test above's; here, that the filter inside the graphs is SD Accel's
-    (hosts/comfyui/freeu_filter.py), replayed on every step of the second prompt, and never fell back."""
+    (engine/patches/freeu_filter.py), replayed on every step of the second prompt, and never fell back."""
     model = _patched(comfy_env, case)
     _sample(comfy_env, model)
     _, rep = _sample(comfy_env, model)
@@ -161,7 +161,7 @@ def test_a_patch_its_extension_switches_between_steps_never_replays_stale(comfy_
     steps. The flag is in neither the call's arguments nor the patch's closure: a graph captured while it was on
     must not replay once it is off (nor the other way on the next prompt). The flag is set after each step for
     the next, as Forge's callback sets it before that step. The extension's own copy of the filter runs SD Accel's
-    kernel (hosts/comfyui/freeu_filter.py)."""
+    kernel (engine/patches/freeu_filter.py)."""
     sys.path.insert(0, os.path.join(REPO, "tests", "hosts", "a1111"))
     from forge_freeu_standin import FreeUScript, patch_freeu_v2
     model = patch_freeu_v2(comfy_env.model, 1.5, 1.6, 0.9, 0.2)

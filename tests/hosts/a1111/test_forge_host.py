@@ -459,3 +459,32 @@ def test_another_extensions_forwards_in_the_unet_send_forges_step_eager(fake_for
     torch.testing.assert_close(denoise(clone), ref, atol=2e-5, rtol=1e-4)
     g = forge.status(type("M", (), {"forge_objects": type("F", (), {"unet": clone})})())["graphs"]
     assert [r for r in g["refused"] if "set the forward of" in r and "attn2" in r], g
+
+
+def test_forges_builtin_freeu_gets_sd_accels_filter_in_the_step(fake_forge, stock_kernels):
+    """Forge's built-in FreeU (forge_freeu_standin: its own copy of the filter, in its module): the transformer
+    options Forge's UNet gets in an accelerated step hold a copy of its patch on SD Accel's filter kernel
+    (engine/patches/freeu_filter.py); the patchers' own options keep the extension's patch, and with the fused
+    kernels off the step gets that patch itself."""
+    import forge_freeu_standin
+    base = make_patcher()
+    patch = forge_freeu_standin.make_output_block_patch(32, 1.3, 1.4, 0.9, 0.2)
+    base.set_model_output_block_patch(patch)
+    for options, swapped in ((ON, True), (webui.WebUIOptions(fused_kernels=False), False)):
+        clone, _ = forge.accelerate(base, options)
+        seen, inner = [], clone.model.apply_model
+
+        def recording(x, t, **c):
+            seen.append(c["transformer_options"]["patches"]["output_block_patch"])
+            return inner(x, t, **c)
+        clone.model.apply_model = recording          # on the instance, for this denoise only
+        try:
+            denoise(clone)
+        finally:
+            del clone.model.apply_model
+        (got,) = seen[-1]
+        assert (got is not patch) == swapped, options
+        if swapped:
+            assert got.__code__ is patch.__code__ and got.__closure__ is patch.__closure__
+            assert got.__globals__["Fourier_filter"] is not forge_freeu_standin.Fourier_filter
+        assert clone.model_options["transformer_options"]["patches"]["output_block_patch"] == [patch]

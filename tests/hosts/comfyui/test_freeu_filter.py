@@ -103,7 +103,7 @@ def test_another_packs_filter_is_kept(model, gpu_plan_stock_modules, monkeypatch
 
 def test_one_copy_per_closure_living_as_long_as_it(model):
     from sd_accel.engine.graphs import keys
-    from sd_accel.hosts.comfyui import freeu_filter
+    from sd_accel.engine.patches import freeu_filter
     first = _freeu(model, "FreeU_V2")
     patch = first.model_options["transformer_options"]["patches"]["output_block_patch"][0]
     options = first.model_options["transformer_options"]
@@ -151,7 +151,7 @@ def test_a_modules_own_filter_that_computes_otherwise_is_kept():
     """A module's own `Fourier_filter` that is not FreeU's filter (here: a wider window) is never swapped; nor one
     the patch's module did not define (another pack's, in test_another_packs_filter_is_kept)."""
     import types as pytypes
-    from sd_accel.hosts.comfyui import freeu_filter
+    from sd_accel.engine.patches import freeu_filter
     forge = _forge_freeu()
     source = ("import torch\n"
               "def Fourier_filter(x, threshold, scale):\n"

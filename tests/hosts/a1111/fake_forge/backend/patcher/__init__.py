@@ -5,6 +5,7 @@
 * object patches are data until the memory manager loads the patcher (`forge_patch_model`: each path set in
   the model, the first original kept) and put back by path when it unloads it (`forge_unpatch_model`).
 * `set_model_unet_function_wrapper`: the one `model_function_wrapper` slot (a later call replaces it).
+* `set_model_output_block_patch`: appended to the transformer options' `patches` (a new list each time).
 * `UnetPatcher`: ControlNets as a linked list (`add_patched_controlnet`, the list shared by clones), and the
   one `controlnet_model_function_wrapper` transformer option (`set_controlnet_model_function_wrapper`).
 * LoRA: `add_patches(filename=, patches={model key: ("diff", (delta,))}, strength_patch=, online_mode=)`
@@ -79,6 +80,11 @@ class ModelPatcher:
 
     def set_model_unet_function_wrapper(self, fn):
         self.model_options["model_function_wrapper"] = fn
+
+    def set_model_output_block_patch(self, patch):
+        to = self.model_options["transformer_options"]
+        to.setdefault("patches", {})
+        to["patches"]["output_block_patch"] = to["patches"].get("output_block_patch", []) + [patch]
 
     def add_patches(self, *, filename, patches, strength_patch=1.0, strength_model=1.0, online_mode=False):
         keys = {k for k, _ in self.model.named_parameters()}

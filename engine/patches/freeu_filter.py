@@ -1,4 +1,5 @@
-"""ComfyUI's FreeU and FreeU_V2 patches filter the skip features through SD Accel's kernel on accelerated runs.
+"""FreeU's patches filter the skip features through SD Accel's kernel on accelerated runs (ComfyUI's FreeU and
+FreeU_V2 nodes, Forge's built-in FreeU: the same patch mechanism in both hosts' transformer_options).
 
 Their output_block_patch closures call `Fourier_filter` (comfy_extras/nodes_freelunch.py), a dozen full passes
 over complex fp32 copies per skip: most of what FreeU_V2 adds to an accelerated SDXL step. On an accelerated
@@ -20,7 +21,7 @@ import weakref
 
 import torch
 
-from ...engine.reports import kernel_report
+from ..reports import kernel_report
 from ...kernels.errors import first_line
 from ...kernels.fourier_low_scale import eligible, fourier_low_scale, fourier_low_scale_reference
 
