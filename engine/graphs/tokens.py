@@ -136,7 +136,7 @@ class _Walk:
         walk = isinstance(attrs, dict) and (self.deep or callable(obj)) and not isinstance(obj, type)
         attrs = self.leaf(attrs, depth - 1) if walk else None
         if callable(obj) and not isinstance(obj, type):
-            return ("obj", Token(obj), attrs)
+            return ("obj", Token(obj), attrs, global_reads(getattr(type(obj), "__call__", None)))
         return ("plain", type(obj).__qualname__, attrs)
 
     def function(self, fn, depth):
@@ -183,7 +183,8 @@ def global_reads(fn):
     applies FreeU or not by a flag its denoiser callback sets before each step, from the user's start/end
     schedule). Such a value decides what the call computes without being in its arguments or its closure: a graph
     captured under one value must not replay under another. Names are those of the code and of the functions
-    nested in it; values are read on every call (a flag changes between steps)."""
+    nested in it; values are read on every call (a flag changes between steps). For a callable object, the
+    caller passes its class's `__call__`."""
     fn = getattr(fn, "__func__", fn)
     code, names_of = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
     if code is None or not isinstance(names_of, dict):

@@ -324,6 +324,17 @@ def test_module_globals_and_class_attributes_a_patch_reads_are_key_others_are_no
 
     def other(h):
         return h
+
+    class Replace:                                  # a patch object (IPAdapter-style) whose __call__ reads a flag
+        def __call__(self, h):
+            return h if _Switches.on else -h
+    replace = Replace()
+    r1 = _key({"r": replace})[1]
+    _Switches.on = False
+    try:
+        assert _key({"r": replace})[1] != r1
+    finally:
+        _Switches.on = True
     k1 = _key({"p": patch, "q": other})[1]
     try:
         FLAG_SWITCH = False
