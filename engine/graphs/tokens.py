@@ -28,6 +28,7 @@ SD Accel's own objects (wrappers, callbacks, attention patches) carry `sd_accel_
 description of the options that built them (True when there are none): beyond those options they do not
 change what a step computes, so they enter a key by name and that description, whichever object it is.
 """
+import dis
 import enum
 import functools
 import itertools
@@ -182,44 +183,53 @@ def global_reads(fn):
     attribute of a class or module held by a global name (`FreeUForForge.doFreeU`: Forge's built-in FreeU patch
     applies FreeU or not by a flag its denoiser callback sets before each step, from the user's start/end
     schedule). Such a value decides what the call computes without being in its arguments or its closure: a graph
-    captured under one value must not replay under another. Names are those of the code and of the functions
-    nested in it; values are read on every call (a flag changes between steps). For a callable object, the
-    caller passes its class's `__call__`."""
+    captured under one value must not replay under another. The reads are those of the code and of the functions
+    nested in it, found in its bytecode once; values are read on every call (a flag changes between steps). For a
+    callable object, the caller passes its class's `__call__`."""
     fn = getattr(fn, "__func__", fn)
     code, names_of = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
     if code is None or not isinstance(names_of, dict):
         return ()
-    names = _code_names(code)
     out = []
-    for name in names:
+    for name, attr in _loads(code):
         value = names_of.get(name, _MISSING)
-        if value is _MISSING:
+        if attr is None:
+            if isinstance(value, _PRIMITIVE):
+                out.append((name, value))
             continue
-        if isinstance(value, _PRIMITIVE):
-            out.append((name, value))
-        elif isinstance(value, (type, types.ModuleType)):
-            spaces = [vars(value)] if isinstance(value, types.ModuleType) else [vars(c) for c in value.__mro__[:-1]]
-            for attr in names:
-                found = next((space[attr] for space in spaces if attr in space), _MISSING)
-                if found is not _MISSING and isinstance(found, _PRIMITIVE):
-                    out.append((name + "." + attr, found))
+        if isinstance(value, types.ModuleType):
+            found = vars(value).get(attr, _MISSING)
+        elif isinstance(value, type):
+            found = next((vars(c)[attr] for c in value.__mro__ if attr in vars(c)), _MISSING)
+        else:
+            continue
+        if isinstance(found, _PRIMITIVE):
+            out.append((name + "." + attr, found))
     return tuple(out)
 
 
 _MISSING = object()
-_NAMES = weakref.WeakKeyDictionary()    # code object -> the names its code (and nested code) reads
+_LOADS = weakref.WeakKeyDictionary()    # code object -> its (global name, attribute or None) loads
+_ATTR_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
 
 
-def _code_names(code):
-    names = _NAMES.get(code)
-    if names is None:
-        found, stack = [], [code]
+def _loads(code):
+    """(name, attr) for each `name.attr` load of a global in `code` and the code nested in it, (name, None) for a
+    global loaded otherwise; in order, each once."""
+    found = _LOADS.get(code)
+    if found is None:
+        pairs, stack = [], [code]
         while stack:
             c = stack.pop()
-            found.extend(c.co_names)
+            ins = list(dis.get_instructions(c))
+            for i, op in enumerate(ins):
+                if op.opname == "LOAD_GLOBAL":
+                    after = ins[i + 1] if i + 1 < len(ins) else None
+                    pairs.append((op.argval, after.argval if after is not None and after.opname in _ATTR_LOADS
+                                  else None))
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        names = _NAMES[code] = tuple(dict.fromkeys(found))
-    return names
+        found = _LOADS[code] = tuple(dict.fromkeys(pairs))
+    return found
 
 
 def _dict_key(k):
