@@ -17,6 +17,9 @@ OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
 # with the residual adds (transformer_add_norm). Each patched module still runs once per step, under one name.
 CARRIED_BY = {"group_norm_silu": ("resblock_add_norm",), "layer_norm": ("transformer_add_norm",)}
 BLOCK_OPS = {"resblock": ("resblock_bias_residual", 1), "transformer_block": ("transformer_add_norm", 2)}
+# Forge's built-in FreeU: enabled, b1, b2, s1, s2, start and end (fractions of the steps): on for the first half
+FREEU_SCRIPT = "FreeU Integrated (SD 1.x, SD 2.x, SDXL)"
+FREEU_ARGS = (True, 1.5, 1.6, 0.9, 0.2, 0.0, 0.5)
 
 
 def module_calls(ran):
@@ -60,7 +63,7 @@ class Checker:
     def set(self, **opts):
         call(self.url, "/sdapi/v1/options", opts)
 
-    def txt2img(self, tag, lora=False, hires=False, control=None, tiles=None, late_wrapper=False):
+    def txt2img(self, tag, lora=False, hires=False, control=None, tiles=None, late_wrapper=False, freeu=None):
         body = {"prompt": "a photo of a cat" + (" <lora:%s:1>" % self.lora if lora else ""), "negative_prompt": "",
                 "seed": 1234, "steps": self.args.steps, "width": 64, "height": 64, "cfg_scale": 7,
                 "sampler_name": "Euler", "batch_size": 1, "send_images": True, "save_images": False}
@@ -70,6 +73,8 @@ class Checker:
             body["alwayson_scripts"] = {"MultiDiffusion Integrated": {"args": [True, "MultiDiffusion"] + list(tiles)}}
         if late_wrapper:
             body["alwayson_scripts"] = {"SD Accel check: late wrapper": {"args": [True]}}
+        if freeu is not None:
+            body["alwayson_scripts"] = {FREEU_SCRIPT: {"args": list(freeu)}}
         if hires:
             # Forge's API needs hr_additional_modules (its default None fails the request, with or without SD Accel)
             body.update(enable_hr=True, hr_scale=2, hr_upscaler="Latent", hr_second_pass_steps=HR_STEPS,
@@ -115,6 +120,7 @@ class Checker:
         self.check_hires()
         self.check_controlnet(img_on)
         self.check_multidiffusion()
+        self.check_freeu(img_on)
         self.check_late_wrapper(img_on)
 
     def check_options(self):
@@ -262,6 +268,24 @@ class Checker:
         off, _ = self.txt2img("MultiDiffusion, SD Accel off", tiles=tiles)
         self.set(sd_accel_enabled=True)
         self.same(on, off, "MultiDiffusion: on vs off")
+
+    def check_freeu(self, plain):
+        """Forge's built-in FreeU on for the first half of the steps: its patch reads a flag the extension sets before
+        each step (graph keys read it), and its own copy of the filter is recognised as FreeU's: each call goes
+        through SD Accel's op (on the CPU the op hands it back to Forge's filter, and says why). On vs off the
+        same image."""
+        on, ran = self.txt2img("FreeU scheduled, SD Accel on", freeu=FREEU_ARGS)
+        op = ran.get("freeu_filter", {"calls": 0, "fused": 0})
+        self.check(op["calls"] > 0, "FreeU: Forge's filter calls go through SD Accel's op (%d, %d in the kernel)"
+                   % (op["calls"], op["fused"]))
+        if self.args.expect_fused:
+            self.check(op["fused"] == op["calls"] > 0, "FreeU: every filter call ran the kernel (%d of %d)"
+                       % (op["fused"], op["calls"]))
+        self.differ(on, plain, "FreeU: it changes the image")
+        self.set(sd_accel_enabled=False)
+        off, _ = self.txt2img("FreeU scheduled, SD Accel off", freeu=FREEU_ARGS)
+        self.set(sd_accel_enabled=True)
+        self.same(on, off, "FreeU: on vs off")
 
     def check_late_wrapper(self, plain):
         """An extension loaded after SD Accel replaces its model_function_wrapper: the UNet's calls then come

@@ -21,9 +21,10 @@ import weakref
 
 import torch
 
-from ..reports import kernel_report
+from ...kernels._dispatch import REFERENCE, Outcome
 from ...kernels.errors import first_line
 from ...kernels.fourier_low_scale import eligible, fourier_low_scale, fourier_low_scale_reference
+from ..reports import kernel_report
 
 log = logging.getLogger("sd_accel")
 OP = "freeu_filter"   # the report's name: what the user put in the graph
@@ -72,7 +73,9 @@ def _computes_the_filter(fn):
 
 def _filter_through_kernel(stock):
     def fourier_filter(x, threshold, scale):
-        if _failed or not eligible(x, threshold, scale)[0]:
+        ok, why = (False, "the kernel failed earlier in this process") if _failed else eligible(x, threshold, scale)
+        if not ok:      # the host's own filter, counted in the report with the reason
+            kernel_report.record(OP, Outcome(REFERENCE, why))
             return stock(x, threshold=threshold, scale=scale)
         try:
             y = fourier_low_scale(x, threshold, scale)
@@ -80,6 +83,7 @@ def _filter_through_kernel(stock):
             _failed.append(e)
             log.warning("[SD Accel] FreeU's filter kernel failed (%s); the stock filter runs from now on",
                         first_line(e))
+            kernel_report.record(OP, Outcome(REFERENCE, "the kernel failed: %s" % first_line(e)))
             return stock(x, threshold=threshold, scale=scale)
         kernel_report.record(OP, fourier_low_scale.last_call)
         return y
