@@ -21,8 +21,9 @@ patch could replay the graph of a dead one), and one object whose content change
   module's GPU weights (a patch's own layers, outside the model) are `soft` tensors too. Other plain
   objects are their type: holders of per-run state (EasyCache's, LazyCache's) are new objects every run and
   are read by wrappers outside the graph; one that a step changes is found by the probe (`state_of`).
-* `state_of(obj)`: a deeper snapshot of the same walk that also reads plain objects' attributes and random
-  generators' states; compared before and after a probe call to see whether a step changes Python state.
+* `state_of(obj)`: a deeper snapshot of the same walk that also reads plain objects' attributes, random
+  generators' states and the numbers set on modules (`module_numbers`); compared before and after a probe call to
+  see whether a step changes Python state.
 
 SD Accel's own objects (wrappers, callbacks, attention patches) carry `sd_accel_inert`, a hashable
 description of the options that built them (True when there are none): beyond those options they do not
@@ -117,6 +118,8 @@ class _Walk:
         if is_opaque(obj):
             if self.soft is not None and isinstance(obj, torch.nn.Module):
                 self.module_tensors(obj)
+            if self.deep and isinstance(obj, torch.nn.Module):
+                return ("id", Token(obj), module_numbers(obj))
             return ("id", Token(obj))
         if isinstance(obj, random.Random):
             return ("rng", Token(obj), hash(obj.getstate()))
@@ -230,6 +233,20 @@ def _loads(code):
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
         found = _LOADS[code] = tuple(dict.fromkeys(pairs))
     return found
+
+
+MODULE_WALK = 2048   # modules of one module tree whose numbers state_of reads
+
+
+def module_numbers(module):
+    """The plain values (counters, flags) set on a module and its submodules, weights aside: a patch's own
+    layers may keep per-call state there (ControlNet-LLLite's modules count their calls in `current_step` to
+    follow the user's start/end steps; a replay would neither read nor advance it). For state_of only (a key must
+    not change on every call); bounded to the first MODULE_WALK modules."""
+    out = []
+    for name, m in itertools.islice(module.named_modules(), MODULE_WALK):
+        out.extend((name, k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _PRIMITIVE))
+    return tuple(out)
 
 
 def _dict_key(k):

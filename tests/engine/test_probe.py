@@ -80,6 +80,40 @@ def test_changing_python_state_is_refused_and_names_the_object():
     assert not v.capturable and "Holder" in v.reason
 
 
+def test_a_patch_modules_call_counter_is_python_state():
+    """ControlNet-LLLite (kohya-ss's ComfyUI nodes, Forge's built-in copy): its attention patch object holds its
+    layers, each an nn.Module counting its calls in `current_step` to stay silent outside the user's start/end
+    steps. A replay would neither read nor advance the counter, so such a call is refused; a module whose numbers
+    stay (a plain patch layer) is not."""
+    class LLLiteLike(torch.nn.Module):
+        def __init__(self, start, end, steps):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.start_step, self.end_step, self.num_steps, self.current_step = start, end, steps, 0
+
+        def forward(self, x):
+            on = self.start_step <= self.current_step < self.end_step
+            self.current_step = (self.current_step + 1) % self.num_steps
+            return self.proj(x) if on else torch.zeros_like(x)
+
+    class Patch:
+        def __init__(self, modules):
+            self.modules = modules
+
+        def __call__(self, q, extra):
+            return q + self.modules["to_q"](q)
+
+    def step(x, to):
+        return to["patches"]["attn1_patch"][0](x, to)
+    with torch.no_grad():
+        counting = Patch({"to_q": LLLiteLike(0, 3, 10)})
+        _, v = _probe(step, torch.ones(2, 4), {"patches": {"attn1_patch": [counting]}})
+        assert not v.capturable and "Patch" in v.reason, v.reason
+        plain = Patch({"to_q": torch.nn.Linear(4, 4)})
+        _, v = _probe(step, torch.ones(2, 4), {"patches": {"attn1_patch": [plain]}})
+        assert v.capturable, v.reason
+
+
 def test_state_set_and_reset_within_the_call_is_not_a_change():
     """HyperTile keeps the tile layout in a closure between its in- and out-patches of one call."""
     temp = [None]
