@@ -91,7 +91,7 @@ def _filter_through_kernel(stock):
 
 
 def fast_copy(patch):
-    """The copy of `patch` on SD Accel's filter, or None when `patch` is not a FreeU node's closure."""
+    """The copy of `patch` on SD Accel's filter, or None when `patch` does not call a FreeU filter of its own."""
     if not isinstance(patch, types.FunctionType) or _FILTER not in patch.__code__.co_names:
         return None
     stock = patch.__globals__.get(_FILTER)
