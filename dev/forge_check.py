@@ -22,7 +22,7 @@ in this repo), then:
             status says which), each called on every step, as the UNet's are; on vs off the same image
   MultiDiffusion  Forge's built-in MultiDiffusion (its own model_function_wrapper, tiles): SD Accel's step runs
             inside it for every tile batch, with the fused modules; on vs off the same image
-  FreeU     Forge's built-in FreeU on for the first half of the steps: its filter calls go through SD Accel's op
+  FreeU     Forge's built-in FreeU with a schedule ending at half the steps: its filter calls go through SD Accel's op
             (its own copy of the filter recognised as FreeU's); it changes the image; on vs off the same image
   late wrapper  an extension loaded after SD Accel (dev/forge_late_wrapper.py, installed beside it) replaces SD
             Accel's wrapper: every UNet call still takes SD Accel's eager path (the status counts them); the same image

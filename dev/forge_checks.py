@@ -17,7 +17,7 @@ OPS = ("group_norm_silu", "group_norm", "layer_norm", "geglu")
 # with the residual adds (transformer_add_norm). Each patched module still runs once per step, under one name.
 CARRIED_BY = {"group_norm_silu": ("resblock_add_norm",), "layer_norm": ("transformer_add_norm",)}
 BLOCK_OPS = {"resblock": ("resblock_bias_residual", 1), "transformer_block": ("transformer_add_norm", 2)}
-# Forge's built-in FreeU: enabled, b1, b2, s1, s2, start and end (fractions of the steps): on for the first half
+# Forge's built-in FreeU: enabled, b1, b2, s1, s2, start and end (fractions of the steps, as its callback counts them)
 FREEU_SCRIPT = "FreeU Integrated (SD 1.x, SD 2.x, SDXL)"
 FREEU_ARGS = (True, 1.5, 1.6, 0.9, 0.2, 0.0, 0.5)
 
@@ -270,7 +270,7 @@ class Checker:
         self.same(on, off, "MultiDiffusion: on vs off")
 
     def check_freeu(self, plain):
-        """Forge's built-in FreeU on for the first half of the steps: its patch reads a flag the extension sets before
+        """Forge's built-in FreeU with a schedule ending at half the steps: its patch reads a flag the extension sets before
         each step (graph keys read it), and its own copy of the filter is recognised as FreeU's: each call goes
         through SD Accel's op (on the CPU the op hands it back to Forge's filter, and says why). On vs off the
         same image."""
