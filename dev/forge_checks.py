@@ -270,10 +270,10 @@ class Checker:
         self.same(on, off, "MultiDiffusion: on vs off")
 
     def check_freeu(self, plain):
-        """Forge's built-in FreeU with a schedule ending at half the steps: its patch reads a flag the extension sets before
-        each step (graph keys read it), and its own copy of the filter is recognised as FreeU's: each call goes
-        through SD Accel's op (on the CPU the op hands it back to Forge's filter, and says why). On vs off the
-        same image."""
+        """Forge's built-in FreeU with a schedule ending at half the steps: its patch reads a flag the extension
+        sets before each step (graph keys read it), and its own copy of the filter is recognised as FreeU's: each
+        call goes through SD Accel's op (on the CPU the op hands it back to Forge's filter, and says why). On vs
+        off the same image."""
         on, ran = self.txt2img("FreeU scheduled, SD Accel on", freeu=FREEU_ARGS)
         op = ran.get("freeu_filter", {"calls": 0, "fused": 0})
         self.check(op["calls"] > 0, "FreeU: Forge's filter calls go through SD Accel's op (%d, %d in the kernel)"
