@@ -4,6 +4,7 @@
   keys, tokens  what a call's arguments contribute to a graph key (structure, identity, content)
   fingerprint   the weights and module tree a graph was captured with
   probe         whether a capture could reproduce a step (host reads, Python state, random draws)
+  effects       what a step's patches store in their modules, stored again after each replay
   host_reads    reads of tensor values on the host inside a step
   rng           the generators a step may draw from
   capture       capturing so that a failure leaves torch's state intact

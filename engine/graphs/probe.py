@@ -12,6 +12,8 @@ So a key's first call runs eagerly, as its warm-up, while `probe` watches for wh
   * draws from random generators: the call is run once more from the states it started with (so the result
     and the generators are what one stock call gives, however often compile-ahead ran it); draws on the host
     are allowed only when the result does not depend on them (rng.py).
+A capturable verdict also names where the call's functions store in their modules (`writes`): a replay sets
+what the capture stored there again (effects.py).
 The verdict's reason is one line that names what was found and where.
 """
 import warnings
@@ -25,12 +27,13 @@ from .waits import Waits
 
 
 class Verdict:
-    __slots__ = ("reason", "input_reads", "note")
+    __slots__ = ("reason", "input_reads", "note", "writes")
 
-    def __init__(self, reason=None, input_reads=(), note=None):
+    def __init__(self, reason=None, input_reads=(), note=None, writes=()):
         self.reason = reason                  # None: capturable
         self.input_reads = tuple(input_reads)  # inputs whose values the step reads on the host
         self.note = note
+        self.writes = tuple(writes)           # where the call's functions store in their modules (effects.py)
 
     @property
     def capturable(self):
@@ -93,7 +96,11 @@ class _Syncs:
 def probe(fn, args, kwargs, inputs):
     """(result of the eager call, Verdict). `inputs`: the call's graph inputs (keys.flatten's tensors)."""
     objects = objects_of((args, kwargs))
-    before = [tokens.state_of(o) for o in objects]
+    before, writes = [], {}
+    for o in objects:
+        state, found = tokens.state_and_writes(o)
+        before.append(state)
+        writes.update(dict.fromkeys(found))
     given = rerun.Containers((args, kwargs))
     start = rng.Snapshot()
 
@@ -112,11 +119,11 @@ def probe(fn, args, kwargs, inputs):
         return out, Verdict("changes Python state between calls (%s)" % changed)
     moved = rng.Snapshot()
     if not (moved.host_draws_since(start) or moved.cuda_draws_since(start)):
-        return out, Verdict(input_reads=watch.input_reads)
+        return out, Verdict(input_reads=watch.input_reads, writes=writes)
     out, depends = _once_from(start, given, fn, args, kwargs, host=moved.host_draws_since(start))
     if depends:
         return out, Verdict("draws host random numbers that change its result")
-    return out, Verdict(input_reads=watch.input_reads,
+    return out, Verdict(input_reads=watch.input_reads, writes=writes,
                         note="draws random numbers that a replay reproduces" if not moved.host_draws_since(start)
                         else "draws host random numbers that do not change its result")
 

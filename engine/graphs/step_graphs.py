@@ -14,7 +14,8 @@ Per call:
      A refusal is per key: the model's other keys keep their graphs.
   4. a capturable key is captured on its next call, then replayed: every input tensor is copied into the
      graph's static buffer first. A key whose step reads an input's value on the host (probe: `input_reads`)
-     has one graph per value, read before each call (as stock reads it).
+     has one graph per value, read before each call (as stock reads it). What the capture run stored in the
+     patches' modules is stored again after each replay (effects.py).
 Memory: all graphs of one model share one private pool; each graph's static inputs and output stay referenced
 for as long as the graph lives; at most `max_graphs` keys (and `max_variants` values per key) are kept, and
 dropping a key past the bound drops the whole pool, so graph memory is bounded and freed as a unit.
@@ -28,7 +29,7 @@ import torch
 from ..reports import kernel_report
 from ..thread_scope import ThreadScope
 from ...kernels.errors import first_line
-from . import capture, eager, keys, probe
+from . import capture, eager, effects, keys, probe
 from .fingerprint import WeightsFingerprint, off_gpu
 
 log = logging.getLogger("sd_accel")
@@ -42,7 +43,7 @@ _step_running = _RUNNING.entered
 
 
 class _Entry:
-    __slots__ = ("graph", "static_in", "static_out", "kernel_calls", "soft")
+    __slots__ = ("graph", "static_in", "static_out", "kernel_calls", "soft", "effects")
 
 
 class _Verdict:
@@ -253,7 +254,7 @@ class StepGraphs:
                 self.last_eager_reason = warm_up
                 return eager.eager_call(fn, args, kwargs)
         if fresh:
-            entry = self._capture(fn, args, kwargs, tensors, key, full, device, host_values)
+            entry = self._capture(fn, args, kwargs, tensors, key, full, device, host_values, result.writes)
             if entry is None:
                 return self._eager(fn, args, kwargs, "capture failed", key=key, device=device)
         else:
@@ -266,6 +267,8 @@ class StepGraphs:
         for s, t in zip(entry.static_in, tensors):
             s.copy_(t, non_blocking=True)
         entry.graph.replay()
+        if entry.effects:
+            effects.apply(entry.effects)
         self.stats["replays"] += 1
         self._new_in_a_row.clear()
         if entry.kernel_calls and not fresh:
@@ -296,7 +299,7 @@ class StepGraphs:
         for f in variants[:max(0, len(variants) - self.max_variants + 1)]:
             del self.entries[f]
 
-    def _capture(self, fn, args, kwargs, tensors, key, full, device, host_values):
+    def _capture(self, fn, args, kwargs, tensors, key, full, device, host_values, writes=()):
         self._make_room(key)
         if self.pool is None or not self.entries:
             # a pool handle lives only while a graph captured into it does: capturing into one whose graphs
@@ -318,6 +321,7 @@ class StepGraphs:
             return None
         entry.graph = graph
         entry.static_out = out
+        entry.effects = effects.record(writes)   # what the step stored in its modules: stored again per replay
         # tensors inside the call's objects as they are after the capture (the capture's own where the step
         # stored one): later calls copy theirs into these (see tokens.signature)
         entry.soft = keys.soft_marks(keys.flatten((args, kwargs)).soft)

@@ -23,7 +23,8 @@ patch could replay the graph of a dead one), and one object whose content change
   are read by wrappers outside the graph; one that a step changes is found by the probe (`state_of`).
 * `state_of(obj)`: a deeper snapshot of the same walk that also reads plain objects' attributes, random
   generators' states and the numbers set on modules (`module_numbers`); compared before and after a probe call to
-  see whether a step changes Python state.
+  see whether a step changes Python state. The walk also finds where the functions it meets store in their
+  modules (`write_targets`): graphs/effects.py sets those again after a replay.
 
 SD Accel's own objects (wrappers, callbacks, attention patches) carry `sd_accel_inert`, a hashable
 description of the options that built them (True when there are none): beyond those options they do not
@@ -91,6 +92,7 @@ class _Walk:
         self.modules = set() if modules is None else modules   # ids of modules whose weights are in `soft`
         self.left = BUDGET
         self.seen = {}
+        self.writes = {}          # state_of: write targets of the functions walked, in order (a dict as a set)
 
     def leaf(self, obj, depth, top=False):
         self.left -= 1
@@ -128,10 +130,12 @@ class _Walk:
         if isinstance(obj, types.MethodType):   # the method's object is what its closure would be
             owner = obj.__self__
             attrs = getattr(owner, "__dict__", None)
+            self.note_writes(obj.__func__)
             return ("bound", Token(owner), Token(obj.__func__),
                     self.leaf(attrs, depth - 1) if isinstance(attrs, dict) and not is_opaque(owner) else None,
                     global_reads(obj.__func__))
         if isinstance(obj, types.FunctionType):
+            self.note_writes(obj)
             return self.function(obj, depth) if top else ("code", Token(obj.__code__))
         if isinstance(obj, functools.partial):
             return ("partial", self.leaf(obj.func, depth - 1), self.leaf(obj.args, depth - 1),
@@ -140,7 +144,9 @@ class _Walk:
         walk = isinstance(attrs, dict) and (self.deep or callable(obj)) and not isinstance(obj, type)
         attrs = self.leaf(attrs, depth - 1) if walk else None
         if callable(obj) and not isinstance(obj, type):
-            return ("obj", Token(obj), attrs, global_reads(getattr(type(obj), "__call__", None)))
+            call = getattr(type(obj), "__call__", None)
+            self.note_writes(call)
+            return ("obj", Token(obj), attrs, global_reads(call))
         return ("plain", type(obj).__qualname__, attrs)
 
     def function(self, fn, depth):
@@ -153,6 +159,11 @@ class _Walk:
         return ("fn", Token(fn), tuple(cells), self.leaf(fn.__defaults__, depth - 1),
                 self.leaf(fn.__kwdefaults__, depth - 1), global_reads(fn))
 
+    def note_writes(self, fn):
+        """state_of only: the places in their modules the functions walked store to (`write_targets`), collected
+        in `self.writes`."""
+        if self.deep:
+            self.writes.update(dict.fromkeys(write_targets(fn)))
 
     def module_tensors(self, module):
         """A module's GPU weights go to `soft` (a patch's own layers: a hypernetwork's, moved off the GPU and back
@@ -211,27 +222,76 @@ def global_reads(fn):
     return tuple(out)
 
 
+def write_targets(fn):
+    """Where a function's code (and the code nested in it) stores in its module: `("global", globals, name)` for a
+    global it assigns or deletes (`global` statement), `("attr", holder, name)` for an attribute of a module or
+    class held by a global name (Forge's Kohya HRFix patch sets `shared.kohya_shrink_shape` on every block call,
+    read by its SAG after the step). A replay does not run that code: graphs.effects sets what a capture stored
+    again after each replay."""
+    fn = getattr(fn, "__func__", fn)
+    code, names_of = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is None or not isinstance(names_of, dict):
+        return ()
+    out = []
+    for name, attr in _uses(code)[1]:
+        if attr is None:
+            out.append(("global", _Held(names_of), name))
+            continue
+        holder = names_of.get(name)
+        if isinstance(holder, (types.ModuleType, type)):
+            out.append(("attr", _Held(holder), attr))
+    return tuple(out)
+
+
+class _Held:
+    """A module, class or globals dict as part of a hashable target: by identity (a dict is not hashable)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Held) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
 _MISSING = object()
-_LOADS = weakref.WeakKeyDictionary()    # code object -> its (global name, attribute or None) loads
+_USES = weakref.WeakKeyDictionary()    # code object -> (its loads, its stores), each (global name, attribute or None)
 _ATTR_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
+_ATTR_STORES = ("STORE_ATTR", "DELETE_ATTR")
+_GLOBAL_STORES = ("STORE_GLOBAL", "DELETE_GLOBAL")
 
 
 def _loads(code):
     """(name, attr) for each `name.attr` load of a global in `code` and the code nested in it, (name, None) for a
     global loaded otherwise; in order, each once."""
-    found = _LOADS.get(code)
+    return _uses(code)[0]
+
+
+def _uses(code):
+    """(loads, stores) of globals in `code` and the code nested in it, each (name, attr or None), in order, each
+    once: loads as `_loads` says; stores: (name, None) for a global assigned or deleted, (name, attr) for an
+    attribute of a global assigned or deleted."""
+    found = _USES.get(code)
     if found is None:
-        pairs, stack = [], [code]
+        loads, stores, stack = [], [], [code]
         while stack:
             c = stack.pop()
             ins = list(dis.get_instructions(c))
             for i, op in enumerate(ins):
-                if op.opname == "LOAD_GLOBAL":
+                if op.opname in _GLOBAL_STORES:
+                    stores.append((op.argval, None))
+                elif op.opname == "LOAD_GLOBAL":
                     after = ins[i + 1] if i + 1 < len(ins) else None
-                    pairs.append((op.argval, after.argval if after is not None and after.opname in _ATTR_LOADS
-                                  else None))
+                    if after is not None and after.opname in _ATTR_STORES:
+                        stores.append((op.argval, after.argval))
+                    else:
+                        loads.append((op.argval, after.argval if after is not None and after.opname in _ATTR_LOADS
+                                      else None))
             stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        found = _LOADS[code] = tuple(dict.fromkeys(pairs))
+        found = _USES[code] = (tuple(dict.fromkeys(loads)), tuple(dict.fromkeys(stores)))
     return found
 
 
@@ -269,6 +329,13 @@ def signature(obj, soft=None, modules=None):
 def state_of(obj):
     """A snapshot of the Python state reachable from `obj`, to compare before and after a call."""
     return _Walk(deep=True).leaf(obj, DEPTH + 1, top=True)
+
+
+def state_and_writes(obj):
+    """(state_of(obj), the write targets of the functions reachable from it: `write_targets`)."""
+    walk = _Walk(deep=True)
+    state = walk.leaf(obj, DEPTH + 1, top=True)
+    return state, tuple(walk.writes)
 
 
 def dead_tokens(key):

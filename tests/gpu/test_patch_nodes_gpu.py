@@ -195,6 +195,26 @@ def test_a_patch_its_extension_switches_between_steps_never_replays_stale(comfy_
         FreeUScript.doFreeU, FreeUScript.start, FreeUScript.end = True, 0.0, 1.0
 
 
+def test_what_a_patch_stores_in_its_module_is_stored_on_every_replay(comfy_env, plain_ref):  # noqa: F811
+    """Forge's Kohya HRFix (tests/hosts/a1111/forge_kohya_hrfix_standin.py): its patches store the shape they leave
+    the features in on `modules.shared` at every block call, and Forge's SAG reads it after the step. Here the
+    features are shrunk for the first half of the steps: after each step the stored shape must be stock's, on the
+    prompt that captures and on the next, all replays (a replay that stored nothing would leave the last step's
+    full shape there, on which SAG folds its map at the wrong size or fails)."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "hosts", "a1111"))
+    from forge_kohya_hrfix_standin import patch_add_downscale, shrink_shape_seen_after_each_step
+    seen = []
+    model = shrink_shape_seen_after_each_step(patch_add_downscale(comfy_env.model, 1, 2.0, 0.0, 0.5), seen)
+    ref, _ = _sample(comfy_env, model, ours=False)
+    stock_seen = list(seen)
+    assert len(set(stock_seen)) == 2 and _rel(ref, plain_ref) > MIN_EFFECT, (stock_seen, _rel(ref, plain_ref))
+    for prompt in range(2):
+        seen.clear()
+        out, rep = _sample(comfy_env, model)
+        assert seen == stock_seen and _rel(out, ref) < TOL, (prompt, seen, stock_seen, _rel(out, ref), rep["graphs"])
+    assert rep["graphs"].get("replays", 0) >= STEPS and not rep["graphs"].get("captures"), rep["graphs"]
+
+
 @pytest.mark.parametrize("case", STALE_CASES)
 def test_plain_patched_plain_never_replays_a_stale_graph(comfy_env, plain_ref, case):  # noqa: F811
     """The plain model's graphs exist (captured and replayed) when the same model gets the patch, and the
