@@ -45,6 +45,7 @@ INERT = "sd_accel_inert"
 DEPTH = 4            # levels below a callable that are walked
 BUDGET = 4000        # items one signature may visit; beyond that the rest is identity only
 MODULE_TENSORS = 64  # a module found in a call with more weights than this enters `soft` by its first one
+IDENTITY_ITEMS = 16  # a container past the walk's depth up to this long enters by its items' identities
 _PRIMITIVE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
               uuid.UUID, enum.Enum, range, slice)
 
@@ -80,6 +81,19 @@ class Token:
         return "<%s%s>" % (self.name, "" if self.alive() else " (dead)")
 
 
+def identity(obj, levels=2):
+    """What a key holds for an object past the walk's depth or budget: its identity, held weakly where possible. A
+    tuple, list or dict cannot be held weakly, and a key holding one holds its tensors for as long as the key lives
+    (keys of calls refused as churn are kept): short ones enter by their items' identities, two levels down.
+    Forge's reference-only patches keep each layer's recorded `(k, v)` in a dict of their object's, a new tuple
+    every step; held strongly, every step's key would have kept that step's recorded features on the GPU."""
+    if levels > 0 and isinstance(obj, (tuple, list, dict)) and len(obj) <= IDENTITY_ITEMS:
+        pairs = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        return (type(obj).__name__,) + tuple(
+            (_dict_key(k), v if isinstance(v, _PRIMITIVE) else identity(v, levels - 1)) for k, v in pairs)
+    return ("id", Token(obj))
+
+
 def is_opaque(obj):
     """Modules and model patchers: identity only (never walked into: weights, huge trees)."""
     return isinstance(obj, torch.nn.Module) or (hasattr(obj, "model_options") and hasattr(obj, "clone"))
@@ -104,7 +118,7 @@ class _Walk:
         if mark is not None and mark is not False:
             return ("ours", getattr(obj, "__qualname__", type(obj).__name__), mark)
         if self.left <= 0 or depth <= 0:
-            return ("id", Token(obj))
+            return identity(obj)
         hit = self.seen.get(id(obj))
         if hit is not None:
             return ("again", hit)

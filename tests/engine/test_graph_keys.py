@@ -1,6 +1,7 @@
 """What goes into a CUDA graph's key (engine/graphs/keys.py, tokens.py): everything that changes what a
 captured step computes, and nothing that changes every step without changing it. Runs on any device."""
 import gc
+import weakref
 import uuid
 
 import torch
@@ -349,3 +350,39 @@ def test_module_globals_and_class_attributes_a_patch_reads_are_key_others_are_no
         assert _key({"p": patch, "q": other})[1] == k1
     finally:
         FLAG_SWITCH, _Switches.factor = True, 1.5
+
+
+def test_a_container_past_the_walks_depth_enters_by_its_items_and_is_never_held():
+    """Forge's reference-only (extensions-builtin/forge_preprocessor_reference, dfdcbab6): its attention patch closes
+    over the preprocessor object, which keeps each layer's recorded `(k, v)` in a dict, a new tuple every step, one
+    level past the key's walk. A tuple cannot be held weakly: keyed by its own identity, every step's key held that
+    step's recorded features alive (on the GPU, for as long as the key is kept). Keyed by its items' identities it
+    holds nothing, and a new tuple of the same tensors is the same key."""
+    class Preprocessor:
+        def __init__(self):
+            self.is_recording_style, self.recorded_attn1 = False, {}
+
+        def __call__(self, image):
+            return image
+
+        def patch(self):
+            def attn1_proc(q, k, v, transformer_options):
+                if self.is_recording_style:
+                    self.recorded_attn1[transformer_options["block"]] = (k, v)
+                    return q
+                return q + self.recorded_attn1[transformer_options["block"]][0]
+            return attn1_proc
+    pre = Preprocessor()
+    proc = pre.patch()
+    k, v = torch.randn(4), torch.randn(4)
+    pre.recorded_attn1[("input", 1)] = (k, v)
+    key = _key({"patches_replace": {"attn1": proc}})[1]
+    pre.recorded_attn1[("input", 1)] = (k, v)                 # a new tuple of the same tensors
+    assert _key({"patches_replace": {"attn1": proc}})[1] == key
+    pre.recorded_attn1[("input", 1)] = (torch.randn(4), v)    # another recording: another key
+    assert _key({"patches_replace": {"attn1": proc}})[1] != key
+    held = weakref.ref(k)
+    del k
+    gc.collect()
+    assert held() is None                                     # the first key holds none of its tensors
+    assert key != _key({"patches_replace": {"attn1": proc}})[1]
