@@ -219,7 +219,7 @@ def global_reads(fn):
     if code is None or not isinstance(names_of, dict):
         return ()
     out = []
-    for name, attr in _loads(code):
+    for name, attr in _uses(code)[0]:
         value = names_of.get(name, _MISSING)
         if attr is None:
             if isinstance(value, _PRIMITIVE):
@@ -278,16 +278,11 @@ _ATTR_STORES = ("STORE_ATTR", "DELETE_ATTR")
 _GLOBAL_STORES = ("STORE_GLOBAL", "DELETE_GLOBAL")
 
 
-def _loads(code):
-    """(name, attr) for each `name.attr` load of a global in `code` and the code nested in it, (name, None) for a
-    global loaded otherwise; in order, each once."""
-    return _uses(code)[0]
-
-
 def _uses(code):
     """(loads, stores) of globals in `code` and the code nested in it, each (name, attr or None), in order, each
-    once: loads as `_loads` says; stores: (name, None) for a global assigned or deleted, (name, attr) for an
-    attribute of a global assigned or deleted."""
+    once. Loads: (name, attr) for each `name.attr` load of a global, (name, None) for a global loaded otherwise.
+    Stores: (name, None) for a global assigned or deleted, (name, attr) for an attribute of a global assigned or
+    deleted."""
     found = _USES.get(code)
     if found is None:
         loads, stores, stack = [], [], [code]
@@ -342,7 +337,7 @@ def signature(obj, soft=None, modules=None):
 
 def state_of(obj):
     """A snapshot of the Python state reachable from `obj`, to compare before and after a call."""
-    return _Walk(deep=True).leaf(obj, DEPTH + 1, top=True)
+    return state_and_writes(obj)[0]
 
 
 def state_and_writes(obj):
