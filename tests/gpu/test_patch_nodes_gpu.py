@@ -199,8 +199,9 @@ def test_what_a_patch_stores_in_its_module_is_stored_on_every_replay(comfy_env, 
     """Forge's Kohya HRFix (tests/hosts/a1111/forge_kohya_hrfix_standin.py): its patches store the shape they leave
     the features in on `modules.shared` at every block call, and Forge's SAG reads it after the step. Here the
     features are shrunk for the first half of the steps: after each step the stored shape must be stock's, on the
-    prompt that captures and on the next, all replays (a replay that stored nothing would leave the last step's
-    full shape there, on which SAG folds its map at the wrong size or fails)."""
+    prompts that capture (one graph per step's sigma, which the patch reads; the first prompt's first step is its
+    key's probe, so the second prompt captures that one) and on the third, all replays (a replay that stored
+    nothing would leave the last step's full shape there, on which SAG folds its map at the wrong size or fails)."""
     sys.path.insert(0, os.path.join(REPO, "tests", "hosts", "a1111"))
     from forge_kohya_hrfix_standin import patch_add_downscale, shrink_shape_seen_after_each_step
     seen = []
@@ -208,7 +209,7 @@ def test_what_a_patch_stores_in_its_module_is_stored_on_every_replay(comfy_env, 
     ref, _ = _sample(comfy_env, model, ours=False)
     stock_seen = list(seen)
     assert len(set(stock_seen)) == 2 and _rel(ref, plain_ref) > MIN_EFFECT, (stock_seen, _rel(ref, plain_ref))
-    for prompt in range(2):
+    for prompt in range(3):
         seen.clear()
         out, rep = _sample(comfy_env, model)
         assert seen == stock_seen and _rel(out, ref) < TOL, (prompt, seen, stock_seen, _rel(out, ref), rep["graphs"])
