@@ -214,9 +214,8 @@ def global_reads(fn):
     captured under one value must not replay under another. The reads are those of the code and of the functions
     nested in it, found in its bytecode once; values are read on every call (a flag changes between steps). For a
     callable object, the caller passes its class's `__call__`."""
-    fn = getattr(fn, "__func__", fn)
-    code, names_of = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-    if code is None or not isinstance(names_of, dict):
+    code, names_of = _code_of(fn)
+    if code is None:
         return ()
     out = []
     for name, attr in _uses(code)[0]:
@@ -242,9 +241,8 @@ def write_targets(fn):
     class held by a global name (Forge's Kohya HRFix patch sets `shared.kohya_shrink_shape` on every block call,
     read by its SAG after the step). A replay does not run that code: graphs.effects sets what a capture stored
     again after each replay."""
-    fn = getattr(fn, "__func__", fn)
-    code, names_of = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-    if code is None or not isinstance(names_of, dict):
+    code, names_of = _code_of(fn)
+    if code is None:
         return ()
     out = []
     for name, attr in _uses(code)[1]:
@@ -255,6 +253,13 @@ def write_targets(fn):
         if isinstance(holder, (types.ModuleType, type)):
             out.append(("attr", _Held(holder), attr))
     return tuple(out)
+
+
+def _code_of(fn):
+    """(code, module globals) of a function or method, (None, None) for anything else."""
+    fn = getattr(fn, "__func__", fn)
+    code, names_of = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    return (code, names_of) if code is not None and isinstance(names_of, dict) else (None, None)
 
 
 class _Held:
