@@ -9,7 +9,7 @@
 # ldm: the stable-diffusion-sdkit wheel in .whl/, as part a1111_fp8 says), unet (bench_unet.py, 4 configs + TorchCompileModel at sd15_512_b4, ~4 min), cn
 # (bench_controlnet.py, cn1 cn2 SDXL cn1, ~3 min), vram (bench_vram.py stock+ours, ~2 min), lowvram_baseline
 # (bench_vram.py with ComfyUI's own partial loading too, ~5 min), soak (bench_soak.py, ~3 min), a1111
-# (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches, ~1 min), profile
+# (bench_a1111_ldm.py, ~1 min), h2d (bench_h2d.py, ~15 s), kernels (the per-op kernel benches into one log, ~1 min), profile
 # (profile_step.py: where an Accelerated KSampler run's time goes, SD1.5 and SDXL at 4 GiB, ~2.5 min; a diagnosis,
 # nothing for results.jsonl), first_run (bench_first_run.py: SD1.5 768² on a cold Triton cache, kernels compiled one
 # by one and in parallel, one bench_unet process each, ~3 min), tune_gn (tune_group_norm.py: GroupNorm's tiling
@@ -296,10 +296,13 @@ for p in "$@"; do
       grep -v "^\[W\|This is technically allowed" "$OUT/h2d/log.txt" | tail -16 ;;
     kernels)
       mkdir -p "$OUT/kernels"
-      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add quantize_rows fp8_gemm upcast_fp8 \
+      # One file for all of them: the device returns at most 8 files per call, and a part's files must leave room
+      # for the other parts' (fp8_gemm has its own part: it sweeps launch configs and takes no --dtype).
+      for b in group_norm_silu layer_norm add_layer_norm geglu bias_residual_add quantize_rows upcast_fp8 \
           fourier_low_scale; do
-        timeout 60 python3 "bench/bench_$b.py" --dtype fp16 > "$OUT/kernels/$b.txt" 2>&1
-        tail -12 "$OUT/kernels/$b.txt"
+        echo "== bench_$b.py --dtype fp16" >> "$OUT/kernels/log.txt"
+        timeout 60 python3 "bench/bench_$b.py" --dtype fp16 2>&1 | grep -v "^\[W\|This is technically allowed" \
+          | tee -a "$OUT/kernels/log.txt" | tail -12
       done ;;
     *) echo "unknown part: $p (tests unet cn vram lowvram_baseline soak a1111 h2d kernels profile diagnose_eager diagnose_eager_easycache diagnose_stock_path first_run tune_gn forge patches patches_after_refused server server_more server_sdxl server_sdxl_preview server_taesd server_nodefer server_sdxl_fp8 server_sdxl_fp8_stepcache patches_fp8stored fp8_stored fp8_stored_peaks tests_previews stepcache stepcache_sdxl stepcache_error vae fp8 fp8_gemm fp8_tests text_encode tests_clip)"; exit 2 ;;
   esac
