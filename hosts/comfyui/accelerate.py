@@ -6,10 +6,10 @@
 * channels_last: conv weights converted in place before the first capture (values unchanged), and back to
   stock's layout after each of our node's sampling runs (converted again at the next run's first step), so
   that other nodes run the loaded model as without SD Accel;
-* CUDA graphs: an APPLY_MODEL wrapper under our key where the host has keyed wrappers (current
-  ComfyUI), else the single-slot `model_function_wrapper` (ComfyUI 2024), chaining any wrapper another
-  pack set there. One `StepGraphs` per loaded model object, so graphs survive across prompts and are
-  dropped when the weights change or (current ComfyUI) when the model is unloaded.
+* CUDA graphs: the step (`_make_step`) set where ComfyUI calls the model (hosts/comfyui/step_wrappers.py). One
+  `StepGraphs` per loaded model object, so graphs survive across prompts and are dropped when the weights
+  change or (current ComfyUI) when the model is unloaded.
+* attention: the backend as a transformer option (hosts/comfyui/attention_option.py).
 * step cache (DeepCache; LOSSY, opt-in): hosts/comfyui/step_cache.py marks each call of a run full or cached
   before the step, and its own wrappers run the kind.
 Works on ComfyUI 2024-03 and current ComfyUI: host APIs are feature-detected, never assumed.
@@ -29,6 +29,7 @@ from ...engine.reports import run_report
 from ...engine.graphs.step_graphs import StepGraphs
 from ...kernels.errors import first_line
 from ..attached import state_on
+from . import attention_option
 from . import compiled
 from . import control_graph
 from . import conv_layout
@@ -37,11 +38,10 @@ from . import hooked_layers
 from . import object_patches
 from . import precision
 from . import step_cache
+from . import step_wrappers
 from . import stock_blocks
-from . import unet_bypass
 
 log = logging.getLogger("sd_accel")
-WRAPPER_KEY = "sd_accel"
 ATTENTION_BACKENDS = attention.BACKENDS   # the nodes' `attention` choices
 STEP_CACHE_MODES = step_cache.MODES        # the nodes' `step_cache` choices
 FP8_WEIGHTS = fp8_upcast.MODES             # the nodes' `fp8_weights` choices
@@ -111,13 +111,6 @@ def _state(base_model):
     return state_on(base_model, _STATE_ATTR, lambda: _ModelState(base_model))
 
 
-def _inert(fn, options, role):
-    """Marks one of our callables for graph keys: it computes what its options say, whichever object it is."""
-    fn.sd_accel_inert = (role, options.fused_kernels, options.cuda_graph, options.channels_last, options.attention,
-                         options.step_cache, options.step_cache_branch, options.precision, options.fp8_weights)
-    return fn
-
-
 def _make_step(st, options, base_model, derived_copies=False):
     """The function that runs one apply_model (or diffusion model) call the accelerated way."""
     def to_channels_last():
@@ -139,7 +132,7 @@ def _make_step(st, options, base_model, derived_copies=False):
 
     def step(call, args, kwargs, transformer_options=None):
         x = args[0]
-        fn, args, kwargs = _with_deferred_control(call, args, kwargs)
+        fn, args, kwargs = step_wrappers.with_deferred_control(call, args, kwargs)
         why = compiled.in_call(transformer_options, base_model)
         # the run this call belongs to, where the host says it (each run's own sample_sigmas): its stock-path calls
         # may run the blocks' originals, as planned at its first (stock_blocks.py)
@@ -221,57 +214,6 @@ def _model_sampling_on(base_model, device):
         sampling.to(device)
 
 
-def _with_deferred_control(apply_model, args, kwargs):
-    """(fn, args, kwargs) for the graph: a ControlNet chain deferred into this step
-    (hosts/comfyui/control_graph.py) becomes graph inputs, and `fn` runs the chain on them before the UNet,
-    so both are captured in one graph. Anything else is passed through unchanged."""
-    at = 4 if len(args) > 4 else "control"   # keyed wrapper: positional; ComfyUI 2024: a keyword of the cond
-    control = args[at] if at == 4 else kwargs.get(at)
-    if not isinstance(control, control_graph.DeferredControl):
-        return apply_model, args, kwargs
-    inputs = control.graph_inputs()
-    if at == 4:
-        args = args[:4] + (inputs,) + args[5:]
-    else:
-        kwargs = dict(kwargs, control=inputs)
-
-    def fn(*a, **kw):
-        if at == 4:
-            a = a[:4] + (control.evaluate(a[4], a[5] if len(a) > 5 else kw.get("transformer_options")),) + a[5:]
-        else:
-            kw = dict(kw, control=control.evaluate(kw["control"], kw.get("transformer_options")))
-        return apply_model(*a, **kw)
-    return fn, args, kwargs
-
-
-def foreign_diffusion_wrappers(transformer_options):
-    """Other packs' DIFFUSION_MODEL wrappers (EasyCache's, say): Python that runs between apply_model and the
-    UNet on every call, often deciding things on GPU values (which a graph cannot), so with them the graph
-    covers the UNet call alone, inside those wrappers. Without graphs the step goes inside them too: the eager
-    path's choice times a key's first calls, and a call such a wrapper answers from its cache without the UNet
-    (~1 ms) would make whichever path it fell on look the faster."""
-    wrappers = ((transformer_options or {}).get("wrappers") or {}).get("diffusion_model") or {}
-    return [k for k, ws in wrappers.items() if ws and k != WRAPPER_KEY]
-
-
-def _with_inner_wrapper(transformer_options, inner):
-    """A copy of transformer_options whose DIFFUSION_MODEL wrappers end with `inner` (innermost)."""
-    to = dict(transformer_options)
-    wrappers = dict(to.get("wrappers") or {})
-    dm = {k: v for k, v in (wrappers.get("diffusion_model") or {}).items() if k != WRAPPER_KEY}
-    dm[WRAPPER_KEY] = [inner]
-    wrappers["diffusion_model"] = dm
-    to["wrappers"] = wrappers
-    return to
-
-
-def _evaluated(control, transformer_options):
-    """A deferred ControlNet chain run here, eagerly (ComfyUI's own code): its residuals."""
-    if isinstance(control, control_graph.DeferredControl):
-        return control.evaluate(control.graph_inputs(), transformer_options)
-    return control
-
-
 def runs_controlnets_in_graph(patched, info):
     """True when the ControlNet chain can be deferred into this accelerated clone's CUDA graph: graphs on,
     a GPU, and its step the first to see apply_model's control (our keyed wrapper outermost, or our
@@ -287,134 +229,6 @@ def runs_controlnets_in_graph(patched, info):
         first = [w for ws in patched.wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).values() for w in ws][:1]
         return bool(first) and getattr(first[0], control_graph.TAKES_DEFERRED, False)
     return info.get("wrapper") == "model_function_wrapper"
-
-
-def _transformer_blocks(diffusion_model):
-    """(block_name, index) of every UNet block holding a transformer, as ComfyUI keys attention patches."""
-    def has_transformer(m):
-        return any(type(s).__name__ == "SpatialTransformer" for s in m.modules())
-    out = []
-    for name, blocks in (("input", getattr(diffusion_model, "input_blocks", ())),
-                         ("output", getattr(diffusion_model, "output_blocks", ()))):
-        out += [(name, i) for i, b in enumerate(blocks) if has_transformer(b)]
-    mid = getattr(diffusion_model, "middle_block", None)
-    if mid is not None and has_transformer(mid):
-        out.append(("middle", 0))
-    return out
-
-
-def _install_attention(clone, backend, options):
-    """Our attention backend as a transformer option (see attention.TRANSFORMER_OPTION): the fused transformer
-    blocks read it; the host's own blocks take it through current ComfyUI's attention override. Where another pack
-    set that override, theirs runs in every block. Returns (the number of transformer blocks it can act in, why
-    none where 0)."""
-    attend = _inert(attention.attention_fn(backend), options, "attention")
-    to = clone.model_options.setdefault("transformer_options", {})
-    to[attention.TRANSFORMER_OPTION] = attend
-    if attention.another_packs_override(to):
-        # theirs decides every block's attention, the fused ones' too (a pack applied after ours takes it over too)
-        return 0, "another pack set ComfyUI's attention override"
-    reaches_host_blocks = _host_has_attention_override()
-    if reaches_host_blocks:
-        to[attention.HOST_OVERRIDE] = _inert(_attention_override(attend), options, "attention_override")
-    elif not options.fused_kernels:
-        return 0, ("this ComfyUI has no attention override: the backend runs in fused transformer blocks only "
-                   "(fused_kernels is off)")
-    return len(_transformer_blocks(clone.model.diffusion_model)), None
-
-
-def _host_has_attention_override():
-    try:
-        import comfy.ldm.modules.attention as host_attention
-    except ImportError:
-        return False
-    return hasattr(host_attention, "wrap_attn")
-
-
-def _attention_override(attend):
-    """Current ComfyUI's `optimized_attention_override(func, q, k, v, heads, ...)`: ours for the plain call
-    (ldm layout, no mask, the model's own precision), the host's `func` for any other."""
-    def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
-                 skip_output_reshape=False, **kwargs):
-        if mask is None and attn_precision is None and not skip_reshape and not skip_output_reshape \
-                and q.dim() == 3:
-            return attend(q, k, v, heads)
-        return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
-                    skip_output_reshape=skip_output_reshape, **kwargs)
-    setattr(override, attention.OURS, True)
-    return override
-
-
-def _install_wrapper(clone, st, options, cache=None, derived_copies=False):
-    base_model = clone.model
-    step = _make_step(st, options, base_model, derived_copies)
-    if cache is not None:   # the step cache decides each call's kind before the step (hosts/comfyui/step_cache.py)
-        step = cache.wrap(step, foreign_diffusion_wrappers)
-    if hasattr(clone, "add_wrapper_with_key"):
-        _install_keyed(clone, st, options, step)
-        return "apply_model wrapper (keyed)"
-    prev = clone.model_options.get("model_function_wrapper")
-    if getattr(prev, "sd_accel_step", None) is not None:
-        prev = getattr(prev, "sd_accel_prev", None)   # re-applying: replace ours, keep what we chained
-
-    outer = unet_bypass.guarded(prev, st.graphs.refused) if prev is not None else None
-
-    def model_function_wrapper(apply_model, a):
-        c = dict(a["c"])
-        to = c.get("transformer_options")
-        if outer is None:
-            return step(apply_model, (a["input"], a["timestep"]), c, to)
-        return outer(lambda x, t, **kw: step(apply_model, (x, t), kw, kw.get("transformer_options")), a)
-    model_function_wrapper.sd_accel_step = step
-    model_function_wrapper.sd_accel_prev = prev
-    if prev is None:
-        _inert(model_function_wrapper, options, "model_function_wrapper")
-    clone.set_model_unet_function_wrapper(model_function_wrapper)
-    return "model_function_wrapper" + (" (chained)" if prev is not None else "")
-
-
-def _install_keyed(clone, st, options, step):
-    """Current ComfyUI: our APPLY_MODEL wrapper (graphs of the whole apply_model call), which moves the graph
-    inside the UNet call where other packs' DIFFUSION_MODEL wrappers run, and an ON_DETACH callback."""
-    import comfy.patcher_extension as pe
-
-    def inner(executor, *args, **kwargs):
-        to = args[5] if len(args) > 5 else kwargs.get("transformer_options")
-        return step(executor, tuple(args), kwargs, to)
-
-    def wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None,
-                transformer_options={}, **kwargs):  # noqa: B006 - ComfyUI's own signature
-        if foreign_diffusion_wrappers(transformer_options):
-            to = _with_inner_wrapper(transformer_options, inner)
-            return executor(x, t, c_concat, c_crossattn, _evaluated(control, to), to, **kwargs)
-        return step(executor, (x, t, c_concat, c_crossattn, control, transformer_options), kwargs,
-                    transformer_options)
-    setattr(wrapper, control_graph.TAKES_DEFERRED, True)
-    _inert(wrapper, options, "apply_model")
-    _inert(inner, options, "diffusion_model")
-    clone.wrappers.setdefault(pe.WrappersMP.APPLY_MODEL, {})[WRAPPER_KEY] = [wrapper]
-    if hasattr(pe.WrappersMP, "OUTER_SAMPLE"):
-        def outer_sample(executor, *args, **kwargs):
-            # another pack's model_function_wrapper on this run (set before or after ours) is guarded
-            unet_bypass.guard_run(getattr(executor.class_obj, "model_options", None), st.graphs.refused)
-            # the end of any sampler node's run on this clone (Apply SD Accel then stock KSampler, say):
-            # the conv weights back in stock's layout for the nodes that run the model next
-            try:
-                return executor(*args, **kwargs)
-            finally:
-                conv_layout.back_to_stock_layout(st)
-        _inert(outer_sample, options, "outer_sample")
-        clone.wrappers.setdefault(pe.WrappersMP.OUTER_SAMPLE, {})[WRAPPER_KEY] = [outer_sample]
-    hooked_layers.install(clone)
-    object_patches.originals_between_runs_on_cleanup(clone)
-    if hasattr(clone, "add_callback_with_key"):
-        def on_detach(patcher, unpatch_all=True):
-            # ComfyUI also detaches a clone when another clone of the same model is loaded;
-            # the graphs are freed only once the weights have left the GPU
-            st.graphs.clear_if_offloaded()
-            fp8_weights.drop_off_device()
-        _inert(on_detach, options, "on_detach")
-        clone.callbacks.setdefault(pe.CallbacksMP.ON_DETACH, {})[WRAPPER_KEY] = [on_detach]
 
 
 # The patched clone of each input model, per options. ComfyUI re-runs a sampler node on every prompt
@@ -523,7 +337,7 @@ def _accelerate(model, options):
         info["object_patches"] = len(patches)
         object_patches.keep_restore_order(clone, patches)
     if options.attention != "auto":
-        n, why = _install_attention(clone, options.attention, options)
+        n, why = attention_option.install(clone, options.attention, options)
         info["patched"]["attention_" + options.attention] = n
         if why:
             info["reasons"]["attention_" + options.attention] = why
@@ -536,8 +350,10 @@ def _accelerate(model, options):
         st = _state(base_model)
         if cache is not None:   # each kind of call is its own key: room for both kinds of each shape
             st.graphs.max_graphs = max(st.graphs.max_graphs, 2 * STEP_CACHE_KEYS)
-        info["wrapper"] = _install_wrapper(clone, st, options, cache,
-                                           derived_copies=precision.keeps_derived_copies(clone, fp8, upcast))
+        step = _make_step(st, options, base_model, precision.keeps_derived_copies(clone, fp8, upcast))
+        if cache is not None:   # the step cache decides each call's kind before the step (hosts/comfyui/step_cache.py)
+            step = cache.wrap(step, step_wrappers.foreign_diffusion_wrappers)
+        info["wrapper"] = step_wrappers.install(clone, st, options, step)
         info["graph_state"] = st
     return clone, info
 

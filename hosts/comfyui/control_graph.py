@@ -15,7 +15,7 @@ the sampler, outside any capture, it takes every Python-side decision of ComfyUI
   * each active link's hint prepared for this shape and batch: ComfyUI's own get_control runs for that,
     with every link's ControlNet model stood in by a no-op (`_HintOnly`), so only the hint code runs;
 and returns a `DeferredControl`: what the chain needs, not its result. The UNet's step
-(hosts/comfyui/accelerate.py) turns it into graph inputs (`graph_inputs`: x, t, the conds, each hint, plus a
+(hosts/comfyui/step_wrappers.py) turns it into graph inputs (`graph_inputs`: x, t, the conds, each hint, plus a
 by-value description of each link: ControlNet module, strength, on/off...) and calls `evaluate` inside the
 captured function, before the UNet: ComfyUI's own get_control on the graph's static inputs, with the
 decisions taken: active links have no timestep range and their hint set to the static buffer, inactive

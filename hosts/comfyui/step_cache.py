@@ -22,10 +22,10 @@ import threading
 from ...engine.step_cache import schedule
 from ...engine.step_cache.run_state import StepCacheRun
 from . import step_cache_unet as unet_calls
+from .step_wrappers import WRAPPER_KEY   # our wrappers' key, the step cache's DIFFUSION_MODEL wrapper's too
 
 log = logging.getLogger("sd_accel")
 MODES = schedule.MODES
-WRAPPER_KEY = "sd_accel"               # the step wrapper's key: accelerate.foreign_diffusion_wrappers skips it
 RUN_KEY = "sd_accel_step_cache"        # the SAMPLER_SAMPLE wrapper's
 CALL_OPTION = "sd_accel_step_cache"    # the transformer option that marks a call's kind
 _local = threading.local()             # .runs: [(StepCache, run)], innermost last; .sinks: full calls' features

@@ -80,13 +80,13 @@ def test_comfy_host_hands_the_backend_over_without_replace_patches():
     it reaches only the fused blocks, so with fused kernels off it acts nowhere and says so (0 blocks)."""
     import comfy_inproc
     unet = comfy_inproc.tiny_unet(seed=3, std=0.05)
-    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import accelerate as host, attention_option
     clone, info = host.accelerate(_patcher(unet), host.AccelOptions(False, False, False, "sdpa"))
     to = clone.model_options["transformer_options"]
     assert not to.get("patches_replace")
     n_attn = _attention_calls(unet)
-    reaches = host._host_has_attention_override()
-    assert info["patched"]["attention_sdpa"] == (len(host._transformer_blocks(unet)) if reaches else 0)
+    reaches = attention_option.host_has_override()
+    assert info["patched"]["attention_sdpa"] == (len(attention_option.transformer_blocks(unet)) if reaches else 0)
     x, t, ctx = torch.randn(2, 4, 8, 8), torch.tensor([10.0, 500.0]), torch.randn(2, 7, 768)
     with torch.no_grad():
         ref = unet(x, t, context=ctx, transformer_options={})
@@ -103,9 +103,9 @@ def test_another_packs_attention_override_is_kept_in_the_fused_blocks_too():
     too, even where SD Accel's own backend was chosen: one pack's choice for every block, whichever was applied
     first (stock's output: the override here computes what the host would)."""
     import comfy_inproc
-    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import accelerate as host, attention_option
     unet = comfy_inproc.tiny_unet(seed=3, std=0.05)   # imports ComfyUI
-    if not host._host_has_attention_override():
+    if not attention_option.host_has_override():
         pytest.skip("ComfyUI 2024 has no attention override")
     calls = []
 

@@ -36,12 +36,12 @@ def test_same_input_and_options_give_the_same_clone(model):
 
 
 def test_reapplying_on_an_accelerated_model_keeps_one_wrapper(model):
-    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import accelerate as host, step_wrappers
     a, _ = host.accelerate(model, host.AccelOptions())
     b, _ = host.accelerate(a, host.AccelOptions())
     if hasattr(b, "wrappers"):
         import comfy.patcher_extension as pe
-        assert len(b.wrappers[pe.WrappersMP.APPLY_MODEL][host.WRAPPER_KEY]) == 1
+        assert len(b.wrappers[pe.WrappersMP.APPLY_MODEL][step_wrappers.WRAPPER_KEY]) == 1
     else:
         w = b.model_options["model_function_wrapper"]
         assert getattr(w, "sd_accel_prev", None) is None, "our own wrapper must not be chained to itself"

@@ -1,5 +1,6 @@
 """Where the ComfyUI host puts a step's graph when other packs' code runs around the UNet call, and the device
-copy of a ModelSampling node's tables (hosts/comfyui/accelerate.py, hosts/comfyui/object_patches.py). In-process, CPU."""
+copy of a ModelSampling node's tables (hosts/comfyui/step_wrappers.py, hosts/comfyui/object_patches.py).
+In-process, CPU."""
 
 import pytest
 import torch
@@ -15,23 +16,24 @@ def model(tmp_path_factory):
 def test_another_packs_diffusion_model_wrapper_puts_our_graph_inside_it():
     """EasyCache wraps the UNet call (DIFFUSION_MODEL) and decides on GPU values there: our graph then covers the
     UNet call alone, as the innermost wrapper, and the caller's dicts are not changed."""
-    from sd_accel.hosts.comfyui import accelerate as host
+    from sd_accel.hosts.comfyui import step_wrappers
+    key = step_wrappers.WRAPPER_KEY
 
     def easycache(executor, *args, **kwargs):
         return executor(*args, **kwargs)
 
     def ours(executor, *args, **kwargs):
         return executor(*args, **kwargs)
-    to = {"wrappers": {"diffusion_model": {"easycache": [easycache]}, "apply_model": {host.WRAPPER_KEY: [ours]}},
+    to = {"wrappers": {"diffusion_model": {"easycache": [easycache]}, "apply_model": {key: [ours]}},
           "sigmas": torch.ones(1)}
-    assert host.foreign_diffusion_wrappers(to) == ["easycache"]
-    inner = host._with_inner_wrapper(to, ours)
-    assert list(inner["wrappers"]["diffusion_model"]) == ["easycache", host.WRAPPER_KEY]
-    assert inner["wrappers"]["diffusion_model"][host.WRAPPER_KEY] == [ours]
+    assert step_wrappers.foreign_diffusion_wrappers(to) == ["easycache"]
+    inner = step_wrappers._with_inner_wrapper(to, ours)
+    assert list(inner["wrappers"]["diffusion_model"]) == ["easycache", key]
+    assert inner["wrappers"]["diffusion_model"][key] == [ours]
     assert to["wrappers"]["diffusion_model"] == {"easycache": [easycache]}, "the caller's options are untouched"
     assert inner["sigmas"] is to["sigmas"]
-    assert not host.foreign_diffusion_wrappers({"wrappers": {"diffusion_model": {host.WRAPPER_KEY: [ours]}}})
-    assert not host.foreign_diffusion_wrappers({})
+    assert not step_wrappers.foreign_diffusion_wrappers({"wrappers": {"diffusion_model": {key: [ours]}}})
+    assert not step_wrappers.foreign_diffusion_wrappers({})
 
 
 def test_without_graphs_the_eager_path_sees_only_the_calls_that_reach_the_unet(model):
