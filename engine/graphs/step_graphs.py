@@ -17,8 +17,9 @@ Per call:
      has one graph per value, read before each call (as stock reads it). What the capture run stored in the
      patches' modules is stored again after each replay (effects.py).
 Memory: all graphs of one model share one private pool; each graph's static inputs and output stay referenced
-for as long as the graph lives; at most `max_graphs` keys (and `max_variants` values per key) are kept, and
-dropping a key past the bound drops the whole pool, so graph memory is bounded and freed as a unit.
+for as long as the graph lives; at most `max_graphs` keys (and `max_variants` values per key) are kept: past the
+bound, the graphs of keys that can never match again (an object in them died) are dropped, and if that leaves no
+room, the whole pool, so graph memory is bounded and freed as a unit.
 """
 import logging
 import os
@@ -29,7 +30,7 @@ import torch
 from ..reports import kernel_report
 from ..thread_scope import ThreadScope
 from ...kernels.errors import first_line
-from . import capture, eager, effects, keys, probe
+from . import capture, eager, effects, keys, probe, tokens
 from .fingerprint import WeightsFingerprint, off_gpu
 
 log = logging.getLogger("sd_accel")
@@ -293,6 +294,12 @@ class StepGraphs:
 
     def _make_room(self, key):
         live = {k for k, _ in self.entries}
+        if key not in live and len(live) >= self.max_graphs:
+            # a key holding an object that died (a patch of a clone the host dropped when the user changed a node)
+            # never matches again: its graphs go first, and the keys still in use keep theirs
+            for f in [f for f in self.entries if tokens.dead_tokens(f[0])]:
+                del self.entries[f]
+            live = {k for k, _ in self.entries}
         if key not in live and len(live) >= self.max_graphs:
             self.clear("more than %d shapes in use" % self.max_graphs)
         variants = [f for f in self.entries if f[0] == key]

@@ -386,3 +386,24 @@ def test_a_container_past_the_walks_depth_enters_by_its_items_and_is_never_held(
     gc.collect()
     assert held() is None                                     # the first key holds none of its tensors
     assert key != _key({"patches_replace": {"attn1": proc}})[1]
+
+
+def test_at_the_bound_the_graphs_of_keys_that_can_never_match_go_first():
+    """A user who changes a patch node's settings gets a new clone with new patch functions; the old ones die with
+    the old clone, and a key holding them can never match again. When a new key needs room, those keys' graphs are
+    dropped, not the graphs of the keys still in use (a hires fix's second size, say), which a clear of the whole
+    pool would make the next prompt probe and capture again. With no dead key the bound still holds, as a clear."""
+    from sd_accel.engine.graphs import step_graphs
+    graphs = step_graphs.StepGraphs(torch.nn.Linear(2, 2), max_graphs=3)
+    patch = lambda q: q  # noqa: E731 - a patch function of the clone in use
+    in_use = [_key({"p": patch, "x": _big(1, 4, s, s)})[1] for s in (8, 16)]
+    dropped = _key({"p": (lambda q: q * 2), "x": _big(1, 4, 8, 8)})[1]   # the patch of a clone already freed
+    gc.collect()
+    for k in in_use + [dropped]:
+        graphs.entries[(k, ())] = step_graphs._Entry()
+    graphs._make_room(_key({"p": patch, "x": _big(2, 4, 8, 8)})[1])
+    assert [f[0] for f in graphs.entries] == in_use
+    assert graphs.stats["invalidations"] == 0
+    graphs.entries[(_key({"p": patch, "x": _big(2, 4, 8, 8)})[1], ())] = step_graphs._Entry()
+    graphs._make_room(_key({"p": patch, "x": _big(3, 4, 8, 8)})[1])
+    assert not graphs.entries and graphs.stats["invalidations"] == 1

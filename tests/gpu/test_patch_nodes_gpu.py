@@ -234,6 +234,28 @@ def test_plain_patched_plain_never_replays_a_stale_graph(comfy_env, plain_ref, c
         case, _rel(before, plain_ref), _rel(after, plain_ref), rep_after["graphs"])
 
 
+def test_the_graphs_of_a_dropped_patch_make_room_before_the_graphs_in_use(comfy_env):  # noqa: F811
+    """A user tweaks FreeU_V2 on one pass of a graph whose other pass (another size) runs the plain model: each tweak
+    is a new clone with new patch functions, and the old clone is freed. Its keys can never match again; when the
+    tweaks' keys need room past `max_graphs`, their graphs go, and the plain pass's stays: its next prompt replays
+    with no probe and no capture (a clear of the whole pool made it probe and capture again)."""
+    import gc
+    import weakref
+    other_size = 320
+    _sample(comfy_env, comfy_env.model, size=other_size)
+    _, rep = _sample(comfy_env, comfy_env.model, size=other_size)
+    assert not rep["graphs"].get("captures") and rep["graphs"].get("replays", 0) >= STEPS, rep["graphs"]
+    for b1 in (1.1, 1.2, 1.3, 1.4, 1.5):
+        patched = patch_nodes.apply_case(comfy_env.model, [("FreeU_V2", {"b1": b1, "b2": 1.4, "s1": 0.9, "s2": 0.2})])
+        patch = weakref.ref(patched.model_options["transformer_options"]["patches"]["output_block_patch"][-1])
+        _sample(comfy_env, patched)
+        del patched
+        gc.collect()
+        assert patch() is None, "something still holds the dropped clone's FreeU patch"
+    _, rep = _sample(comfy_env, comfy_env.model, size=other_size)
+    assert not rep["graphs"].get("captures") and rep["graphs"].get("replays", 0) >= STEPS, rep["graphs"]
+
+
 def test_a_patchs_layers_moved_off_the_gpu_and_back_never_replay_stale(comfy_env):  # noqa: F811
     """HypernetworkLoader's layers live in its patch object, outside the UNet, so the weights fingerprint never
     reads them. ComfyUI moves a loaded clone's patch layers to the CPU when it detaches the clone for another one
