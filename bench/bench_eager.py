@@ -47,6 +47,8 @@ def variants(family, loaded):
     pairs = {"eager_%s" % family: (("stock", model, None), ("ours", model, {"cuda_graph": False})),
              "eager_refused_%s" % family: (("stock", broken, None), ("ours", broken, None))}
     for case in filter(None, (c.strip() for c in OPT.patches.split(","))):
+        if case == "HypernetworkLoader":
+            patch_nodes.provide_hypernetwork(os.path.join(OPT.work, "hypernetworks"))
         patched = patch_nodes.apply_case(model, patch_nodes.cases(64 if OPT.smoke else SIZE[family])[case])
         pairs["eager_%s_%s" % (case.lower(), family)] = (("stock", patched, None),
                                                          ("ours", patched, {"cuda_graph": False}))

@@ -85,7 +85,9 @@
 # at 200 s),
 # eager (bench_eager.py: stock vs ours where graphs do not run, SD1.5 512² b1 and SDXL 1024² b1, 12 rotated reps;
 # ~4 min with the SDXL build, deadline 330 s, killed at 420 s), eager_caches (bench_eager.py at SD1.5 only, with
-# LazyCache and EasyCache pairs beside the plain and refused ones; ~2.5 min, deadline 170 s, killed at 240 s), eager_sdxl_patches (bench_eager.py at
+# LazyCache and EasyCache pairs beside the plain and refused ones; ~2.5 min, deadline 170 s, killed at 240 s), eager_later
+# (the same with APG's and HypernetworkLoader's pairs: guidance around the UNet call, a patch's own layers inside it),
+# eager_sdxl_patches (bench_eager.py at
 # SDXL 1024² b1 with EasyCache and PAG pairs beside the plain and refused ones; deadline 230 s, killed at 300 s),
 # eager_cn (bench_eager.py at SD1.5 and SDXL with the ControlNet pair beside the plain and refused ones, 8 reps;
 # deadline 300 s, killed at 400 s),
@@ -258,6 +260,8 @@ for p in "$@"; do
       --controlnet --deadline 300 ;;
     eager_caches) part eager_caches 240 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15 \
       --patches LazyCache,EasyCache --deadline 170 ;;
+    eager_later) part eager_later 240 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 --families sd15 \
+      --patches APG,HypernetworkLoader --deadline 170 ;;
     eager_sdxl_patches) part eager_sdxl_patches 300 python3 bench/bench_eager.py --comfy-dir $COMFY --reps 12 \
       --families sdxl --patches EasyCache,PerturbedAttentionGuidance --deadline 230 ;;
     fp8_stored) part fp8_stored 240 python3 bench/bench_fp8_stored.py --comfy-dir $COMFY --reps 6 --profile ;;
