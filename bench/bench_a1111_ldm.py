@@ -11,7 +11,7 @@ standing in for A1111's attention optimisation (`--attention`, below).
 
 * stock: `unet(x, t, context=c)`.
 * ours: `hosts.a1111.apply(unet, A1111Options())` (fused GroupNorm+SiLU / LayerNorm / GEGLU swapped in
-  as leaves, channels_last conv weights), then each step through `hosts.a1111.graph_forward(unet,
+  as leaves, channels_last conv weights), then each step through `hosts.a1111_graph_route.graph_forward(unet,
   UNetModel.forward, ...)`, the call A1111's `sd_unet` hook makes ("SD Unet" = Automatic), with
   `new_sampling_run` once per run of steps as the extension's `process` callback does.
 * ours without graphs (`ours_eager_its`): the same patches, the UNet called directly ("SD Unet" = None).
@@ -84,7 +84,7 @@ if "sd_accel" not in sys.modules:   # the repo root as the package `sd_accel`, a
     _pkg.__file__ = os.path.join(REPO, "__init__.py")
     sys.modules["sd_accel"] = _pkg
 from sd_accel.engine.reports import kernel_report  # noqa: E402
-from sd_accel.hosts import a1111  # noqa: E402
+from sd_accel.hosts import a1111, a1111_graph_route  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "dev"))
 from ldm_without_omegaconf import provide_list_config  # noqa: E402
@@ -217,7 +217,7 @@ def measure(unet, inputs, attention, warm):
         return unet(x, t, context=ctx)
 
     def ours():
-        return a1111.graph_forward(unet, UNetModel.forward, x, t, ctx)
+        return a1111_graph_route.graph_forward(unet, UNetModel.forward, x, t, ctx)
 
     # stock
     for _ in range(warm):

@@ -38,7 +38,8 @@ def _load_package():
         pkg = importlib.util.module_from_spec(spec)
         pkg.__file__ = os.path.join(_ROOT, "__init__.py")
         sys.modules[_PKG] = pkg
-    return tuple(importlib.import_module(_PKG + ".hosts." + n) for n in ("webui", "a1111", "forge"))
+    return tuple(importlib.import_module(_PKG + ".hosts." + n)
+                 for n in ("webui", "a1111", "a1111_graph_route", "forge"))
 
 
 def _running_in_forge():
@@ -51,11 +52,11 @@ def _running_in_forge():
         return False
 
 
-host = webui = forge = None
+host = webui = graph_route = forge = None
 IS_FORGE = _running_in_forge()
 try:
     from modules import script_callbacks, scripts, shared
-    webui, host, forge = _load_package()
+    webui, host, graph_route, forge = _load_package()
 except Exception as _e:  # noqa: BLE001 - never break the host's start-up
     log.error("[SD Accel] not loaded: %s: %s", type(_e).__name__, _e)
     print("[SD Accel] not loaded: %s: %s" % (type(_e).__name__, _e), file=sys.stderr)
@@ -197,7 +198,7 @@ def _on_list_unets(unet_list):
     if IS_FORGE or not _graph_route_wanted():
         return   # CUDA graphs are CUDA-only: no UNet option on a CPU-only install; Forge: its own wrapper
     from modules import sd_unet
-    unet_list.append(host.make_unet_option(sd_unet, _loaded_model, _options, _original_forward))
+    unet_list.append(graph_route.make_unet_option(sd_unet, _loaded_model, _options, _original_forward))
 
 
 def _settings_place():

@@ -33,7 +33,7 @@ def _rel(a, b):
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 compute needs sm_89/sm_90 (the refusal is tested on the CPU)")
 def test_lora_changes_through_graphs_never_replay_stale_fp8_weights(monkeypatch):
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
-    from sd_accel.hosts import a1111
+    from sd_accel.hosts import a1111, a1111_graph_route
     unet = make_unet().cuda().half()
     nets = lora_standin.install(unet, monkeypatch)
     x, t, ctx = (v.cuda() for v in unet_inputs(batch=2))
@@ -63,7 +63,7 @@ def test_lora_changes_through_graphs_never_replay_stale_fp8_weights(monkeypatch)
         outs = []
         for _ in range(4):      # warm-up after the weights changed, capture, replays
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-                outs.append(a1111.graph_forward(unet, UNetModel.forward, x, t, ctx).float())
+                outs.append(a1111_graph_route.graph_forward(unet, UNetModel.forward, x, t, ctx).float())
         errs = {other: _rel(outs[-1], ref) for other, ref in refs.items()}
         assert errs[name] < FP8_TOL and all(e > 2 * FP8_TOL for o, e in errs.items() if o != name), (name, errs)
         assert torch.equal(outs[-1], outs[-2]), name
@@ -78,13 +78,13 @@ def test_switching_to_fp8_after_fp16_graphs_captures_again():
     """The setting changed between generations: the fp16 graphs are dropped and the FP8 step warms up eagerly
     (its kernels and weights made outside a capture), then captures and replays."""
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
-    from sd_accel.hosts import a1111
+    from sd_accel.hosts import a1111, a1111_graph_route
     unet = make_unet().cuda().half()
     x, t, ctx = (v.cuda() for v in unet_inputs(batch=2))
 
     def steps(n):
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-            return [a1111.graph_forward(unet, UNetModel.forward, x, t, ctx).float() for _ in range(n)]
+            return [a1111_graph_route.graph_forward(unet, UNetModel.forward, x, t, ctx).float() for _ in range(n)]
 
     a1111.apply(unet, a1111.A1111Options())
     fp16 = steps(4)[-1]

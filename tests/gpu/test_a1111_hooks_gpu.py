@@ -33,7 +33,7 @@ def test_freeus_schedule_and_switch_are_never_replayed_stale(monkeypatch):
     import ldm.modules.diffusionmodules.openaimodel as om
     from modules import sd_hijack_unet
     from lib_free_u import global_state, unet as freeu_unet
-    from sd_accel.hosts import a1111
+    from sd_accel.hosts import a1111, a1111_graph_route
     monkeypatch.setattr(om, "th", sd_hijack_unet.th)
     state = types.SimpleNamespace(enable=True, stages={32: (1.6, 0.1)}, start_step=0, stop_step=2)
     monkeypatch.setattr(global_state, "instance", state)
@@ -48,7 +48,7 @@ def test_freeus_schedule_and_switch_are_never_replayed_stale(monkeypatch):
 
         def ours():
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-                return a1111.graph_forward(unet, om.UNetModel.forward, x, t, ctx).float()
+                return a1111_graph_route.graph_forward(unet, om.UNetModel.forward, x, t, ctx).float()
 
         phases = [("on, scheduled", True, {32: (1.6, 0.1)}, range(5)),
                   ("off", False, {32: (1.6, 0.1)}, range(5)),
@@ -80,7 +80,7 @@ def test_freeus_schedule_and_switch_are_never_replayed_stale(monkeypatch):
 def test_kohya_hiresfix_blocks_are_never_replayed_stale(monkeypatch):
     import ldm.modules.diffusionmodules.openaimodel as om
     from modules import sd_hijack_unet
-    from sd_accel.hosts import a1111
+    from sd_accel.hosts import a1111, a1111_graph_route
     monkeypatch.setattr(om, "th", sd_hijack_unet.th)
     unet = make_unet().cuda().half()
     x, t, ctx = (v.cuda() for v in unet_inputs(batch=2))
@@ -110,7 +110,7 @@ def test_kohya_hiresfix_blocks_are_never_replayed_stale(monkeypatch):
     outs = []
     for scale in schedule:
         at_step(scale)
-        outs.append(call(lambda: a1111.graph_forward(unet, om.UNetModel.forward, x, t, ctx)))
+        outs.append(call(lambda: a1111_graph_route.graph_forward(unet, om.UNetModel.forward, x, t, ctx)))
     errs = [_rel(o, r) for o, r in zip(outs, refs)]
     assert max(errs) < TOL, errs
     assert a1111.status(unet)["graphs"]["replays"] >= 1, a1111.status(unet)["graphs"]   # once the wrappers are out
@@ -119,7 +119,7 @@ def test_kohya_hiresfix_blocks_are_never_replayed_stale(monkeypatch):
 def test_regional_prompters_forwards_are_never_replayed_stale():
     import ldm.modules.diffusionmodules.openaimodel as om
     import regional_prompter_standin
-    from sd_accel.hosts import a1111
+    from sd_accel.hosts import a1111, a1111_graph_route
     unet = make_unet().cuda().half()
     x, t, ctx = (v.cuda() for v in unet_inputs(batch=2))
     calls = []
@@ -134,6 +134,6 @@ def test_regional_prompters_forwards_are_never_replayed_stale():
     calls.clear()
     a1111.apply(unet, a1111.A1111Options())
     a1111.new_sampling_run(types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=unet)))
-    outs = [call(lambda: a1111.graph_forward(unet, om.UNetModel.forward, x, t, ctx)) for _ in range(6)]
+    outs = [call(lambda: a1111_graph_route.graph_forward(unet, om.UNetModel.forward, x, t, ctx)) for _ in range(6)]
     errs = [_rel(o, r) for o, r in zip(outs, refs)]
     assert max(errs) < TOL, errs

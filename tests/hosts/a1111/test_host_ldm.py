@@ -3,7 +3,7 @@ import torch
 
 from sd_accel.engine.patches import fused_modules
 from sd_accel.engine.reports import kernel_report
-from sd_accel.hosts import a1111, webui
+from sd_accel.hosts import a1111, a1111_graph_route, webui
 
 from unet_util import make_unet, unet_inputs
 
@@ -93,13 +93,13 @@ def test_channels_last_and_graphs_are_cuda_only(stock_kernels):
     assert all(m.weight.is_contiguous() for m in unet.modules() if isinstance(m, torch.nn.Conv2d))
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
     with torch.no_grad():   # as A1111 samples
-        out = a1111.graph_forward(unet, UNetModel.forward, *inputs)
+        out = a1111_graph_route.graph_forward(unet, UNetModel.forward, *inputs)
     torch.testing.assert_close(out, run(unet, inputs), atol=0, rtol=0)
     st = a1111.status(unet)["graphs"]
     assert st["replays"] == 0 and st["eager"] == 1 and st["last_eager_reason"] == "no CUDA device"
     # under autograd (A1111's training tab) the stock modules run, whatever the device
     with torch.enable_grad():
-        out = a1111.graph_forward(unet, UNetModel.forward, *inputs)
+        out = a1111_graph_route.graph_forward(unet, UNetModel.forward, *inputs)
     torch.testing.assert_close(out, run(unet, inputs), atol=0, rtol=0)
     st = a1111.status(unet)["graphs"]
     assert st["eager"] == 2 and st["last_eager_reason"].startswith("autograd is on"), st
@@ -151,7 +151,7 @@ def test_graph_path_timestep_embedding_is_bitwise_ldms_and_restored(stock_kernel
     unet, inputs = make_unet(), unet_inputs()
     seen = []
     unet.time_embed.register_forward_pre_hook(lambda m, a: seen.append(om.timestep_embedding))
-    out = a1111.graph_forward(unet, om.UNetModel.forward, *inputs)
+    out = a1111_graph_route.graph_forward(unet, om.UNetModel.forward, *inputs)
     assert getattr(seen[0], "sd_accel_original", None) is original, "the graph path uses the device-kept copy"
     assert om.timestep_embedding is original
     torch.testing.assert_close(out, run(unet, inputs), atol=0, rtol=0)

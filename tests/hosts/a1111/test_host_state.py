@@ -1,5 +1,5 @@
 """A1111's hypernetworks and attention settings in what a captured step's graphs are checked against
-(hosts/a1111.host_state).
+(hosts/a1111_graph_route.host_state).
 
 A hypernetwork's layers run inside the UNet's cross-attention, so a graph bakes in each layer's multiplier and reads its
 weights by address. The stand-in has the shape of A1111 v1.10's modules/hypernetworks/hypernetwork.py: a
@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from sd_accel.hosts import a1111
+from sd_accel.hosts import a1111, a1111_graph_route
 
 
 class HypernetworkModule(torch.nn.Module):
@@ -54,7 +54,7 @@ def load_hypernetworks(shared, names, multipliers):
 
 
 def state(unet, st):
-    return a1111.host_state(unet, st)
+    return a1111_graph_route.host_state(unet, st)
 
 
 @pytest.fixture

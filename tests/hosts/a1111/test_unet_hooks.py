@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from sd_accel.hosts import a1111, a1111_unet_hooks
+from sd_accel.hosts import a1111, a1111_graph_route, a1111_unet_hooks
 
 import regional_prompter_standin
 from kohya_hiresfix_standin import Scaler
@@ -38,7 +38,7 @@ def _stock(unet, inputs):
 def _graph_route(unet, inputs):
     import ldm.modules.diffusionmodules.openaimodel as om
     with torch.no_grad():
-        return a1111.graph_forward(unet, om.UNetModel.forward, *inputs)
+        return a1111_graph_route.graph_forward(unet, om.UNetModel.forward, *inputs)
 
 
 def _hook_refusals(unet):
