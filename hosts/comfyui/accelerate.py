@@ -37,6 +37,7 @@ from . import families
 from . import hooked_layers
 from . import object_patches
 from . import precision
+from . import restore_order
 from . import step_cache
 from . import step_wrappers
 from . import stock_blocks
@@ -325,7 +326,7 @@ def _accelerate(model, options):
             patches, counts = {}, {}
         else:
             patches, counts = object_patches.plan(clone, options.fused_kernels, layout,
-                                                  fold=object_patches.can_keep_restore_order(clone), fp8=fp8,
+                                                  fold=restore_order.can_keep_restore_order(clone), fp8=fp8,
                                                   upcast=upcast)
         for path, module in patches.items():
             clone.add_object_patch(path, module)
@@ -335,7 +336,7 @@ def _accelerate(model, options):
             log.info("[SD Accel] %s", why)
         info["patched"].update(counts)
         info["object_patches"] = len(patches)
-        object_patches.keep_restore_order(clone, patches)
+        restore_order.keep_restore_order(clone, patches)
     if options.attention != "auto":
         n, why = attention_option.install(clone, options.attention, options)
         info["patched"]["attention_" + options.attention] = n

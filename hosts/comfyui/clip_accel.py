@@ -27,7 +27,7 @@ returned with the reason.
 import torch
 
 from ...engine.graphs.graphed_forward import GraphedForward, Policy
-from . import object_patches
+from . import graphs_on_unload
 
 _ENCODER_CLASS = ("comfy.clip_model", "CLIPEncoder")
 
@@ -58,7 +58,7 @@ def patched_copy(clip):
         out.patcher.add_object_patch(path, gf)
         info["encoders"].append(name)
         info["forwards"][name] = gf
-    object_patches.free_graphs_on_unload(out.patcher, info["forwards"])
+    graphs_on_unload.free_graphs_on_unload(out.patcher, info["forwards"])
     return out, info
 
 
@@ -85,7 +85,7 @@ def _stock_reason(clip, cuda_graph):
     device = torch.device(getattr(patcher, "load_device", "cpu"))
     if device.type != "cuda":
         return "text encoder on %s: CUDA graphs need a CUDA GPU" % device.type
-    return object_patches.no_detach_reason(patcher, "text encoder")
+    return graphs_on_unload.no_detach_reason(patcher, "text encoder")
 
 
 def _weight_function_rule(encoder):

@@ -48,8 +48,10 @@ from ...engine.options import AccelOptions
 from ...engine.patches import hint_cache
 from ...engine.graphs.graphed_forward import GraphedForward
 from . import control_graph
+from . import graphs_on_unload
 from .controlnet_cond_only import set_cond_only
 from . import object_patches
+from . import restore_order
 from . import stock_blocks
 from . import union_control_type
 
@@ -193,9 +195,9 @@ class _Converter:
             patches = self.plan(patcher)
             for path, module in patches.items():
                 patcher.add_object_patch(path, module)
-            object_patches.keep_restore_order(patcher, patches)
+            restore_order.keep_restore_order(patcher, patches)
             new.control_model_wrapped = patcher
-            if not object_patches.free_graphs_on_unload(patcher, patches):
+            if not graphs_on_unload.free_graphs_on_unload(patcher, patches):
                 self.info["stock_layout_after_run"] = True   # no ON_DETACH to do it: release() does
             new.set_previous_controlnet(new_prev)
             if self.options.cond_only:
@@ -270,7 +272,7 @@ def release(info):
     """After sampling: drops the cached hint features (nothing outlives the run). On a ComfyUI without ON_DETACH
     callbacks (2024) it also puts the ControlNets' conv weights back in stock's layout: they are the user's
     ControlNet's, which a stock Apply ControlNet runs next on whatever layout they are in, slower on channels_last.
-    Current ComfyUI tells us when a stock node loads them (object_patches.free_graphs_on_unload). In place, so the
+    Current ComfyUI tells us when a stock node loads them (graphs_on_unload.free_graphs_on_unload). In place, so the
     graphs stay valid; the next accelerated run converts them again before its first capture or replay."""
     info = info or {}
     for m in info.get("hint_caches", ()):

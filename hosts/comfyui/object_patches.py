@@ -17,24 +17,21 @@ Left unfolded, patched module by module: a block under which the clone already h
 patch (ComfyUI applies that first, to the original; a copy made now would hide it). A pack that adds one later, after
 Apply SD Accel, has it set inside our copy; ComfyUI restores patches in the order it applied them, which
 would put that copy's module back into the original, so before each run (ON_PRE_RUN, current ComfyUI) our
-blocks are moved to the end of the restore order. ComfyUI 2024 has no such callback, and it patches a loaded
-model only once (no per-prompt cycle to save): there the UNet is patched module by module (`fold=False`). On
-current ComfyUI, a run's end puts the originals back in the tree early (`originals_between_runs`). A
+blocks are moved to the end of the restore order (hosts/comfyui/restore_order.py). ComfyUI 2024 has no such
+callback, and it patches a loaded model only once (no per-prompt cycle to save): there the UNet is patched module
+by module (`fold=False`). On current ComfyUI, a run's end puts the originals back in the tree early
+(`restore_order.originals_between_runs`). A
 ControlNet's patcher is made by Accelerated KSampler right before sampling, so no other node can add to it:
 folded on both.
 """
 import contextlib
 import functools
 import logging
-import weakref
 
 import torch
 
-from ...engine.memory import residency
-from ...engine.options import strict
-from ...engine.patches import forward_patches, layout_modules, patch_folding, patching
+from ...engine.patches import layout_modules, patch_folding, patching
 from ...engine.patches import fused_modules as fm
-from ...engine.graphs import graph_memory
 from ...engine.graphs.graphed_forward import GraphedForward
 from ...engine.fp8.plan import plan_fp8
 from ...engine.fp8.upcast import plan_upcast
@@ -42,7 +39,6 @@ from ...engine.patches.forward_patches import is_forward_patch
 
 log = logging.getLogger("sd_accel")
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
-CALLBACK_KEY = "sd_accel_patch_order"
 
 
 _DEVICE_COPY = "sdaccel_device_copy_of"   # on our device copy of a patched model_sampling: the original
@@ -108,7 +104,7 @@ def _unpatched(clone, path):
     return _original(patching.get_attr(clone.model, path))
 
 
-def _at_or_under_any(path, paths):
+def at_or_under_any(path, paths):
     """True where `path` or one of its parents is in `paths` (a set: one lookup per level of the path)."""
     while path:
         if path in paths:
@@ -194,7 +190,7 @@ def _unet_planner(fused_kernels, channels_last, fp8, upcast, theirs, view, prefi
     pack's object patches: its module stands there once ComfyUI applies them, and a patch of ours would replace it
     or be set through it)."""
     def ours_only(planned):
-        return {k: v for k, v in planned.items() if not _at_or_under_any(k, theirs)}
+        return {k: v for k, v in planned.items() if not at_or_under_any(k, theirs)}
     patches, counts = {}, {}
     if channels_last:
         # before the fused modules: a SpatialTransformer stand-in must be in place before its children's
@@ -253,165 +249,3 @@ def _plan(clone, planner, root, fold):
 def foreign_patches(clone):
     """What of `clone`'s own object patches a plan depends on: other packs' (path, module) pairs."""
     return tuple((k, m) for k, m in clone.object_patches.items() if not _is_ours(m))
-
-
-def _restore_ours_last(patcher):
-    """ON_PRE_RUN: when a patch was set inside one of our folded blocks, our blocks go last in the order
-    ComfyUI restores patches in. One module-level function: ComfyUI hands the callbacks to the model in
-    `transformer_options`, so a new object per clone would make every new clone a new graph key."""
-    backup = getattr(patcher, "object_patches_backup", None)
-    if not backup:
-        return
-    folded = [k for k, m in patcher.object_patches.items() if is_folded(m)]
-    if any(k not in folded and any(k.startswith(g + ".") for g in folded) for k in patcher.object_patches):
-        for g in folded:
-            if g in backup:
-                backup[g] = backup.pop(g)
-
-
-_restore_ours_last.sd_accel_inert = ("restore order",)
-
-
-def can_keep_restore_order(clone):
-    """True where ComfyUI has keyed ON_PRE_RUN callbacks (current ComfyUI; not 2024's)."""
-    if not hasattr(clone, "add_callback_with_key"):
-        return False
-    try:
-        import comfy.patcher_extension as pe
-        return getattr(pe.CallbacksMP, "ON_PRE_RUN", None) is not None
-    except ImportError:
-        return False
-
-
-def keep_restore_order(clone, patches):
-    """Installs `_restore_ours_last` on `clone` where the host can run it and `patches` (what SD Accel added)
-    hold a folded block."""
-    if not any(is_folded(m) for m in patches.values()) or not can_keep_restore_order(clone):
-        return
-    import comfy.patcher_extension as pe
-    clone.callbacks.setdefault(pe.CallbacksMP.ON_PRE_RUN, {})[CALLBACK_KEY] = [_restore_ours_last]
-
-
-def originals_between_runs(patcher):
-    """At the end of a sampling run on current ComfyUI: the originals back in the tree where our modules stand (the
-    folded blocks, the stand-ins of a block patched module by module, our layer forwards), for as long as the model
-    is not sampled. ComfyUI restores and re-applies a loaded model's object patches at its next load (every
-    sampler's), from the backup it keeps: this only does that restore early, for our patches and any other pack's
-    patch under one of them, last applied first restored (each set undone in reverse, so the tree is the model's
-    own whichever of the two was applied first), and drops their backup entries as ComfyUI's restore does (its next
-    restore would otherwise set a forward of the host's again, over whatever a pack set there since, or a module of
-    our copy into the original). Between prompts the tree is then the model's own. A pack that hooks the modules in
-    the tree before ComfyUI loads the model (BrushNet's OUTER_SAMPLE wrapper) otherwise hooked our modules, which
-    the next load replaced (another clone's patches, or none for stock's): its samples were set on modules no
-    longer in the tree, and the image was another, stock KSampler's too. Left as they are: another pack's patches
-    outside ours, the model's sampling object, injected models, and a UNet a VRAM Pool streams. Returns the paths
-    restored."""
-    backup = getattr(patcher, "object_patches_backup", None)
-    model = getattr(patcher, "model", None)
-    if not backup or model is None or getattr(patcher, "is_injected", False):
-        return []
-    unet = getattr(model, "diffusion_model", None)
-    if unet is None or residency.streamer_of(unet) is not None:
-        return []
-    applied = [(k, v) for k, v in patcher.object_patches.items() if k in backup and k.startswith("diffusion_model.")]
-    ours = {k for k, v in applied if is_ours(v) and _in_tree(model, k, v)}
-    restored = []
-    for path, value in reversed(applied):
-        if not _at_or_under_any(path, ours) or not _in_tree(model, path, value):
-            continue
-        _put_back(model, path, backup.pop(path))
-        restored.append(path)
-    return restored
-
-
-def _in_tree(model, path, value):
-    try:
-        return patching.get_attr(model, path) is value
-    except AttributeError:
-        return False
-
-
-def _put_back(model, path, original):
-    """`original` at `path`; a forward patch's backup that is the module's own class forward bound to it is put back
-    as no instance attribute at all (as the host's module had it): a bound method held in the module's own
-    `__dict__` is a reference cycle that keeps the layer's weights until a garbage collection runs."""
-    parent, _, attr = path.rpartition(".")
-    owner = patching.get_attr(model, parent)
-    if attr == forward_patches.ATTR and getattr(original, "__self__", None) is owner and \
-            getattr(original, "__func__", None) is getattr(type(owner), attr, None):
-        delattr(owner, attr)
-    else:
-        setattr(owner, attr, original)
-
-
-def _originals_after_run(patcher):
-    """ON_CLEANUP (ComfyUI calls it at the end of every sampling run, also one that raised, inside every OUTER_SAMPLE
-    wrapper): `originals_between_runs`, a fault logged, never raised into the user's run. One module-level function,
-    marked inert (see `_restore_ours_last`)."""
-    try:
-        originals_between_runs(patcher)
-    except Exception as e:  # noqa: BLE001 - the run's result (or its own error) is the user's: keep it
-        if strict():
-            raise
-        log.warning("[SD Accel] the UNet's own blocks could not be put back after the run: %s", e)
-
-
-_originals_after_run.sd_accel_inert = ("originals between runs",)
-
-
-def originals_between_runs_on_cleanup(clone):
-    """Installs `_originals_after_run` on current ComfyUI (keyed ON_CLEANUP callbacks: another pack's
-    `wrappers.update` cannot drop it, as BrushNet's drops the OUTER_SAMPLE wrappers set before its own)."""
-    if not can_keep_restore_order(clone):
-        return
-    import comfy.patcher_extension as pe
-    if getattr(pe.CallbacksMP, "ON_CLEANUP", None):
-        clone.callbacks.setdefault(pe.CallbacksMP.ON_CLEANUP, {})[CALLBACK_KEY] = [_originals_after_run]
-
-
-def calls_on_detach(patcher):
-    """Whether this ComfyUI calls ON_DETACH callbacks (0.3.x): its word for when it unloads a model."""
-    return hasattr(patcher, "add_callback_with_key")
-
-
-def no_detach_reason(patcher, what):
-    """Why no call of `what` (a model's name for the message) may keep a graph on this ComfyUI, or None: a graph's
-    memory must go when ComfyUI unloads the model to make room for another, and only ON_DETACH says when."""
-    if calls_on_detach(patcher):
-        return None
-    return ("this ComfyUI has no ON_DETACH callbacks: a graph's memory would stay reserved after ComfyUI unloads the "
-            "%s (update ComfyUI to 0.3.x)" % what)
-
-
-def free_graphs_on_unload(patcher, patches):
-    """Current ComfyUI: when it detaches `patcher` (it loads another clone of the model, the user's own in a stock
-    node, or unloads it), the conv weights of the GraphedForwards among `patches` go back to stock's layout, and
-    once the weights have left the GPU their graph memory is freed and given back to the device (older ComfyUI
-    has no callbacks: the graphs go when the weights change or the model dies). Returns whether this ComfyUI calls
-    ON_DETACH callbacks (False: the caller puts the layout back itself)."""
-    forwards = [gf for gf in patches.values() if isinstance(gf, GraphedForward)]
-    if not calls_on_detach(patcher):
-        return False
-    if not forwards:
-        return True
-    import comfy.patcher_extension as pe
-    # A stand-in is one per module and options, shared by every clone made for it (a ControlNet gets a new clone
-    # per run): the layout is for the newest clone to put back. An older clone's patcher freed later, in the
-    # middle of another run, detaches too (ModelPatcher.__del__); putting the weights back then made the running
-    # clone's graphs replay over the other layout
-    owner = weakref.ref(patcher)
-    for gf in forwards:
-        gf.layout_owner = owner
-
-    def on_detach(p, unpatch_all=True, _forwards=tuple(forwards)):
-        held = [gf for gf in _forwards if gf.graphs.entries]
-        for gf in _forwards:
-            gf.graphs.clear_if_offloaded()
-            if gf.layout_owner() is p:
-                gf.to_stock_layout()
-        if held and not any(gf.graphs.entries for gf in held):
-            # under cudaMallocAsync the freed graphs' memory stays the driver's until trimmed, and ComfyUI
-            # unloaded this model to have that memory
-            graph_memory.trim(getattr(p, "load_device", None))
-    patcher.add_callback_with_key(pe.CallbacksMP.ON_DETACH, "sd_accel", on_detach)
-    return True

@@ -13,7 +13,7 @@ from ...engine.fp8 import weights as fp8_weights
 from . import control_graph
 from . import conv_layout
 from . import hooked_layers
-from . import object_patches
+from . import restore_order
 from . import unet_bypass
 
 WRAPPER_KEY = "sd_accel"   # our key in ComfyUI's keyed wrappers and callbacks (the step cache's too)
@@ -138,7 +138,7 @@ def _install_keyed(clone, st, options, step):
         mark_inert(outer_sample, options, "outer_sample")
         clone.wrappers.setdefault(pe.WrappersMP.OUTER_SAMPLE, {})[WRAPPER_KEY] = [outer_sample]
     hooked_layers.install(clone)
-    object_patches.originals_between_runs_on_cleanup(clone)
+    restore_order.originals_between_runs_on_cleanup(clone)
     if hasattr(clone, "add_callback_with_key"):
         def on_detach(patcher, unpatch_all=True):
             # ComfyUI also detaches a clone when another clone of the same model is loaded;

@@ -51,6 +51,7 @@ from ...engine.reports import kernel_report
 from ...kernels import _triton
 from . import accelerate
 from . import conv_layout
+from . import graphs_on_unload
 from . import object_patches
 
 log = logging.getLogger("sd_accel")
@@ -125,7 +126,7 @@ def _accelerate(vae, options):
         info["reasons"]["channels_last"] = ("a %s VAE keeps stock's layout (NHWC convolutions are kept for fp16 and "
                                             "bf16, where cuDNN runs them on tensor cores)"
                                             % str(getattr(vae, "vae_dtype", "")).replace("torch.", ""))
-    elif channels_last and not object_patches.calls_on_detach(clone):
+    elif channels_last and not graphs_on_unload.calls_on_detach(clone):
         channels_last = False   # the weights are the user's VAE's: a stock VAE Decode after ours runs on them
         info["reasons"]["channels_last"] = ("this ComfyUI has no ON_DETACH callbacks, which would put the conv "
                                             "weights back in stock's layout for a stock VAE Decode after ours")
@@ -144,7 +145,7 @@ def _accelerate(vae, options):
             patches[coder + ".forward"] = gf
     for path, module in patches.items():
         clone.add_object_patch(path, module)
-    object_patches.free_graphs_on_unload(clone, patches)
+    graphs_on_unload.free_graphs_on_unload(clone, patches)
     acc = copy.copy(vae)
     acc.patcher = clone
     acc.__dict__[_ORIGINAL] = weakref.ref(vae)
@@ -193,7 +194,7 @@ def _kernels_reason(vae):
 
 def _no_graphs_reason(clone):
     """Why no VAE call may keep a graph on this ComfyUI, or None."""
-    return object_patches.no_detach_reason(clone, "VAE")
+    return graphs_on_unload.no_detach_reason(clone, "VAE")
 
 
 def _graph_memory_rule(method, estimate, no_graphs=None):

@@ -405,7 +405,7 @@ def test_lowvram_streaming_under_the_accelerated_patches_gives_the_stock_image(m
     assert ("lowvram: %d of %d blocks streamed" % (n, n)) in " ".join(settings.last_notes)
     assert streamer.stats["copies"] >= 2 * n and not streamer.installed
     # the streamer saw the stand-ins: the blocks it streamed are the ones the patched forward ran (after the run the
-    # model's own blocks are back in the tree: object_patches.originals_between_runs)
+    # model's own blocks are back in the tree: restore_order.originals_between_runs)
     stand_ins = [m for _, mods in streamer.blocks for unit in mods for m in unit.modules()
                  if getattr(m, "sdaccel_kind", None)]
     assert stand_ins, "the streamed blocks carry no fused stand-ins"

@@ -57,10 +57,10 @@ def _forward(patcher):
 
 
 def _fp8_clone(mp, fused_kernels=False):
-    from sd_accel.hosts.comfyui import object_patches
+    from sd_accel.hosts.comfyui import object_patches, restore_order
     clone = mp.clone()
     patches, counts = object_patches.plan(clone, fused_kernels, False,
-                                          fold=object_patches.can_keep_restore_order(clone), fp8=True)
+                                          fold=restore_order.can_keep_restore_order(clone), fp8=True)
     for path, module in patches.items():
         clone.add_object_patch(path, module)
     return clone, counts
