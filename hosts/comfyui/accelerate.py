@@ -24,7 +24,7 @@ from ...engine.options import AccelOptions, strict  # noqa: F401  (the nodes bui
 from ...engine.fp8 import block_upcast
 from ...engine.fp8 import upcast as fp8_upcast
 from ...engine.fp8 import weights as fp8_weights
-from ...engine.patches import attention, freeu_filter, fused_modules, patching, shared_state
+from ...engine.patches import attention, freeu_filter, fused_modules, patching
 from ...engine.reports import run_report
 from ...engine.graphs.step_graphs import StepGraphs
 from ...kernels.errors import first_line
@@ -35,6 +35,7 @@ from . import control_graph
 from . import conv_layout
 from . import families
 from . import hooked_layers
+from . import host_casts
 from . import object_patches
 from . import precision
 from . import restore_order
@@ -48,39 +49,6 @@ STEP_CACHE_MODES = step_cache.MODES        # the nodes' `step_cache` choices
 FP8_WEIGHTS = fp8_upcast.MODES             # the nodes' `fp8_weights` choices
 WHOLE_MODEL = run_report.WHOLE_MODEL       # the reason under which SD Accel left the whole model alone
 STEP_CACHE_KEYS = 4                        # graph keys per kind kept with the step cache on
-
-
-def _register_host_hooks():
-    # ComfyUI marks a module whose weights it patched and skips it at the next load; a stand-in shares its module's
-    # weights, so it shares that mark too
-    shared_state.share(("comfy_patched_weights",))
-    try:
-        import comfy.ops
-        fused_modules.set_host_weight_caster(comfy.ops.cast_bias_weight)
-        fused_modules.set_plain_cast_forwards(_plain_cast_forwards(comfy.ops), _plain_in_training(comfy.ops))
-    except Exception as e:  # noqa: BLE001 - an old host without cast_bias_weight: plain weights only
-        log.info("[SD Accel] comfy.ops.cast_bias_weight unavailable (%s); low-VRAM casting off", e)
-
-
-def _plain_cast_forwards(ops):
-    """ComfyUI's own cast-then-compute forwards: its disable_weight_init classes' (manual_cast's inherit them).
-    Another ops class's (fp8_ops, scaled fp8, a pack's) computes otherwise and keeps its layers' forwards."""
-    classes = [c for c in vars(ops.disable_weight_init).values() if isinstance(c, type)]
-    return [c.__dict__["forward_comfy_cast_weights"] for c in classes if "forward_comfy_cast_weights" in c.__dict__]
-
-
-def _plain_in_training(ops):
-    """fp8_ops' Linear forward (UNETLoader's fp8_e4m3fn_fast) where it multiplies in FP8 only `if not self.training`
-    and otherwise casts and calls F.linear, as current ComfyUI's does: the plain op while the UNet is in training
-    mode, which ComfyUI leaves it in. Read from its source; any other body is not registered (its layers keep their
-    own forward)."""
-    cls = getattr(getattr(ops, "fp8_ops", None), "Linear", None)
-    src = fused_modules.host_source(cls, "forward_comfy_cast_weights", ("self", "input")) if cls else None
-    body = ("if not self.training:", "weight, bias = cast_bias_weight(self, input)",
-            "return torch.nn.functional.linear(input, weight, bias)")
-    if src and all(line in src for line in body) and src.count("return") == 2:
-        return [cls.__dict__["forward_comfy_cast_weights"]]
-    return []
 
 
 class _ModelState:
@@ -311,7 +279,7 @@ def _accelerate(model, options):
         info["reasons"][run_report.WHOLE_MODEL] = why
         log.info("[SD Accel] %s", why)
         return clone, info
-    _register_host_hooks()
+    host_casts.register()
     base_model = clone.model
     layout = options.channels_last and _loads_on_cuda(clone)
     fp8 = precision.fp8_planned(clone, options, info)

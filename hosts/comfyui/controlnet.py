@@ -49,6 +49,7 @@ from ...engine.patches import hint_cache
 from ...engine.graphs.graphed_forward import GraphedForward
 from . import control_graph
 from . import graphs_on_unload
+from . import host_casts
 from .controlnet_cond_only import set_cond_only
 from . import object_patches
 from . import restore_order
@@ -75,11 +76,6 @@ class ControlNetOptions(AccelOptions):
 def _comfy_controlnet():
     import comfy.controlnet
     return comfy.controlnet
-
-
-def _register_host_hooks():
-    from . import accelerate as comfyui
-    comfyui._register_host_hooks()
 
 
 _PLANS_ATTR = "_sd_accel_cn_plans"
@@ -224,7 +220,7 @@ def accelerate_controlnet(cn, options=ControlNetOptions()):
     if not options.any():
         return cn, {"controlnets": 0, "patched": {}, "skipped": [], "hint_caches": []}
     if options.fused_kernels:
-        _register_host_hooks()
+        host_casts.register()
     conv = _Converter(options)
     return conv.convert(cn), conv.info
 
@@ -234,7 +230,7 @@ def accelerate_conds(positive, negative, options=ControlNetOptions()):
     cached node outputs) are not modified. Also returns the info dict for `summary` and `release`."""
     conv = _Converter(options)
     if options.fused_kernels:
-        _register_host_hooks()
+        host_casts.register()
 
     def convert(conds):
         if not options.any() or conds is None:

@@ -52,6 +52,7 @@ from ...kernels import _triton
 from . import accelerate
 from . import conv_layout
 from . import graphs_on_unload
+from . import host_casts
 from . import object_patches
 
 log = logging.getLogger("sd_accel")
@@ -111,7 +112,7 @@ def _accelerate(vae, options):
     if why:
         info["reasons"]["SD Accel"] = why
         return vae, info
-    accelerate._register_host_hooks()
+    host_casts.register()
     clone = vae.patcher.clone()
     accelerate.parent_beyond_the_cache(clone, vae.patcher)   # the copies are cached on vae.patcher
     patches, counts = {}, {}

@@ -173,8 +173,8 @@ def test_an_fp8_fast_unet_equals_stock_in_training_and_in_eval_mode(comfy_env, m
     they grow to the size of FP8's error itself (0.07 against stock's 0.09 from the plain image on the H100)."""
     import comfy.ops
     from sd_accel.engine.fp8 import upcast, weights
-    from sd_accel.hosts.comfyui import accelerate as host
-    host._register_host_hooks()    # ComfyUI's plain cast forwards known (what is_fp8_stored reads)
+    from sd_accel.hosts.comfyui import host_casts
+    host_casts.register()    # ComfyUI's plain cast forwards known (what is_fp8_stored reads)
     unet = fp8_fast_unet()
     linears = [m for m in unet.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m).__qualname__.startswith("fp8_ops") for m in linears), type(linears[0])

@@ -78,8 +78,8 @@ def test_a_layer_of_a_host_class_computing_in_fp8_keeps_its_forward_where_it_wou
         pytest.skip("this ComfyUI (2024) has no fp8_ops")
     from sd_accel.engine.fp8 import upcast
     from sd_accel.engine.patches import fused_modules as fm
-    from sd_accel.hosts.comfyui import accelerate as host
-    host._register_host_hooks()
+    from sd_accel.hosts.comfyui import host_casts
+    host_casts.register()
     torch.manual_seed(0)
     fast = comfy.ops.fp8_ops.Linear(8, 8, dtype=torch.float8_e4m3fn)
     plain = comfy.ops.manual_cast.Linear(8, 8, dtype=torch.float8_e4m3fn)
