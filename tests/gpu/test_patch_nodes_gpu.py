@@ -46,6 +46,42 @@ def plain_ref(comfy_env):  # noqa: F811
     return ref
 
 
+def _holders(obj, paths=3):
+    """What keeps `obj` alive, for an assertion's message: up to `paths` chains of referrers from `obj` up to a root
+    (a module's globals, a class, an object no tracked object refers to), breadth first over one map of every
+    tracked object's referents (the frames of the calls now running left out)."""
+    import gc
+    running, f = set(), sys._getframe()
+    while f is not None:
+        running.add(id(f))
+        f = f.f_back
+    everything = gc.get_objects()
+    referrers = {}
+    for o in everything:
+        if id(o) not in running:
+            for r in gc.get_referents(o):
+                referrers.setdefault(id(r), []).append(o)
+    modules = {id(vars(m)) for m in list(sys.modules.values()) if m is not None}
+    parent, queue, found = {id(obj): None}, [obj], []
+    while queue and len(found) < paths:
+        held = queue.pop(0)
+        up = [r for r in referrers.get(id(held), ()) if id(r) not in parent and r is not everything]
+        if not up or id(held) in modules or isinstance(held, type):
+            found.append(held)
+            continue
+        for r in up:
+            parent[id(r)] = held
+            queue.append(r)
+    out = []
+    for root in found:
+        chain, o = [], root
+        while o is not None:
+            chain.append("%s %s" % (type(o).__qualname__, repr(o)[:120].replace("\n", " ")))
+            o = parent[id(o)]
+        out.append("\n  <- ".join(reversed(chain)))
+    return "\n".join(out) or "no holder found"
+
+
 def _patched(env, case):
     if case == patch_nodes.FP8_UNET:
         import folder_paths
@@ -251,7 +287,7 @@ def test_the_graphs_of_a_dropped_patch_make_room_before_the_graphs_in_use(comfy_
         _sample(comfy_env, patched)
         del patched
         gc.collect()
-        assert patch() is None, "something still holds the dropped clone's FreeU patch"
+        assert patch() is None, "something still holds the dropped clone's FreeU patch:\n" + _holders(patch())
     _, rep = _sample(comfy_env, comfy_env.model, size=other_size)
     assert not rep["graphs"].get("captures") and rep["graphs"].get("replays", 0) >= STEPS, rep["graphs"]
 
