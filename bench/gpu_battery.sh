@@ -53,7 +53,9 @@
 # _scaled_mm on SD1.5/SDXL's transformer Linears, with its launch configs swept; ~3 min, killed at 300 s), fp8_gemm_sdxl
 # (the same on SDXL's shapes only, BLOCK_K 256 in the sweep, cuBLAS's own FP8 GEMM beside it; ~2 min, killed at 240 s),
 # fp8_tma_trial (bench/fp8_gemm_tma_trial.py: the FP8 GEMM with TMA loads, plain and persistent, against ours and
-# cuBLAS's FP8 GEMM on SDXL's shapes; a trial for #20, nothing uses its kernel; ~1 min, killed at 200 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s), tests_capture (tests/gpu/test_patch_nodes_gpu.py's
+# cuBLAS's FP8 GEMM on SDXL's shapes; a trial for #20, nothing uses its kernel; ~1 min, killed at 200 s), fp8_tests (tests/gpu/test_fp8_gpu.py alone, ~2 min, killed at 240 s), tests_dropped (the dropped-patch test alone, then
+# after the patch-node tests that precede it in the file; its failure message names what holds the patch; two logs,
+# ~3 min, killed at 120 s and 200 s), tests_capture (tests/gpu/test_patch_nodes_gpu.py's
 # failed-capture test alone: capture_failure_run.py in a process of its own, ~1 min, killed at 200 s), tests_more
 # (these GPU tests alone: the patch-node cases of dev/patch_nodes.py's LATER and the hypernetwork move, a
 # patch's layer moved between runs (capture safety), WaveSpeed's First Block Cache, Tiled Diffusion with and
@@ -192,6 +194,13 @@ for p in "$@"; do
       mkdir -p "$OUT/tests_sdxl"
       timeout 300 python3 -m pytest tests/gpu/test_sdxl_gpu.py -q -rA > "$OUT/tests_sdxl/log.txt" 2>&1
       grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/tests_sdxl/log.txt" | tail -12 | cut -c1-300 ;;
+    tests_dropped)
+      mkdir -p "$OUT/tests_dropped"
+      timeout 120 python3 -m pytest tests/gpu/test_patch_nodes_gpu.py -q -rA -k dropped_patch \
+        > "$OUT/tests_dropped/alone.txt" 2>&1
+      timeout 200 python3 -m pytest tests/gpu/test_patch_nodes_gpu.py -q -rA \
+        -k "stored_on_every or never_replays_a_stale or dropped_patch" > "$OUT/tests_dropped/after.txt" 2>&1
+      grep -hE "PASSED|FAILED|ERROR|passed|failed|<- " "$OUT"/tests_dropped/*.txt | tail -30 | cut -c1-300 ;;
     tests_capture)
       mkdir -p "$OUT/tests_capture"
       timeout 200 python3 -m pytest tests/gpu/test_patch_nodes_gpu.py -k failed_capture -q -rA \
