@@ -284,10 +284,12 @@ def test_the_graphs_of_a_dropped_patch_make_room_before_the_graphs_in_use(comfy_
     for b1 in (1.1, 1.2, 1.3, 1.4, 1.5):
         patched = patch_nodes.apply_case(comfy_env.model, [("FreeU_V2", {"b1": b1, "b2": 1.4, "s1": 0.9, "s2": 0.2})])
         patch = weakref.ref(patched.model_options["transformer_options"]["patches"]["output_block_patch"][-1])
+        clone = weakref.ref(patched)
         _sample(comfy_env, patched)
         del patched
         gc.collect()
-        assert patch() is None, "something still holds the dropped clone's FreeU patch:\n" + _holders(patch())
+        assert patch() is None, "something still holds the dropped clone's FreeU patch (the clone %s):\n%s" % (
+            "too" if clone() is not None else "freed", _holders(patch()))
     _, rep = _sample(comfy_env, comfy_env.model, size=other_size)
     assert not rep["graphs"].get("captures") and rep["graphs"].get("replays", 0) >= STEPS, rep["graphs"]
 
