@@ -33,7 +33,8 @@ _WRAPPED = "_sd_accel_wrapped_filter"   # in a copy's globals: the module's filt
 _MODULE = "comfy_extras.nodes_freelunch"
 _copies = weakref.WeakKeyDictionary()   # a FreeU closure -> its copy on SD Accel's filter
 _behaves = weakref.WeakKeyDictionary()  # a module's own filter function -> whether it computes FreeU's filter
-_failed = []
+_failed = []   # the kernel's failure, as its message: an exception kept would keep its traceback's frames, and the
+               # whole call stack above them (the run's clone, its patches, its inputs), alive for good
 # (shape, scale) of the CPU tensors a module's own filter is checked on: even and odd sides, two scales
 _CHECKS = (((1, 3, 8, 8), 0.9), ((2, 2, 7, 9), 0.2), ((1, 2, 6, 5), 1.4))
 
@@ -80,7 +81,7 @@ def _filter_through_kernel(stock):
         try:
             y = fourier_low_scale(x, threshold, scale)
         except Exception as e:  # noqa: BLE001 - FreeU's own `except:` would move every later filter to the CPU
-            _failed.append(e)
+            _failed.append(first_line(e))
             log.warning("[SD Accel] FreeU's filter kernel failed (%s); the stock filter runs from now on",
                         first_line(e))
             kernel_report.record(OP, Outcome(REFERENCE, "the kernel failed: %s" % first_line(e)))
