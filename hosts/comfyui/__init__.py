@@ -4,6 +4,7 @@
   run             one Accelerated KSampler run (AcceleratedRun): prepare, sample with a stock fallback, report
   previews        its live previews a few steps late: ComfyUI's own callback, deferred on the sampling thread
   object_patches  the engine's module swaps as ComfyUI object patches, folded per top-level block
+  plan_reuse      one plan per model and inputs: alike clones get the same modules, and keep each other's graphs
   precision       which precision paths a clone gets: FP8 compute (LOSSY), upcast copies of fp8-stored weights
   step_cache      DeepCache (LOSSY): the run's schedule and marks; step_cache_unet runs the shallow blocks
   controlnet      copies of the ControlNets in the conds, patched; controlnet_cond_only its cond-only mode

@@ -36,6 +36,7 @@ from ...engine.graphs.graphed_forward import GraphedForward
 from ...engine.fp8.plan import plan_fp8
 from ...engine.fp8.upcast import plan_upcast
 from ...engine.patches.forward_patches import is_forward_patch
+from . import plan_reuse
 
 log = logging.getLogger("sd_accel")
 _BASE = "sdaccel_folded_from"     # set in a folded copy's __dict__ (not a child module): its original
@@ -137,13 +138,25 @@ def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True,
     engine/fp8/upcast.py; precision.upcast_planned).
     Planned with other loaded clones' injections ejected.
     `planner(view, prefix, live) -> (patches, counts)`: what to plan instead of a UNet's module swaps (a VAE's)."""
+    reusable = planner is None and root == "diffusion_model" and not fp8 and not upcast
     if planner is None:
         theirs = others_paths(clone)
         planner = functools.partial(_unet_planner, fused_kernels, channels_last, fp8, upcast, theirs)
     with contextlib.ExitStack() as ejected:
-        for other in _injected_clones(clone):
+        injected = _injected_clones(clone)
+        for other in injected:
             ejected.enter_context(other.use_ejected())
-        return _plan(clone, planner, root, fold)
+        if not reusable or injected:
+            return _plan(clone, planner, root, fold)
+        # the plan another clone of this model got for the same inputs: the same modules (plan_reuse.py)
+        plan_key = plan_reuse.key(clone, root, (fused_kernels, channels_last, fold), _unpatched,
+                                  [(k, m) for k, m in clone.object_patches.items() if not is_ours(m)])
+        found = plan_reuse.find(clone.model, plan_key)
+        if found is not None:
+            return found
+        patches, counts = _plan(clone, planner, root, fold)
+        plan_reuse.keep(clone.model, plan_key, patches, counts)
+        return patches, counts
 
 
 def _injected_clones(clone):

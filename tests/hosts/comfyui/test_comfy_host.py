@@ -125,8 +125,11 @@ def test_channels_last_transformer_stand_ins_patch_and_unpatch_in_order(model, m
     assert live.proj_in is st.proj_in and live.norm.weight is norm.weight, "the stand-in shares the tensors"
     if folds:
         assert st.norm is norm and not fm.is_fused(st.norm), "the original block itself is never modified"
-    # the next prompt's model (another clone, e.g. with a LoRA) is planned while this one is applied
-    acc2, _ = host.accelerate(model.clone().clone(), host.AccelOptions(channels_last=True, cuda_graph=False))
+    # the next prompt's model is planned while this one is applied: another clone whose plan is its own (another
+    # pack's object patch on it; a clone planned from the same inputs would get this one's modules: plan_reuse.py)
+    other = model.clone().clone()
+    other.add_object_patch("model_sampling", model.model.model_sampling)
+    acc2, _ = host.accelerate(other, host.AccelOptions(channels_last=True, cuda_graph=False))
     mm.load_models_gpu([acc2])
     live2 = dm.get_submodule(path)
     assert fm.kind_of(live2) == "layout" and live2 is not live
