@@ -20,6 +20,8 @@ clone's injections ejected, and other planners (a ControlNet's, a VAE's).
 """
 from collections import OrderedDict
 
+from torch import nn
+
 from ...engine.graphs.tokens import Token
 from ...engine.patches import patching
 
@@ -28,6 +30,8 @@ MAX_PLANS = 4   # per model: the options combinations in use at once (a user's g
 
 
 def _module_marks(module):
+    if not isinstance(module, nn.Module):   # another pack's object standing for a block: by identity
+        return ((Token(module), type(module)),)
     return tuple((Token(m), type(m), "forward" in vars(m), len(m._forward_hooks), len(m._forward_pre_hooks))
                  for m in module.modules())
 
