@@ -78,3 +78,44 @@ def test_a_clone_whose_plan_would_differ_gets_its_own(tmp_path):
     finally:
         handle.remove()
     assert _tree_when_loaded(after_swap) != tree
+
+
+def _forward(patcher):
+    import comfy.model_management as mm
+    mm.unload_all_models()
+    mm.load_models_gpu([patcher])
+    x, t, ctx = comfy_inproc.unet_inputs(patcher.model.diffusion_model)
+    with torch.inference_mode():
+        return patcher.model.apply_model(x, t, c_crossattn=ctx).float()
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_clones_sharing_a_plan_each_compute_with_their_own_weights(tmp_path):
+    """A LoRA clone and the plain model share one plan (the same stand-ins); ComfyUI patches each clone's weights in at
+    its load, through whatever stands in the tree, and takes them out at the next load. Each must compute with its
+    own weights, in any order: the stand-ins share the originals' parameter tables, so no patched tensor stays behind
+    in a shared module. The patches reach Linear weights (the LoRA) and a GroupNorm weight that a fused stand-in
+    holds (a diff patch, as a full fine-tune's difference or a LyCORIS norm gives)."""
+    model = comfy_inproc.tiny_model_patcher(tmp_path / "ckpt")
+    import comfy.sd
+    import comfy.utils
+    from sd_accel.hosts.comfyui import accelerate as host
+    lora_path = str(tmp_path / "lora.safetensors")
+    comfy_inproc.fixtures_module().build_lora(comfy_inproc.COMFY, "tiny", lora_path, seed=4, scale=0.05)
+    lora = comfy.sd.load_lora_for_models(model, None, comfy.utils.load_torch_file(lora_path), 1.0, 0)[0]
+    norm_key = "diffusion_model.input_blocks.1.0.in_layers.0.weight"
+    norm = model.model.diffusion_model.input_blocks[1][0].in_layers[0].weight
+    lora.add_patches({norm_key: (torch.full_like(norm, 0.5),)}, 1.0)
+    stock_plain, stock_lora = _forward(model), _forward(lora)
+    assert _rel(stock_lora, stock_plain) > 0.05, "the patches move the output too little to test"
+    ours_lora, info = host.accelerate(lora, host.AccelOptions())
+    ours_plain, _ = host.accelerate(model, host.AccelOptions())
+    assert info["patched"].get("group_norm_silu") and _same_modules(ours_lora, ours_plain)
+    for patcher, want in ((ours_lora, stock_lora), (ours_plain, stock_plain), (ours_lora, stock_lora),
+                          (ours_plain, stock_plain)):
+        got = _forward(patcher)
+        assert _rel(got, want) < 1e-3, (_rel(got, want), _rel(got, stock_plain), _rel(got, stock_lora))
+    assert _rel(_forward(model), stock_plain) < 1e-6, "stock's model after ours"
