@@ -24,6 +24,7 @@ from torch import nn
 
 from ...engine.graphs.tokens import Token
 from ...engine.patches import patching
+from ..attached import state_on
 
 _ATTR = "_sd_accel_plans"
 MAX_PLANS = 4   # per model: the options combinations in use at once (a user's graph has a few)
@@ -45,10 +46,7 @@ def key(clone, root, flags, unpatched, foreign):
 
 
 def _plans(model):
-    plans = model.__dict__.get(_ATTR)
-    if plans is None:
-        plans = model.__dict__[_ATTR] = OrderedDict()
-    return plans
+    return state_on(model, _ATTR, OrderedDict)
 
 
 def find(model, plan_key):
