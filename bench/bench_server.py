@@ -22,7 +22,8 @@ decoders built here into vae_approx (the same network and cost as the real ones)
 Configs (`server_<family>_<size>_b<batch>[_cn1|_img2img]`, `_preview` with latent2rgb, `_preview_taesd`):
 SD1.5 512² b1 and b4, SDXL 1024² b1 and b4, SD1.5 512² b1 with one ControlNet (a ready edge map through
 LoadImage and Apply ControlNet), SD1.5 512² b1 img2img (LoadImage → VAE Encode, denoise 0.6; the same input
-image each prompt, so ComfyUI caches its encode as it would for a user). One JSON line per config and preview
+image each prompt, so ComfyUI caches its encode as it would for a user); named only, `server_sd15_512_b1_hires_freeu`:
+a hires fix (1.5×, denoise 0.5) whose first pass runs a FreeU_V2 clone and whose second the plain model. One JSON line per config and preview
 method (../shared/BENCH.md's fields) to $OUT/results.jsonl; the tables last.
 
   python3 bench/bench_server.py --comfy-dir vendor/ComfyUI --out $OUT [--configs ...] [--previews none,latent2rgb]
@@ -58,7 +59,10 @@ CONFIGS = {   # name: (family, size, batch, kind)
     "server_sd15_512_b1_img2img": ("sd15", 512, 1, "img2img"),
     "server_sdxl_1024_b1": ("sdxl", 1024, 1, "txt2img"),
     "server_sdxl_1024_b4": ("sdxl", 1024, 4, "txt2img"),
+    # named only: a hires fix whose first pass runs a FreeU_V2 clone, its second the plain model (server_graphs.py)
+    "server_sd15_512_b1_hires_freeu": ("sd15", 512, 1, "hires_freeu"),
 }
+NAMED_ONLY = ("server_sd15_512_b1_hires_freeu",)
 SUFFIX = {"none": "", "latent2rgb": "_preview", "taesd": "_preview_taesd"}
 VARIANTS = ("stock", "ours")
 
@@ -221,9 +225,15 @@ def record(srv, opt, vers, name, cfg, method, metadata, index, total, res):
                         "; smoke (CPU, tiny UNet)" if opt.smoke else ""))
     if kind == "img2img":
         rec["notes"] += "; img2img denoise %.1f, its LoadImage and VAE Encode cached after the first prompt" % sg.DENOISE
+    if kind == "hires_freeu":
+        captures = {node: [((r["outputs"].get(node, {}).get("sdaccel_report") or [{}])[0].get("graphs") or {})
+                           .get("captures", 0) for r in lat["ours"]] for node in (sg.SAMPLER, sg.HIRES_SAMPLER)}
+        rec["notes"] += ("; hires fix %.1fx, denoise %.1f: first pass on a FreeU_V2 clone, second on the plain model; "
+                         "captures per timed prompt: first pass %s, second %s" % (
+                             sg.HIRES_SCALE, sg.HIRES_DENOISE, captures[sg.SAMPLER], captures[sg.HIRES_SAMPLER]))
     if method == "taesd" and "TAESD previews enabled, but could not find" in srv.log_text():
         rec["notes"] += "; the server found no TAESD decoder: its previews were latent2rgb"
-    want = opt.steps if method != "none" else 0
+    want = (2 if kind == "hires_freeu" else 1) * opt.steps if method != "none" else 0
     if previews["stock"] != previews["ours"] or set(previews["ours"]) != {want}:
         rec["notes"] += "; PREVIEW COUNTS: stock %s, ours %s, expected %d a prompt" % (
             previews["stock"], previews["ours"], want)
@@ -293,7 +303,7 @@ def main():
     # gpu_battery.sh's timeout sends SIGTERM: unwind, so each server (its own session) is stopped, not orphaned
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.makedirs(opt.out, exist_ok=True)
-    wanted = [c for c in opt.configs.split(",") if c] or list(CONFIGS)
+    wanted = [c for c in opt.configs.split(",") if c] or [c for c in CONFIGS if c not in NAMED_ONLY]
     unknown = [c for c in wanted if c not in CONFIGS]
     methods = [m for m in opt.previews.split(",") if m]
     if unknown or set(methods) - set(SUFFIX):

@@ -33,7 +33,9 @@
 # no config starts after 150 s, killed at 300 s), server_taesd (SD1.5 512² b1 and SDXL 1024² b1 with taesd previews on
 # random-weight TAESD decoders; estimated 3 min; no config after 180 s, killed at 300 s). bench_server's parts share
 # their random checkpoints in /tmp/sdaccel_bench_server: run server_sdxl before the other SDXL parts in one call, so
-# only it builds the SDXL checkpoint. server_nodefer (the A/B of the previews' deferral: server's latent2rgb server
+# only it builds the SDXL checkpoint. server_hires (a hires fix whose first pass runs a FreeU_V2 clone and whose second
+# the plain model, SD1.5 512² → 768², stock vs ours; its notes give each pass's captures per prompt; ~3 min with the
+# SD1.5 build, killed at 300 s), server_nodefer (the A/B of the previews' deferral: server's latent2rgb server
 # with SDACCEL_DEFERRED_PREVIEWS=0, SD1.5 512² b1 and b4; ~2 min, killed at 300 s), server_fastsave (server's
 # SD1.5 configs without previews, ours saving with Save Image (SD Accel) at its default compress level; configs
 # named *_fastsave; ~2 min, killed at 300 s), server_sdxl_fastsave (the same for SDXL 1024² b1; ~3-4 min with the SDXL
@@ -236,6 +238,8 @@ for p in "$@"; do
       latent2rgb --deadline 150 --configs server_sdxl_1024_b1,server_sdxl_1024_b4 ;;
     server_taesd) part server_taesd 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews taesd --deadline 180 \
       --configs server_sd15_512_b1,server_sdxl_1024_b1 ;;
+    server_hires) part server_hires 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none --deadline 200 \
+      --configs server_sd15_512_b1_hires_freeu ;;
     server_fastsave) part server_fastsave 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none \
       --ours-saver sdaccel --deadline 200 --configs server_sd15_512_b1,server_sd15_512_b4 ;;
     server_sdxl_fastsave) part server_sdxl_fastsave 300 python3 bench/bench_server.py --comfy-dir $COMFY --previews none \

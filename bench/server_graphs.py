@@ -11,8 +11,10 @@ import comfy_server
 
 TXT2IMG = os.path.join(cb.REPO, "workflows", "sd15_txt2img_accelerated.api.json")
 SAMPLER, DECODE, LATENT, POS_NODE, SAVE = "3", "8", "5", "6", "9"
+HIRES_SAMPLER = "32"   # the hires fix's second sampler (_hires_with_a_patched_first_pass)
 ACCEL_KEYS = ("fused_kernels", "cuda_graph", "channels_last")
 DENOISE = 0.6
+HIRES_SCALE, HIRES_DENOISE = 1.5, 0.5
 HINT, SOURCE = "sdaccel_bench_hint_%d.png", "sdaccel_bench_source_%d.png"
 
 
@@ -59,6 +61,8 @@ def graph(opt, cfg, names, variant, seed, positive, prefix):
         _add_controlnet(wf, names["cn"], size)
     elif kind == "img2img":
         _img2img(wf, size, batch)
+    elif kind == "hires_freeu":
+        _hires_with_a_patched_first_pass(wf)
     return wf
 
 
@@ -106,6 +110,21 @@ def _img2img(wf, size, batch):
         wf["12"] = {"class_type": "RepeatLatentBatch", "inputs": {"samples": latent, "amount": batch}}
         latent = ["12", 0]
     wf[SAMPLER]["inputs"].update(latent_image=latent, denoise=DENOISE)
+
+
+def _hires_with_a_patched_first_pass(wf):
+    """A hires fix whose two samplers run two clones of one checkpoint: the first pass on a FreeU_V2 clone, the
+    second (latent upscaled, denoise HIRES_DENOISE) on the plain model, each with the graph's own sampler class. Each
+    prompt switches between the clones twice."""
+    plain = wf[SAMPLER]["inputs"]["model"]
+    wf["30"] = {"class_type": "FreeU_V2", "inputs": {"model": plain, "b1": 1.3, "b2": 1.4, "s1": 0.9, "s2": 0.2}}
+    wf[SAMPLER]["inputs"]["model"] = ["30", 0]
+    wf["31"] = {"class_type": "LatentUpscaleBy", "inputs": {"samples": [SAMPLER, 0], "upscale_method": "nearest-exact",
+                                                           "scale_by": HIRES_SCALE}}
+    second = json.loads(json.dumps(wf[SAMPLER]))
+    second["inputs"].update(model=plain, latent_image=["31", 0], denoise=HIRES_DENOISE)
+    wf[HIRES_SAMPLER] = second
+    wf[DECODE]["inputs"]["samples"] = [HIRES_SAMPLER, 0]
 
 
 def write_inputs(input_dir, configs, table, opt):
