@@ -150,7 +150,7 @@ def plan(clone, fused_kernels, channels_last, root="diffusion_model", fold=True,
             return _plan(clone, planner, root, fold)
         # the plan another clone of this model got for the same inputs: the same modules (plan_reuse.py)
         plan_key = plan_reuse.key(clone, root, (fused_kernels, channels_last, fold), _unpatched,
-                                  [(k, m) for k, m in clone.object_patches.items() if not is_ours(m)])
+                                  foreign_patches(clone))
         found = plan_reuse.find(clone.model, plan_key)
         if found is not None:
             return found

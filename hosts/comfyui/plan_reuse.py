@@ -60,19 +60,9 @@ def find(model, plan_key):
 
 
 def keep(model, plan_key, patches, counts):
+    """Keeps the plan for `plan_key` on `model`, the MAX_PLANS used last (a key whose module died never matches again;
+    the bound frees it)."""
     plans = _plans(model)
-    for k in [k for k in plans if any(not t.alive() for t in _tokens(k))]:
-        del plans[k]
     plans[plan_key] = (dict(patches), dict(counts))
     while len(plans) > MAX_PLANS:
         plans.popitem(last=False)
-
-
-def _tokens(plan_key):
-    _, _, live, foreign, blocks = plan_key
-    yield live
-    for _, t in foreign:
-        yield t
-    for _, marks in blocks:
-        for mark in marks:
-            yield mark[0]
